@@ -1,0 +1,390 @@
+"""The float model: safe loading, its inputs, preparation for quantization, and the plan of
+what to quantize.
+
+* `load_model` reads an ONNX file, checks every external-data reference stays inside the
+  model's folder before any of it is read, runs onnx.checker and hashes the file.
+* `prepare_model` runs the preparation passes of `qcal.passes` on a copy and reports each step.
+* `plan_quantization` (in `qcal._plan`, public here) applies the per-operator rules of
+  `OP_RULES` and the user's selection to decide, for every node, whether it is quantized and
+  which tensors get Q/DQ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+from qcal._plan import (
+    OP_RULES,
+    OP_RULES_DOC,
+    ActivationTarget,
+    BiasTarget,
+    NodeDecision,
+    OpRule,
+    QuantPlan,
+    SelectionRules,
+    WeightTarget,
+    plan_quantization,
+    rules_table,
+)
+from qcal.errors import ModelError, QcalError
+from qcal.passes import (
+    ConstantsToInitializers,
+    EliminateIdentity,
+    FoldBatchNorm,
+    InferShapes,
+    NameNodes,
+    PrepPass,
+    UpgradeOpset,
+)
+from qcal.passes._graph import attribute_graphs, check_wiring
+
+__all__ = [
+    "OP_RULES",
+    "OP_RULES_DOC",
+    "ActivationTarget",
+    "BiasTarget",
+    "InputSpec",
+    "LoadedModel",
+    "NodeDecision",
+    "OpRule",
+    "PrepStep",
+    "QuantPlan",
+    "SelectionRules",
+    "WeightTarget",
+    "load_model",
+    "model_inputs",
+    "plan_quantization",
+    "prepare_model",
+    "rules_table",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input a calibration sample must provide.
+
+    Attributes:
+        name: the graph input's name.
+        dtype: numpy dtype of its element type.
+        shape: per dimension an int (fixed), a str (symbolic) or None (unknown).
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | str | None, ...]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model read from disk.
+
+    Attributes:
+        path: the file it was read from.
+        model: the model, external data loaded into memory (from safe paths only).
+        sha256: hex digest of the .onnx file's bytes.
+    """
+
+    path: Path
+    model: onnx.ModelProto
+    sha256: str
+
+
+def load_model(path: Path | str) -> LoadedModel:
+    """Read, check and hash the ONNX model at `path`, with its external data.
+
+    External data is read only after every reference has been checked: the location must be a
+    relative path that, symlinks resolved, stays inside the model's folder and names a regular
+    file holding exactly the tensor's bytes. onnx.checker runs on the file's bytes (or on the
+    path when data is external, which works for models over 2 GB without serializing them).
+
+    Raises:
+        ModelError: naming the file (and tensor) when the model is missing, empty, not ONNX,
+            truncated, fails the checker, or has unsafe, missing or short external data.
+    """
+    path = Path(path)
+    data = _read_file(path)
+    digest = hashlib.sha256(data).hexdigest()
+    model = _parse(path, data)
+    external = list(_external_tensors(model))
+    if not external:
+        _run_checker(path, data)
+        return LoadedModel(path=path, model=model, sha256=digest)
+    del data  # the proto holds what it needs; the bytes can go before the weights arrive
+    folder = path.parent.resolve()
+    for tensor in external:
+        _check_external_reference(path, folder, tensor)
+    _run_checker(path, os.fspath(path))
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
+    except (OSError, ValueError, onnx.checker.ValidationError) as err:
+        raise ModelError(f"{path}: cannot read external data: {_first_line(err)}") from None
+    for tensor in _external_tensors(model):  # onnx loads dense tensors only
+        raise ModelError(
+            f"{path}: external data of tensor {tensor.name!r} was not loaded "
+            "(sparse tensors with external data are not supported)"
+        )
+    return LoadedModel(path=path, model=model, sha256=digest)
+
+
+def _read_file(path: Path) -> bytes:
+    if not path.exists():
+        raise ModelError(f"{path}: model file not found")
+    if not path.is_file():
+        raise ModelError(f"{path}: not a regular file")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ModelError(f"{path}: cannot read model file ({err.strerror or err})") from None
+    if not data:
+        raise ModelError(f"{path}: model file is empty")
+    return data
+
+
+def _parse(path: Path, data: bytes) -> onnx.ModelProto:
+    try:
+        model: onnx.ModelProto = onnx.ModelProto.FromString(data)
+    except (DecodeError, ValueError, RuntimeError):
+        raise ModelError(
+            f"{path}: not an ONNX model (cannot parse it; truncated or another format?)"
+        ) from None
+    # Protobuf accepts many byte strings; a real model always has an IR version and a graph.
+    if model.ir_version <= 0 or not model.HasField("graph"):
+        raise ModelError(f"{path}: not an ONNX model (no IR version or graph)")
+    return model
+
+
+def _run_checker(path: Path, model: bytes | str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError, RuntimeError) as err:
+        raise ModelError(f"{path}: fails onnx.checker: {_first_line(err)}") from None
+
+
+def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of the model whose data lives in an external file."""
+    graphs = [model.graph]
+    for graph in graphs:  # grows as subgraphs are found: a breadth-first walk
+        candidates: list[onnx.TensorProto] = list(graph.initializer)
+        for sparse in graph.sparse_initializer:
+            candidates += [sparse.values, sparse.indices]
+        for node in graph.node:
+            candidates += _attribute_tensors(node, graphs)
+        yield from (t for t in candidates if _is_external(t))
+    for function in model.functions:
+        for node in function.node:
+            yield from (t for t in _attribute_tensors(node, []) if _is_external(t))
+
+
+def _attribute_tensors(
+    node: onnx.NodeProto, graphs: list[onnx.GraphProto]
+) -> list[onnx.TensorProto]:
+    tensors: list[onnx.TensorProto] = []
+    for attribute in node.attribute:
+        if attribute.HasField("t"):
+            tensors.append(attribute.t)
+        tensors.extend(attribute.tensors)
+        if attribute.HasField("sparse_tensor"):
+            tensors += [attribute.sparse_tensor.values, attribute.sparse_tensor.indices]
+        graphs.extend(attribute_graphs(attribute))
+    return tensors
+
+
+def _is_external(tensor: onnx.TensorProto) -> bool:
+    return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto) -> None:
+    """Refuse an external-data entry that is unsafe, missing or does not hold the tensor."""
+    where = f"{path}: external data of tensor {tensor.name!r}"
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    location = entries.get("location", "")
+    if not location or "\x00" in location:
+        raise ModelError(f"{where}: missing or invalid location")
+    if (
+        PurePosixPath(location).is_absolute()
+        or PureWindowsPath(location).is_absolute()
+        or PureWindowsPath(location).drive
+        or location.startswith(("/", "\\"))
+    ):
+        raise ModelError(f"{where}: location {location!r} is an absolute path")
+    resolved = (folder / location).resolve()  # follows symlinks and `..`
+    if not resolved.is_relative_to(folder):
+        raise ModelError(f"{where}: location {location!r} points outside the model's folder")
+    if (folder / location).is_symlink():  # onnx refuses these too, even pointing inside
+        raise ModelError(f"{where}: {location!r} is a symbolic link")
+    if not resolved.exists():
+        raise ModelError(f"{where}: file {location!r} not found")
+    if not resolved.is_file():
+        raise ModelError(f"{where}: {location!r} is not a regular file")
+    offset = _non_negative(entries.get("offset", "0"), where, "offset")
+    size = resolved.stat().st_size
+    available = size - offset
+    length = _non_negative(entries["length"], where, "length") if "length" in entries else available
+    needed = _tensor_nbytes(tensor)
+    if offset > size or length > available:
+        raise ModelError(
+            f"{where}: {location!r} is truncated ({size} bytes; the tensor needs {offset + length})"
+        )
+    if needed is not None and length != needed:
+        raise ModelError(
+            f"{where}: {location!r} holds {length} bytes for it, its shape and type need {needed}"
+        )
+
+
+def _non_negative(text: str, where: str, key: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ModelError(f"{where}: {key} {text!r} is not an integer") from None
+    if value < 0:
+        raise ModelError(f"{where}: {key} {value} is negative")
+    return value
+
+
+_SUB_BYTE_TYPES = frozenset(
+    getattr(onnx.TensorProto, name)
+    for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+)
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
+    """Bytes of the tensor's raw data, None when its type has no fixed size."""
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if tensor.data_type in _SUB_BYTE_TYPES:
+        bits = (
+            2
+            if tensor.data_type in {getattr(onnx.TensorProto, n, -1) for n in ("INT2", "UINT2")}
+            else 4
+        )
+        return (count * bits + 7) // 8
+    try:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    except (KeyError, ValueError, TypeError):
+        return None
+    if dtype.kind in "OSU":
+        return None
+    return count * dtype.itemsize
+
+
+# ------------------------------------------------------------------------------------- inputs
+
+
+def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    """The inputs a calibration sample must feed: graph inputs that are not initializers.
+
+    Raises:
+        ModelError: naming the input when it is not a tensor or has no element type or rank.
+    """
+    initializers = {t.name for t in model.graph.initializer}
+    specs = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        if not value.type.HasField("tensor_type"):
+            kind = value.type.WhichOneof("value") or "no type"
+            raise ModelError(
+                f"model input {value.name!r} is a {kind}; only tensor inputs are supported"
+            )
+        tensor_type = value.type.tensor_type
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        except (KeyError, ValueError, TypeError):
+            raise ModelError(
+                f"model input {value.name!r} has no usable element type ({tensor_type.elem_type})"
+            ) from None
+        if not tensor_type.HasField("shape"):
+            raise ModelError(f"model input {value.name!r} has no shape (unknown rank)")
+        shape = tuple(_dimension(d) for d in tensor_type.shape.dim)
+        specs.append(InputSpec(name=value.name, dtype=np.dtype(dtype), shape=shape))
+    return specs
+
+
+def _dimension(dim: onnx.TensorShapeProto.Dimension) -> int | str | None:
+    if dim.HasField("dim_value"):
+        return int(dim.dim_value)
+    if dim.HasField("dim_param") and dim.dim_param:
+        return dim.dim_param
+    return None
+
+
+# -------------------------------------------------------------------------------- preparation
+
+
+@dataclass(frozen=True)
+class PrepStep:
+    """One thing model preparation did (or could not do).
+
+    Attributes:
+        name: the pass: "upgrade-opset", "name-nodes", "constants-to-initializers",
+            "eliminate-identity", "fold-batchnorm", "infer-shapes".
+        detail: a human sentence: "opset 11 -> 13", "folded 3 BatchNormalizations into Conv".
+    """
+
+    name: str
+    detail: str
+
+
+def prepare_model(
+    model: onnx.ModelProto, *, min_opset: int = 13
+) -> tuple[onnx.ModelProto, list[PrepStep]]:
+    """A copy of `model` ready to quantize, and the steps that changed it.
+
+    Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
+    int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
+    fold-batchnorm, infer-shapes. Each step that did something (or could not complete, as
+    shape inference may) is reported. `model` itself is never changed.
+
+    Raises:
+        ModelError: naming the step, when the model is malformed or a step cannot do its job.
+        ConfigError: when `min_opset` is not an opset the installed onnx knows.
+    """
+    passes: list[PrepPass] = [
+        UpgradeOpset(min_opset),
+        NameNodes(),
+        ConstantsToInitializers(),
+        EliminateIdentity(),
+        FoldBatchNorm(),
+        InferShapes(),
+    ]
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    problem = check_wiring(work.graph)
+    if problem is not None:
+        raise ModelError(f"cannot prepare the model: {problem}")
+    steps: list[PrepStep] = []
+    done: list[str] = []
+    for prep in passes:
+        try:
+            result = prep(work)
+        except ModelError as err:
+            raise ModelError(f"{prep.name}: {err}") from None
+        work = result.model
+        problem = check_wiring(work.graph)
+        if problem is not None:  # a bug in the pass, not in the model
+            after = f" (after {', '.join(done)})" if done else ""
+            raise QcalError(f"preparation step {prep.name}{after} broke the graph: {problem}")
+        done.append(prep.name)
+        if result.detail:
+            steps.append(PrepStep(prep.name, result.detail))
+            logger.info("%s: %s", prep.name, result.detail)
+    return work, steps
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,203 @@
+"""Graph helpers shared by the preparation passes and the quantization planner.
+
+A `UseIndex` records, once per pass, who produces each value of one graph and who reads it
+(including reads from inside a node's subgraphs), so a rewrite is "replace every use of x with
+y" and never a scan of ``graph.node`` by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import onnx
+
+__all__ = [
+    "DEFAULT_DOMAINS",
+    "FLOAT_TYPES",
+    "SUBGRAPH_SLOT",
+    "Use",
+    "UseIndex",
+    "attribute_graphs",
+    "check_wiring",
+    "default_opset",
+    "element_types",
+    "subgraph_reads",
+]
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+SUBGRAPH_SLOT = -1  # input slot recorded when a node reads a value inside one of its subgraphs
+# Element types qcal quantizes (observed in float32). double is left alone: QuantizeLinear
+# does not accept it.
+FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+)
+
+
+@dataclass(frozen=True)
+class Use:
+    """One read of a value: `node` reads it at input `slot` (`SUBGRAPH_SLOT`: in a subgraph)."""
+
+    node: onnx.NodeProto
+    slot: int
+
+
+@dataclass
+class UseIndex:
+    """Producers and readers of every value of one graph (not of its subgraphs' own values).
+
+    Attributes:
+        producer: value name -> the node that writes it.
+        uses: value name -> every read, in graph order.
+        graph_inputs, graph_outputs: names of the graph's inputs and outputs.
+        initializers: initializer name -> tensor (the proto itself, not a copy).
+    """
+
+    producer: dict[str, onnx.NodeProto]
+    uses: dict[str, list[Use]]
+    graph_inputs: frozenset[str]
+    graph_outputs: frozenset[str]
+    initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, graph: onnx.GraphProto) -> UseIndex:
+        producer: dict[str, onnx.NodeProto] = {}
+        uses: dict[str, list[Use]] = {}
+        for node in graph.node:
+            for value in node.output:
+                if value:
+                    producer[value] = node
+            for slot, value in enumerate(node.input):
+                if value:
+                    uses.setdefault(value, []).append(Use(node, slot))
+            for value in sorted(subgraph_reads(node)):
+                uses.setdefault(value, []).append(Use(node, SUBGRAPH_SLOT))
+        return cls(
+            producer=producer,
+            uses=uses,
+            graph_inputs=frozenset(v.name for v in graph.input),
+            graph_outputs=frozenset(v.name for v in graph.output),
+            initializers={t.name: t for t in graph.initializer},
+        )
+
+    def readers(self, value: str) -> list[onnx.NodeProto]:
+        """Distinct nodes reading `value`, in graph order."""
+        seen: dict[int, onnx.NodeProto] = {}
+        for use in self.uses.get(value, ()):
+            seen.setdefault(id(use.node), use.node)
+        return list(seen.values())
+
+    def constant(self, value: str) -> onnx.TensorProto | None:
+        """The initializer holding `value`, unless a graph input of that name may override it."""
+        if value in self.graph_inputs:
+            return None
+        return self.initializers.get(value)
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every reader of `old` (subgraphs included) read `new` instead."""
+        for use in self.uses.pop(old, []):
+            if use.slot == SUBGRAPH_SLOT:
+                for graph in _node_subgraphs(use.node):
+                    _rename_reads(graph, old, new)
+            else:
+                use.node.input[use.slot] = new
+            self.uses.setdefault(new, []).append(use)
+
+
+def attribute_graphs(attribute: onnx.AttributeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs held by one attribute (If branches, Loop/Scan bodies)."""
+    if attribute.type == onnx.AttributeProto.GRAPH:
+        yield attribute.g
+    elif attribute.type == onnx.AttributeProto.GRAPHS:
+        yield from attribute.graphs
+
+
+def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attribute in node.attribute:
+        yield from attribute_graphs(attribute)
+
+
+def subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Outer-scope values that `node` reads from inside its subgraphs (empty for most nodes)."""
+    reads: set[str] = set()
+    for graph in _node_subgraphs(node):
+        reads |= _free_values(graph)
+    return reads
+
+
+def _free_values(graph: onnx.GraphProto) -> set[str]:
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    free: set[str] = set()
+    for node in graph.node:
+        free.update(v for v in node.input if v and v not in defined)
+        free.update(v for v in subgraph_reads(node) if v not in defined)
+        defined.update(node.output)
+    free.update(v.name for v in graph.output if v.name not in defined)
+    return free
+
+
+def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    # ONNX forbids a subgraph from redefining an outer name, so every `old` here is the outer one.
+    for node in graph.node:
+        for slot, value in enumerate(node.input):
+            if value == old:
+                node.input[slot] = new
+        for subgraph in _node_subgraphs(node):
+            _rename_reads(subgraph, old, new)
+    for output in graph.output:
+        if output.name == old:
+            output.name = new
+
+
+def check_wiring(graph: onnx.GraphProto, outer: Iterable[str] = ()) -> str | None:
+    """Why `graph` is not a well-formed dataflow graph, or None when it is.
+
+    Checks, recursively into subgraphs, that nodes are topologically sorted, every read value
+    is defined before use (outer-scope values count), no value is written twice and every
+    graph output is defined. Linear in the graph size.
+    """
+    defined = set(outer)
+    defined.update(v.name for v in graph.input)
+    defined.update(t.name for t in graph.initializer)
+    for sparse in graph.sparse_initializer:
+        defined.add(sparse.values.name)
+    for node in graph.node:
+        label = node.name or f"({node.op_type})"
+        for value in node.input:
+            if value and value not in defined:
+                return f"node {label} reads {value!r} before anything produces it"
+        for subgraph in _node_subgraphs(node):
+            problem = check_wiring(subgraph, defined)
+            if problem is not None:
+                return problem
+        for value in node.output:
+            if value and value in defined:
+                return f"node {label} writes {value!r}, which is already defined"
+            defined.add(value)
+    for output in graph.output:
+        if output.name not in defined:
+            return f"graph output {output.name!r} is not produced"
+    return None
+
+
+def element_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """Known element types of the graph's values (value_info, inputs, outputs, constants)."""
+    types: dict[str, int] = {}
+    for value_info in (*graph.value_info, *graph.input, *graph.output):
+        tensor_type = value_info.type.tensor_type
+        if value_info.type.HasField("tensor_type") and tensor_type.elem_type:
+            types[value_info.name] = tensor_type.elem_type
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS and node.output:
+            for attribute in node.attribute:
+                if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
+                    types[node.output[0]] = attribute.t.data_type
+    return types
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The model's default-domain (ai.onnx) opset version, None when it imports none."""
+    versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
+    return max(versions) if versions else None

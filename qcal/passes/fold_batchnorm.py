@@ -1,0 +1,185 @@
+"""Pass: fold BatchNormalization (inference mode) that directly follows a Conv into the Conv.
+
+With ``s = scale / sqrt(var + epsilon)`` per output channel ``m``::
+
+    W'[m] = W[m] * s[m]            b'[m] = (b[m] - mean[m]) * s[m] + B[m]
+
+computed in float64 and rounded once to the weight's type, so the folded Conv matches
+Conv followed by BatchNormalization to float rounding. Quantizing the folded weight is what a
+deployed model sees; quantizing before folding would misplace the BN scale.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qcal.names import NameAllocator
+from qcal.passes._base import StepResult
+from qcal.passes._graph import DEFAULT_DOMAINS, UseIndex
+
+__all__ = ["FoldBatchNorm"]
+
+_DEFAULT_EPSILON = 1e-5
+_FOLDABLE_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+)
+
+
+class FoldBatchNorm:
+    """Fold each foldable Conv -> BatchNormalization pair of the main graph.
+
+    A pair folds when: the Conv output is read by the BatchNormalization only (and is not a
+    graph output); the Conv weight, its bias (if any) and the four BN parameters are
+    initializers no graph input overrides; BN runs in inference mode with one output; the BN
+    parameters have one value per Conv output channel. A weight or bias that other nodes also
+    read is copied under a new name rather than changed in place.
+    """
+
+    name: ClassVar[str] = "fold-batchnorm"
+
+    def __call__(self, model: onnx.ModelProto) -> StepResult:
+        graph = model.graph
+        index = UseIndex.build(graph)
+        names = NameAllocator.from_model(model)
+        folded: set[int] = set()  # positions of the BN nodes removed
+        maybe_unread: set[str] = set()  # initializers a fold may have left without readers
+        for bn_position, bn in enumerate(graph.node):
+            conv = _foldable_conv(bn, index)
+            if conv is None:
+                continue
+            maybe_unread.update(bn.input[1:])
+            maybe_unread.update(conv.input[1:])
+            _fold(graph, index, names, conv, bn)
+            folded.add(bn_position)
+        if not folded:
+            return StepResult(model, False)
+        kept = [n for p, n in enumerate(graph.node) if p not in folded]
+        del graph.node[:]
+        graph.node.extend(kept)
+        _drop_unread_initializers(graph, maybe_unread)
+        count = len(folded)
+        return StepResult(
+            model, True, f"folded {count} BatchNormalization{'s' * (count != 1)} into Conv"
+        )
+
+
+def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None:
+    if bn.op_type != "BatchNormalization" or bn.domain not in DEFAULT_DOMAINS:
+        return None
+    if len(bn.input) != 5 or any(bn.output[1:]) or _int_attribute(bn, "training_mode", 0):
+        return None
+    if not _int_attribute(bn, "spatial", 1):  # opset < 9: per-activation statistics
+        return None
+    conv = index.producer.get(bn.input[0])
+    if conv is None or conv.op_type != "Conv" or conv.domain not in DEFAULT_DOMAINS:
+        return None
+    conv_output = conv.output[0]
+    if conv_output in index.graph_outputs or len(index.uses.get(conv_output, ())) != 1:
+        return None
+    weight = index.constant(conv.input[1]) if len(conv.input) > 1 else None
+    if weight is None or weight.data_type not in _FOLDABLE_TYPES or not weight.dims:
+        return None
+    channels = weight.dims[0]
+    has_bias = len(conv.input) > 2 and bool(conv.input[2])
+    if has_bias and index.constant(conv.input[2]) is None:
+        return None
+    for value in bn.input[1:]:
+        parameter = index.constant(value)
+        if parameter is None or parameter.data_type not in _FOLDABLE_TYPES:
+            return None
+        if int(np.prod(parameter.dims)) != channels:
+            return None
+    return conv
+
+
+def _fold(
+    graph: onnx.GraphProto,
+    index: UseIndex,
+    names: NameAllocator,
+    conv: onnx.NodeProto,
+    bn: onnx.NodeProto,
+) -> None:
+    def values(name: str) -> np.ndarray:
+        tensor = index.constant(name)
+        assert tensor is not None  # checked by _foldable_conv
+        return numpy_helper.to_array(tensor).astype(np.float64).reshape(-1)
+
+    weight_tensor = index.constant(conv.input[1])
+    assert weight_tensor is not None
+    weight = numpy_helper.to_array(weight_tensor)
+    dtype = weight.dtype
+    scale, shift, mean, var = (values(v) for v in bn.input[1:])
+    epsilon = _float_attribute(bn, "epsilon", _DEFAULT_EPSILON)
+    factor = scale / np.sqrt(var + epsilon)
+    channel_shape = (-1,) + (1,) * (weight.ndim - 1)
+    new_weight = (weight.astype(np.float64) * factor.reshape(channel_shape)).astype(dtype)
+    has_bias = len(conv.input) > 2 and bool(conv.input[2])
+    bias = values(conv.input[2]) if has_bias else np.zeros_like(factor)
+    new_bias = ((bias - mean) * factor + shift).astype(dtype)
+
+    _store(graph, index, names, conv, 1, new_weight, base=f"{conv.input[1]}_folded")
+    if has_bias:
+        _store(graph, index, names, conv, 2, new_bias, base=f"{conv.input[2]}_folded")
+    else:
+        name = names.allocate(f"{conv.name or 'conv'}_bias")
+        graph.initializer.append(numpy_helper.from_array(new_bias, name))
+        while len(conv.input) < 2:
+            conv.input.append("")
+        conv.input.append(name)
+    old_output = conv.output[0]
+    conv.output[0] = bn.output[0]
+    stale = [v for v in graph.value_info if v.name == old_output]
+    for value_info in stale:
+        graph.value_info.remove(value_info)
+
+
+def _store(
+    graph: onnx.GraphProto,
+    index: UseIndex,
+    names: NameAllocator,
+    conv: onnx.NodeProto,
+    slot: int,
+    array: np.ndarray,
+    *,
+    base: str,
+) -> None:
+    """Write `array` as the Conv's input `slot`: in place when only this Conv reads it."""
+    current = conv.input[slot]
+    tensor = index.constant(current)
+    assert tensor is not None
+    if len(index.readers(current)) == 1 and current not in index.graph_outputs:
+        tensor.CopyFrom(numpy_helper.from_array(array, current))
+        return
+    name = names.allocate(base)
+    graph.initializer.append(numpy_helper.from_array(array, name))
+    conv.input[slot] = name
+
+
+def _drop_unread_initializers(graph: onnx.GraphProto, candidates: set[str]) -> None:
+    """Remove the `candidates` nothing reads any more (other initializers are never touched)."""
+    index = UseIndex.build(graph)
+    unread = [
+        t
+        for t in graph.initializer
+        if t.name in candidates and t.name not in index.uses and t.name not in index.graph_outputs
+    ]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
+
+
+def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return int(attribute.i)
+    return default
+
+
+def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return float(attribute.f)
+    return default

@@ -1,0 +1,80 @@
+"""Pass: record element types and shapes of intermediate tensors with onnx shape inference.
+
+The planner quantizes only tensors it knows to be float, so types matter; inference that cannot
+complete (custom operators, data-dependent shapes) is reported, never fatal.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import onnx
+from onnx import shape_inference
+
+from qcal.passes._base import StepResult
+from qcal.passes._graph import attribute_graphs, element_types
+from qcal.passes._large import run_detached
+
+__all__ = ["InferShapes"]
+
+
+class InferShapes:
+    """Replace the model's value_info (all graphs) with what onnx shape inference finds.
+
+    Runs strict inference first; when it fails, keeps what non-strict inference could still
+    infer and says why in the step detail.
+    """
+
+    name: ClassVar[str] = "infer-shapes"
+
+    def __call__(self, model: onnx.ModelProto) -> StepResult:
+        failure = ""
+        try:
+            inferred = _infer(model, strict=True)
+        except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
+            failure = _first_line(err)
+            try:
+                inferred = _infer(model, strict=False)
+            except Exception as err2:  # noqa: BLE001  same: an untyped model is still usable
+                detail = f"shape inference could not complete: {_first_line(err2)}"
+                return StepResult(model, False, detail)
+        _copy_types(inferred.graph, model.graph)
+        known, total = _typed_count(model.graph)
+        detail = f"element types known for {known} of {total} intermediate tensors"
+        if failure:
+            detail = f"shape inference could not complete ({failure}); {detail}"
+        return StepResult(model, True, detail)
+
+
+def _infer(model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
+    def tool(light: onnx.ModelProto) -> onnx.ModelProto:
+        return shape_inference.infer_shapes(
+            light, check_type=False, strict_mode=strict, data_prop=True
+        )
+
+    return run_detached(model, tool, what="shape inference", reattach=False)
+
+
+def _copy_types(source: onnx.GraphProto, target: onnx.GraphProto) -> None:
+    """Copy value_info and output types of `source` into the same-shaped `target`, recursively."""
+    del target.value_info[:]
+    target.value_info.extend(source.value_info)
+    for source_output, target_output in zip(source.output, target.output):
+        if source_output.HasField("type"):
+            target_output.type.CopyFrom(source_output.type)
+    for source_node, target_node in zip(source.node, target.node):
+        for source_attribute, target_attribute in zip(source_node.attribute, target_node.attribute):
+            pairs = zip(attribute_graphs(source_attribute), attribute_graphs(target_attribute))
+            for source_graph, target_graph in pairs:
+                _copy_types(source_graph, target_graph)
+
+
+def _typed_count(graph: onnx.GraphProto) -> tuple[int, int]:
+    types = element_types(graph)
+    produced = [v for node in graph.node for v in node.output if v]
+    return sum(v in types for v in produced), len(produced)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,82 @@
+"""Small ONNX model builders and an onnxruntime runner for the model and pass tests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+
+def float_input(name: str, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(
+        name, TensorProto.FLOAT, None if shape is None else list(shape)
+    )
+
+
+def build_model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[str | onnx.ValueInfoProto],
+    initializers: Mapping[str, np.ndarray] | None = None,
+    *,
+    opset: int = 13,
+    ir_version: int = 8,
+) -> onnx.ModelProto:
+    """A checked model; outputs given by name are float tensors, shaped by shape inference."""
+    output_infos = [
+        o
+        if isinstance(o, onnx.ValueInfoProto)
+        else helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+        for o in outputs
+    ]
+    tensors = [numpy_helper.from_array(a, n) for n, a in (initializers or {}).items()]
+    graph = helper.make_graph(list(nodes), "test", list(inputs), output_infos, tensors)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version  # helper's default is newer than onnxruntime accepts
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    for given, found in zip(model.graph.output, inferred.graph.output):
+        given.type.CopyFrom(found.type)
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[Any]:
+    """Outputs of `model` in onnxruntime (graph optimizations off: compare the graph as written)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return list(session.run(None, dict(feeds)))
+
+
+def conv_bn_relu(rng: np.random.Generator, *, with_bias: bool = True) -> onnx.ModelProto:
+    """x -> Conv -> BatchNormalization -> Relu -> y, random weights and BN statistics."""
+    inits = {
+        "W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "bn_scale": rng.uniform(0.5, 2.0, 4).astype(np.float32),
+        "bn_shift": rng.standard_normal(4).astype(np.float32),
+        "bn_mean": rng.standard_normal(4).astype(np.float32),
+        "bn_var": rng.uniform(0.2, 3.0, 4).astype(np.float32),
+    }
+    conv_inputs = ["x", "W"]
+    if with_bias:
+        inits["B"] = rng.standard_normal(4).astype(np.float32)
+        conv_inputs.append("B")
+    nodes = [
+        helper.make_node("Conv", conv_inputs, ["conv_out"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "BatchNormalization",
+            ["conv_out", "bn_scale", "bn_shift", "bn_mean", "bn_var"],
+            ["bn_out"],
+            name="bn",
+            epsilon=1e-3,
+        ),
+        helper.make_node("Relu", ["bn_out"], ["y"], name="relu"),
+    ]
+    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)

@@ -1,0 +1,353 @@
+"""Model preparation: each pass keeps onnxruntime outputs equal and reports what it did."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, conv_bn_relu, float_input, run
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.errors import ConfigError, ModelError
+from qcal.model import prepare_model
+from qcal.passes import (
+    ConstantsToInitializers,
+    EliminateIdentity,
+    FoldBatchNorm,
+    InferShapes,
+    NameNodes,
+    UpgradeOpset,
+    _large,
+)
+from qcal.passes import upgrade_opset as upgrade_module
+
+
+def _feed(rng: np.random.Generator, shape: tuple[int, ...] = (2, 3, 8, 8)) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal(shape).astype(np.float32)}
+
+
+def _assert_same_outputs(
+    before: onnx.ModelProto, after: onnx.ModelProto, feeds: dict[str, np.ndarray]
+) -> None:
+    for want, got in zip(run(before, feeds), run(after, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _ops(model: onnx.ModelProto) -> Counter[str]:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _steps(steps: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {s.name: s.detail for s in steps}
+
+
+# ----------------------------------------------------------------------------- prepare_model
+
+
+def test_prepare_does_not_change_its_input() -> None:
+    model = conv_bn_relu(np.random.default_rng(0))
+    model.opset_import[0].version = 11
+    before = model.SerializeToString()
+    prepare_model(model)
+    assert model.SerializeToString() == before
+
+
+def test_prepare_is_deterministic() -> None:
+    model = conv_bn_relu(np.random.default_rng(1))
+    first, first_steps = prepare_model(model)
+    second, second_steps = prepare_model(model)
+    assert first.SerializeToString() == second.SerializeToString()
+    assert first_steps == second_steps
+
+
+def test_prepare_rejects_an_unsorted_graph() -> None:
+    model = conv_bn_relu(np.random.default_rng(2))
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    with pytest.raises(ModelError, match="before anything produces it"):
+        prepare_model(model)
+
+
+def test_prepare_rejects_an_unknown_min_opset() -> None:
+    with pytest.raises(ConfigError, match="min_opset 999"):
+        prepare_model(conv_bn_relu(np.random.default_rng(0)), min_opset=999)
+
+
+# ------------------------------------------------------------------------------ fold-batchnorm
+
+
+@pytest.mark.parametrize(("with_bias", "opset"), [(True, 13), (False, 13), (True, 11)])
+def test_batchnorm_after_conv_is_folded(with_bias: bool, opset: int) -> None:
+    rng = np.random.default_rng(3)
+    model = conv_bn_relu(rng, with_bias=with_bias)
+    model.opset_import[0].version = opset
+    prepared, steps = prepare_model(model)
+    assert "BatchNormalization" not in _ops(prepared)
+    assert _steps(steps)["fold-batchnorm"] == "folded 1 BatchNormalization into Conv"
+    assert {t.name for t in prepared.graph.initializer} >= {"W"}
+    assert not {"bn_scale", "bn_shift", "bn_mean", "bn_var"} & {
+        t.name for t in prepared.graph.initializer
+    }
+    _assert_same_outputs(model, prepared, _feed(rng))
+
+
+def test_folding_copies_a_weight_other_nodes_read() -> None:
+    rng = np.random.default_rng(4)
+    model = conv_bn_relu(rng)
+    # A second Conv reads the same weight without a BN after it.
+    model.graph.node.append(
+        helper.make_node("Conv", ["x", "W"], ["other"], name="conv2", pads=[1] * 4)
+    )
+    model.graph.output.append(helper.make_tensor_value_info("other", TensorProto.FLOAT, None))
+    prepared, _ = prepare_model(model)
+    assert "BatchNormalization" not in _ops(prepared)
+    original_w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W"))
+    kept_w = numpy_helper.to_array(next(t for t in prepared.graph.initializer if t.name == "W"))
+    np.testing.assert_array_equal(kept_w, original_w)
+    _assert_same_outputs(model, prepared, _feed(rng))
+
+
+def test_batchnorm_is_not_folded_when_the_conv_output_has_other_readers() -> None:
+    rng = np.random.default_rng(5)
+    model = conv_bn_relu(rng)
+    model.graph.output.append(helper.make_tensor_value_info("conv_out", TensorProto.FLOAT, None))
+    result = FoldBatchNorm()(_copy(model))
+    assert not result.modified
+    assert "BatchNormalization" in _ops(result.model)
+
+
+def test_batchnorm_with_runtime_statistics_is_not_folded() -> None:
+    rng = np.random.default_rng(6)
+    model = conv_bn_relu(rng)
+    # The mean comes from the graph, not from a constant.
+    model.graph.input.append(float_input("mean_in", [4]))
+    model.graph.node[1].input[3] = "mean_in"
+    assert not FoldBatchNorm()(_copy(model)).modified
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+# ------------------------------------------------------------------------------ upgrade-opset
+
+
+def _opset11_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Ops whose signature changed between 11 and 13 (Squeeze/Unsqueeze axes, Split)."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["x"], ["u"], axes=[0]),
+        helper.make_node("Squeeze", ["u"], ["s"], axes=[0]),
+        helper.make_node("Split", ["s"], ["a", "b"], axis=1, split=[1, 2]),
+        helper.make_node("MatMul", ["b", "W"], ["m"]),
+        helper.make_node("Concat", ["a", "m"], ["y"], axis=1),
+    ]
+    inits = {"W": rng.standard_normal((2, 2)).astype(np.float32)}
+    return build_model(nodes, [float_input("x", [4, 3])], ["y"], inits, opset=11)
+
+
+def test_opset_11_is_upgraded_to_13_with_equal_outputs() -> None:
+    rng = np.random.default_rng(7)
+    model = _opset11_model(rng)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["upgrade-opset"] == "opset 11 -> 13"
+    assert [o.version for o in prepared.opset_import if o.domain in ("", "ai.onnx")] == [13]
+    onnx.checker.check_model(prepared)
+    _assert_same_outputs(model, prepared, {"x": rng.standard_normal((4, 3)).astype(np.float32)})
+
+
+def test_opset_at_or_above_the_minimum_is_left_alone() -> None:
+    model = _opset11_model(np.random.default_rng(8))
+    assert not UpgradeOpset(11)(_copy(model)).modified
+    _, steps = prepare_model(model, min_opset=11)
+    assert "upgrade-opset" not in _steps(steps)
+
+
+def test_upgrade_names_an_operator_onnx_does_not_know() -> None:
+    nodes = [helper.make_node("Frobnicate", ["x"], ["y"], name="f")]
+    graph = helper.make_graph(nodes, "g", [float_input("x", [1])], [float_input("y", [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    with pytest.raises(ModelError, match="upgrade-opset: .*Frobnicate"):
+        prepare_model(model)
+
+
+def test_upgrade_failure_names_the_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+        raise RuntimeError("No adapter for Squeeze from 11 to 12\nmore detail")
+
+    monkeypatch.setattr(upgrade_module.version_converter, "convert_version", failing)
+    with pytest.raises(ModelError, match=r"operator Squeeze \(No adapter") as caught:
+        prepare_model(_opset11_model(np.random.default_rng(9)))
+    assert "\n" not in str(caught.value)
+
+
+def test_large_model_path_detaches_and_restores_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models over 2 GB go through the converter and inference with their weights lifted out;
+    the same path is forced here on a small model."""
+    monkeypatch.setattr(_large, "SERIALIZE_LIMIT_BYTES", 10)
+    monkeypatch.setattr(_large, "DETACH_MIN_BYTES", 8)
+    rng = np.random.default_rng(10)
+    model = _opset11_model(rng)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["upgrade-opset"] == "opset 11 -> 13"
+    assert "could not" not in _steps(steps)["infer-shapes"]
+    _assert_same_outputs(model, prepared, {"x": rng.standard_normal((4, 3)).astype(np.float32)})
+
+
+# ----------------------------------------------------------------------------------- naming
+
+
+def test_unnamed_and_repeated_node_names_become_unique() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="Relu"),  # a name the allocator must avoid
+        helper.make_node("Relu", ["a"], ["b"]),
+        helper.make_node("Sigmoid", ["b"], ["c"], name="dup"),
+        helper.make_node("Sigmoid", ["c"], ["y"], name="dup"),
+    ]
+    model = build_model(nodes, [float_input("x", [2])], ["y"])
+    result = NameNodes()(_copy(model))
+    names = [n.name for n in result.model.graph.node]
+    assert len(set(names)) == len(names) and all(names)
+    assert names[0] == "Relu" and names[2] == "dup"
+    assert result.detail == "named 1 unnamed node; renamed 1 node with a repeated name"
+    again = NameNodes()(_copy(model))
+    assert [n.name for n in again.model.graph.node] == names
+
+
+def test_subgraph_nodes_are_named_too() -> None:
+    then = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["t"])], "then", [], [float_input("t", [2])]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["e"])], "else", [], [float_input("e", [2])]
+    )
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    model = build_model(nodes, [float_input("x", [2]), cond], ["y"])
+    named = NameNodes()(_copy(model)).model
+    inner = [n.name for a in named.graph.node[0].attribute for n in a.g.node]
+    assert all(inner) and len(set(inner)) == 2
+
+
+# -------------------------------------------------------------------- constants-to-initializers
+
+
+def test_weights_in_constant_nodes_become_initializers() -> None:
+    rng = np.random.default_rng(11)
+    weight = rng.standard_normal((4, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["W"], value=numpy_helper.from_array(weight)),
+        helper.make_node("Constant", [], ["shape"], value_ints=[-1, 4]),
+        helper.make_node("Constant", [], ["k"], value_float=0.5),
+        helper.make_node("Reshape", ["x", "shape"], ["r"]),
+        helper.make_node("MatMul", ["r", "W"], ["m"]),
+        helper.make_node("Mul", ["m", "k"], ["y"]),
+    ]
+    model = build_model(nodes, [float_input("x", [4, 2])], ["y"])
+    prepared, steps = prepare_model(model)
+    assert "Constant" not in _ops(prepared)
+    assert {"W", "shape", "k"} <= {t.name for t in prepared.graph.initializer}
+    assert _steps(steps)["constants-to-initializers"] == (
+        "moved 3 Constant nodes into initializers (2 float)"
+    )
+    _assert_same_outputs(model, prepared, {"x": rng.standard_normal((4, 2)).astype(np.float32)})
+
+
+def test_constant_that_is_a_graph_output_stays_a_node() -> None:
+    nodes = [helper.make_node("Constant", [], ["y"], value_float=1.0)]
+    model = build_model(nodes, [], ["y"])
+    assert not ConstantsToInitializers()(_copy(model)).modified
+
+
+def test_old_ir_lists_new_initializers_as_inputs() -> None:
+    nodes = [
+        helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(2.0))),
+        helper.make_node("Mul", ["x", "k"], ["y"]),
+    ]
+    model = build_model(nodes, [float_input("x", [2])], ["y"], opset=7, ir_version=3)
+    out = ConstantsToInitializers()(_copy(model)).model
+    assert "k" in {v.name for v in out.graph.input}
+    onnx.checker.check_model(out)
+
+
+# ------------------------------------------------------------------------ eliminate-identity
+
+
+def test_identity_chains_are_removed_but_output_identities_stay() -> None:
+    rng = np.random.default_rng(12)
+    nodes = [
+        helper.make_node("Identity", ["W"], ["W1"]),
+        helper.make_node("Identity", ["x"], ["x1"]),
+        helper.make_node("Identity", ["x1"], ["x2"]),
+        helper.make_node("MatMul", ["x2", "W1"], ["m"]),
+        helper.make_node("Identity", ["m"], ["y"]),
+    ]
+    inits = {"W": rng.standard_normal((3, 3)).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", [2, 3])], ["y"], inits)
+    prepared, steps = prepare_model(model)
+    assert _ops(prepared) == Counter({"MatMul": 1, "Identity": 1})
+    matmul = next(n for n in prepared.graph.node if n.op_type == "MatMul")
+    assert list(matmul.input) == ["x", "W"]
+    assert _steps(steps)["eliminate-identity"] == "removed 3 Identity nodes"
+    _assert_same_outputs(model, prepared, {"x": rng.standard_normal((2, 3)).astype(np.float32)})
+
+
+def test_identity_read_inside_a_subgraph_is_redirected_there() -> None:
+    rng = np.random.default_rng(13)
+    then = helper.make_graph(
+        [helper.make_node("Relu", ["x1"], ["t"])], "then", [], [float_input("t", [3])]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["x1"], ["e"])], "else", [], [float_input("e", [3])]
+    )
+    nodes = [
+        helper.make_node("Identity", ["x"], ["x1"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    model = build_model(nodes, [float_input("x", [3]), cond], ["y"])
+    result = EliminateIdentity()(_copy(model))
+    assert result.modified and "Identity" not in _ops(result.model)
+    onnx.checker.check_model(result.model)
+    x = rng.standard_normal(3).astype(np.float32)
+    for branch in (True, False):
+        feeds = {"x": x, "c": np.array(branch)}
+        _assert_same_outputs(model, result.model, feeds)
+
+
+# ------------------------------------------------------------------------------ infer-shapes
+
+
+def test_shape_inference_failure_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(model: onnx.ModelProto, **kwargs: object) -> onnx.ModelProto:
+        raise onnx.shape_inference.InferenceError("[ShapeInferenceError] cannot infer Foo")
+
+    model = conv_bn_relu(np.random.default_rng(14))
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", broken)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["infer-shapes"] == (
+        "shape inference could not complete: [ShapeInferenceError] cannot infer Foo"
+    )
+    assert prepared.graph.node
+
+
+def test_partial_inference_keeps_what_it_found() -> None:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Foo", ["r"], ["f"], domain="com.example"),
+        helper.make_node("Relu", ["f"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [float_input("x", [2])], [float_input("y", None)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.example", 1)]
+    )
+    model.ir_version = 8
+    result = InferShapes()(_copy(model))
+    typed = {v.name for v in result.model.graph.value_info}
+    assert "r" in typed and "f" not in typed
+    assert "of 3 intermediate tensors" in result.detail
