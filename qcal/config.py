@@ -1,0 +1,235 @@
+"""The one typed description of a calibration run, from flags and/or a TOML config file.
+
+Every option exists once, as a field of `CalibrationConfig`. The CLI builds it from its flags, the
+config file supplies the same keys (flag names, with dashes or underscores), flags win, and an
+unknown key is an error naming the key. Validation that needs no model or data happens here, before
+anything expensive runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qcal.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "METHODS",
+    "CalibrationConfig",
+    "TensorOverride",
+    "config_from_mapping",
+    "load_config_file",
+]
+
+METHODS = ("minmax", "moving-average", "percentile", "entropy", "mse")
+HISTOGRAM_METHODS = frozenset({"percentile", "entropy", "mse"})
+
+# uint8 asymmetric activations with int8 symmetric per-channel weights (PyTorch's x86 default) is
+# the layout onnxruntime's CPU kernels are fastest on, and its QDQ mapping is exact.
+DEFAULT_PRESET = "pytorch"
+
+
+@dataclass(frozen=True)
+class TensorOverride:
+    """Per-tensor settings from the config file's `[tensors."name"]` tables."""
+
+    method: str | None = None
+    percentile: float | None = None
+    skip: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    """Everything that decides what a calibration run computes (paths of outputs excluded)."""
+
+    preset: str = DEFAULT_PRESET
+    preset_options: Mapping[str, Any] = field(default_factory=dict)
+    method: str = "minmax"
+    percentile: float = 99.99
+    bins: int = 2048
+    quantized_bins: int = 128
+    per_channel: bool = True
+    data: Path | None = None
+    eval_data: Path | None = None
+    labels: Path | None = None
+    synthetic: int | None = None
+    limit: int | None = None
+    batch_size: int = 1
+    seed: int = 0
+    op_types: tuple[str, ...] = ()
+    exclude_op_types: tuple[str, ...] = ()
+    exclude_nodes: tuple[str, ...] = ()
+    exclude_tensors: tuple[str, ...] = ()
+    tensors: Mapping[str, TensorOverride] = field(default_factory=dict)
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method: unknown {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ConfigError(f"percentile: {self.percentile} is not in (0, 100]")
+        if self.bins < 8:
+            raise ConfigError(f"bins: {self.bins} is too small (at least 8)")
+        if not 2 <= self.quantized_bins <= self.bins:
+            raise ConfigError(
+                f"quantized-bins: {self.quantized_bins} must be between 2 and bins ({self.bins})"
+            )
+        if self.batch_size < 1:
+            raise ConfigError(f"batch-size: {self.batch_size} must be at least 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit: {self.limit} must be at least 1")
+        if self.synthetic is not None:
+            if self.synthetic < 1:
+                raise ConfigError(f"synthetic: {self.synthetic} must be at least 1")
+            if self.data is not None:
+                raise ConfigError("synthetic: cannot be combined with data (choose one source)")
+        if self.threads < 0:
+            raise ConfigError(f"threads: {self.threads} must be 0 (onnxruntime default) or more")
+        for name, override in self.tensors.items():
+            if override.method is not None and override.method not in METHODS:
+                raise ConfigError(
+                    f"tensors.{name}.method: unknown {override.method!r}; "
+                    f"choose one of {', '.join(METHODS)}"
+                )
+
+    @property
+    def uses_histograms(self) -> bool:
+        return self.method in HISTOGRAM_METHODS or any(
+            o.method in HISTOGRAM_METHODS for o in self.tensors.values()
+        )
+
+    def method_for(self, tensor: str) -> str:
+        override = self.tensors.get(tensor)
+        return override.method if override and override.method else self.method
+
+    def to_json(self) -> dict[str, Any]:
+        """The resolved configuration, as recorded in the report."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif f.name == "tensors":
+                value = {
+                    k: {kk: vv for kk, vv in dataclasses.asdict(v).items() if vv not in (None, False)}
+                    for k, v in sorted(value.items())
+                }
+            elif isinstance(value, Mapping):
+                value = dict(sorted(value.items()))
+            out[f.name] = value
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
+_PATH_KEYS = {"data", "eval_data", "labels"}
+_LIST_KEYS = {"op_types", "exclude_op_types", "exclude_nodes", "exclude_tensors", "providers"}
+_INT_KEYS = {"bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads"}
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "preset": str,
+    "method": str,
+    "percentile": (int, float),
+    "per_channel": bool,
+    "preset_options": dict,
+    "tensors": dict,
+}
+
+
+def _normalise_key(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _check_type(key: str, value: Any, where: str) -> Any:
+    if key in _LIST_KEYS:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if key in _PATH_KEYS:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}{key}: expected a path string, got {value!r}")
+        return Path(value)
+    if key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}{key}: expected an integer, got {value!r}")
+        return value
+    expected = _TYPES.get(key)
+    if expected is not None and (
+        not isinstance(value, expected) or (expected is not bool and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{where}{key}: expected {_type_name(expected)}, got {value!r}")
+    return float(value) if key == "percentile" else value
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    names = {str: "a string", bool: "true or false", dict: "a table", int: "a number"}
+    first = expected[0] if isinstance(expected, tuple) else expected
+    return names.get(first, first.__name__)
+
+
+def _tensor_overrides(raw: Mapping[str, Any], where: str) -> dict[str, TensorOverride]:
+    allowed = {f.name for f in dataclasses.fields(TensorOverride)}
+    out: dict[str, TensorOverride] = {}
+    for tensor, table in raw.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where}tensors.{tensor}: expected a table, got {table!r}")
+        values = {_normalise_key(k): v for k, v in table.items()}
+        if unknown := sorted(set(values) - allowed):
+            raise ConfigError(
+                f"{where}tensors.{tensor}: unknown key {unknown[0]!r} "
+                f"(allowed: {', '.join(sorted(allowed))})"
+            )
+        out[tensor] = TensorOverride(**values)
+    return out
+
+
+def config_from_mapping(
+    values: Mapping[str, Any], *, base: CalibrationConfig | None = None, where: str = ""
+) -> CalibrationConfig:
+    """Build a config from `values` (flag-named keys) on top of `base`; unknown keys are errors."""
+    changes: dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = _normalise_key(raw_key)
+        if key not in _FIELDS:
+            raise ConfigError(f"{where}unknown key {raw_key!r}")
+        value = _check_type(key, value, where)
+        if key == "tensors":
+            value = _tensor_overrides(value, where)
+        changes[key] = value
+    try:
+        return dataclasses.replace(base or CalibrationConfig(), **changes)
+    except TypeError as err:  # pragma: no cover - keys are checked above
+        raise ConfigError(f"{where}{err}") from None
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML config file into a flag-named mapping; relative paths resolve against its folder."""
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read config file ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML ({err})") from None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        norm = _normalise_key(key)
+        if norm in _PATH_KEYS and isinstance(value, str):
+            value = str(path.parent / value) if not Path(value).is_absolute() else value
+        out[key] = value
+    return out

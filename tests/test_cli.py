@@ -1,0 +1,311 @@
+"""The `qcal` command as a user meets it: real sample models, real files, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from qcal import errors
+from qcal.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+DIGITS = SAMPLES / "digits_cnn.onnx"
+TRANSFORMER = SAMPLES / "transformer_block.onnx"
+
+
+def run(*args: str | Path) -> Any:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def without_timings(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in report.items() if k != "timings_seconds"}
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    out = tmp_path_factory.mktemp("digits")
+    model, report = out / "q.onnx", out / "q.json"
+    result = run("calibrate", DIGITS, "-o", model, "--report", report)
+    return model, report, result
+
+
+def test_default_calibration_of_the_digits_cnn(digits_run: tuple[Path, Path, Any]) -> None:
+    model_path, report_path, result = digits_run
+    assert result.exit_code == 0, result.output
+    onnx.checker.check_model(onnx.load(model_path), full_check=True)
+    report = json.loads(report_path.read_text())
+    ev = report["evaluation"]
+    assert ev["data"].endswith("digits_cnn.eval.npz") and ev["labels"].endswith("labels.npy")
+    logits = ev["outputs"][0]
+    # The README promises a drop of under one point on the held-out digits.
+    assert logits["float_accuracy"] - logits["quantized_accuracy"] < 0.01
+    assert logits["float_accuracy"] > 0.95
+    # Recompute the quantized accuracy independently with onnxruntime.
+    eval_data = np.load(SAMPLES / "digits_cnn.eval.npz")
+    labels = np.load(SAMPLES / "digits_cnn.eval.labels.npy")
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    predicted = session.run(None, {"image": eval_data["image"]})[0].argmax(axis=1)
+    assert np.mean(predicted == labels) == pytest.approx(logits["quantized_accuracy"], abs=1e-6)
+    assert "quantized" in result.output and str(model_path) in result.output
+
+
+def test_the_qdq_model_is_quantized_where_the_rules_say(digits_run: tuple[Path, Path, Any]) -> None:
+    model = onnx.load(digits_run[0])
+    ops = [n.op_type for n in model.graph.node]
+    conv_like = sum(op in ("Conv", "Gemm") for op in ops)
+    assert conv_like > 0
+    # every Conv/Gemm reads its weight through a DequantizeLinear of an integer initializer
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            dq = producers[node.input[1]]
+            assert dq.op_type == "DequantizeLinear"
+            assert inits[dq.input[0]].data_type == onnx.TensorProto.INT8
+
+
+def test_rerun_is_byte_identical(tmp_path: Path, digits_run: tuple[Path, Path, Any]) -> None:
+    model, report = tmp_path / "again.onnx", tmp_path / "again.json"
+    assert run("calibrate", DIGITS, "-o", model, "--report", report, "-q").exit_code == 0
+    assert model.read_bytes() == digits_run[0].read_bytes()
+    first = json.loads(digits_run[1].read_text())
+    second = json.loads(report.read_text())
+    first["output_model"]["path"] = second["output_model"]["path"]
+    assert without_timings(first) == without_timings(second)
+
+
+def test_report_validates_against_the_shipped_schema(digits_run: tuple[Path, Path, Any]) -> None:
+    import jsonschema
+
+    from qcal.report import report_schema
+
+    jsonschema.validate(json.loads(digits_run[1].read_text()), report_schema())
+
+
+def test_default_output_paths_are_in_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = run("calibrate", TRANSFORMER, "--method", "minmax")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "transformer_block.qdq.onnx").is_file()
+    assert (tmp_path / "transformer_block.qcal.json").is_file()
+    assert not (SAMPLES / "transformer_block.qdq.onnx").exists()
+
+
+def _npz_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    images = np.load(SAMPLES / "digits_cnn.calib.npz")["image"][:12]
+    for i, image in enumerate(images):
+        np.savez(folder / f"{i:03d}.npz", image=image[None])
+    return folder
+
+
+def _zoo_dir(tmp_path: Path) -> Path:
+    images = np.load(SAMPLES / "digits_cnn.calib.npz")["image"][:5]
+    for k, image in enumerate(images):
+        folder = tmp_path / "zoo" / f"test_data_set_{k}"
+        folder.mkdir(parents=True)
+        tensor = onnx.numpy_helper.from_array(image[None], name="image")
+        (folder / "input_0.pb").write_bytes(tensor.SerializeToString())
+    return tmp_path / "zoo"
+
+
+@pytest.mark.parametrize("layout", ["npz", "npz-dir", "onnx-test-data"])
+def test_every_data_format(tmp_path: Path, layout: str) -> None:
+    data = {"npz": lambda: SAMPLES / "digits_cnn.calib.npz", "npz-dir": lambda: _npz_dir(tmp_path),
+            "onnx-test-data": lambda: _zoo_dir(tmp_path)}[layout]()
+    report = tmp_path / "r.json"
+    result = run("calibrate", DIGITS, "--data", data, "-o", tmp_path / "q.onnx", "--report", report, "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["data"]["kind"] == layout
+
+
+def test_synthetic_data_is_announced_loudly(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    result = run("calibrate", DIGITS, "--synthetic", "8", "-o", tmp_path / "q.onnx", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert "SYNTHETIC" in result.output
+    content = json.loads(report.read_text())
+    assert content["data"]["synthetic"] is True
+    assert any("SYNTHETIC" in w for w in content["warnings"])
+
+
+def test_batch_size_does_not_change_a_minmax_result(tmp_path: Path) -> None:
+    outs = []
+    for batch in ("1", "7"):
+        out = tmp_path / f"b{batch}.onnx"
+        result = run("calibrate", DIGITS, "--batch-size", batch, "-o", out, "--report",
+                     tmp_path / f"b{batch}.json", "-q")
+        assert result.exit_code == 0, result.output
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_config_file_and_flags(tmp_path: Path) -> None:
+    config = tmp_path / "qcal.toml"
+    config.write_text('batch-size = 4\nlimit = 16\nexclude-op-types = ["Gemm"]\n')
+    report = tmp_path / "r.json"
+    result = run("calibrate", DIGITS, "--config", config, "--limit", "8", "-o", tmp_path / "q.onnx",
+                 "--report", report, "-q")
+    assert result.exit_code == 0, result.output
+    content = json.loads(report.read_text())
+    assert content["config"]["limit"] == 8  # the flag wins
+    assert content["config"]["batch_size"] == 4  # the file fills the rest
+    assert content["data"]["samples"] == 8
+    gemms = [n for n in content["nodes"] if n["op_type"] == "Gemm"]
+    assert gemms and not any(n["quantized"] for n in gemms)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line naming the culprit, the documented exit code, no output left behind.
+
+def _assert_error(result: Any, code: int, *needles: str) -> None:
+    assert result.exit_code == code, result.output
+    message = result.stderr if hasattr(result, "stderr") else result.output
+    assert "Traceback" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def _write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make_model", "needle"),
+    [
+        (lambda d: d / "missing.onnx", "missing.onnx"),
+        (lambda d: _write(d / "empty.onnx", b""), "empty.onnx"),
+        (lambda d: _write(d / "junk.onnx", b"not a model at all"), "junk.onnx"),
+        (lambda d: _write(d / "cut.onnx", DIGITS.read_bytes()[:5000]), "cut.onnx"),
+    ],
+)
+def test_bad_models(tmp_path: Path, make_model: Any, needle: str) -> None:
+    model = make_model(tmp_path)
+    out = tmp_path / "q.onnx"
+    result = run("calibrate", model, "--synthetic", "2", "-o", out, "--report", tmp_path / "r.json")
+    _assert_error(result, errors.ModelError.exit_code, needle)
+    assert not out.exists() and not (tmp_path / "r.json").exists()
+
+
+def test_error_cases(tmp_path: Path) -> None:
+    out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+    common = ["-o", out, "--report", rep]
+    _assert_error(run("calibrate", DIGITS, "--preset", "nope", *common), errors.ConfigError.exit_code, "nope")
+    _assert_error(run("calibrate", DIGITS, "--preset-option", "bogus_knob=1", *common),
+                  errors.ConfigError.exit_code, "bogus_knob")
+    _assert_error(run("calibrate", DIGITS, "--limit", "0", *common), errors.ConfigError.exit_code, "limit")
+    _assert_error(run("calibrate", DIGITS, "--data", tmp_path / "none.npz", *common),
+                  errors.DataError.exit_code, "none.npz")
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, pixels=np.zeros((2, 1, 8, 8), np.float32))
+    _assert_error(run("calibrate", DIGITS, "--data", wrong, *common), errors.DataError.exit_code, "image")
+    bad_cfg = tmp_path / "c.toml"
+    bad_cfg.write_text("frobnicate = 1\n")
+    _assert_error(run("calibrate", DIGITS, "--config", bad_cfg, *common), errors.ConfigError.exit_code,
+                  "frobnicate")
+    _assert_error(run("calibrate", DIGITS, "--bogus-flag"), 2)
+    assert not out.exists() and not rep.exists()
+
+
+def test_output_errors(tmp_path: Path) -> None:
+    model = tmp_path / "m.onnx"
+    shutil.copy(DIGITS, model)
+    shutil.copy(SAMPLES / "digits_cnn.calib.npz", tmp_path / "m.calib.npz")
+    code = errors.OutputError.exit_code
+    _assert_error(run("calibrate", model, "-o", model, "--report", tmp_path / "r.json"), code, "m.onnx")
+    _assert_error(run("calibrate", model, "-o", tmp_path / "no" / "q.onnx"), code, "does not exist")
+    existing = tmp_path / "exists.onnx"
+    existing.write_bytes(b"keep me")
+    _assert_error(run("calibrate", model, "-o", existing, "--report", tmp_path / "r.json"), code, "--force")
+    assert existing.read_bytes() == b"keep me" and not (tmp_path / "r.json").exists()
+    if os.geteuid() != 0:  # root ignores directory permissions
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        _assert_error(run("calibrate", model, "-o", ro / "q.onnx"), code, "not writable")
+
+
+def test_a_failing_stage_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qcal.pipeline
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise errors.DataError("evaluation exploded")
+
+    monkeypatch.setattr(qcal.pipeline, "compare_models", broken)
+    out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+    _assert_error(run("calibrate", DIGITS, "-o", out, "--report", rep), errors.DataError.exit_code, "exploded")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigint_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
+    out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qcal.cli", "calibrate", str(DIGITS), "--synthetic", "200000",
+         "-o", str(out), "--report", str(rep), "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_readme_lists_every_exit_code() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Exit codes"):]
+    listed = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    codes = {errors.EXIT_OK, errors.EXIT_INTERNAL, errors.EXIT_USAGE}
+    codes |= {cls.exit_code for cls in vars(errors).values()
+              if isinstance(cls, type) and issubclass(cls, errors.QcalError)}
+    assert codes <= listed, f"missing from README: {sorted(codes - listed)}"
+
+
+def test_inspect(tmp_path: Path) -> None:
+    result = run("inspect", DIGITS)
+    assert result.exit_code == 0, result.output
+    assert "image" in result.output and "Conv" in result.output
+    as_json = json.loads(run("inspect", DIGITS, "--json").output)
+    assert as_json["inputs"][0]["name"] == "image"
+    assert any(n["quantized"] for n in as_json["nodes"])
+    _assert_error(run("inspect", tmp_path / "nothing.onnx"), errors.ModelError.exit_code, "nothing.onnx")
+
+
+def test_presets_lists_every_preset() -> None:
+    from qcal.presets import PRESETS
+
+    result = run("presets")
+    assert result.exit_code == 0
+    for name in PRESETS:
+        assert name in result.output
+    listing = json.loads(run("presets", "--json").output)
+    assert set(listing) == set(PRESETS)
+
+
+def test_compare(tmp_path: Path, digits_run: tuple[Path, Path, Any]) -> None:
+    out = tmp_path / "cmp.json"
+    result = run("compare", DIGITS, digits_run[0], "--data", SAMPLES / "digits_cnn.eval.npz",
+                 "--labels", SAMPLES / "digits_cnn.eval.labels.npy", "--json", out)
+    assert result.exit_code == 0, result.output
+    content = json.loads(out.read_text())
+    assert content["samples"] == 450
+    assert content["outputs"][0]["top1_agreement"] > 0.97
+    report = json.loads(digits_run[1].read_text())
+    assert content["outputs"][0]["quantized_accuracy"] == report["evaluation"]["outputs"][0]["quantized_accuracy"]

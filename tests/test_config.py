@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qcal.config import CalibrationConfig, config_from_mapping, load_config_file
+from qcal.errors import ConfigError
+
+
+def test_flag_names_with_dashes_or_underscores_are_the_same_key() -> None:
+    a = config_from_mapping({"batch-size": 4, "exclude-op-types": ["Softmax"]})
+    b = config_from_mapping({"batch_size": 4, "exclude_op_types": ["Softmax"]})
+    assert a == b
+    assert a.batch_size == 4 and a.exclude_op_types == ("Softmax",)
+
+
+def test_unknown_key_is_an_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="'batchsize'"):
+        config_from_mapping({"batchsize": 4})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("batch_size", "4"), ("batch_size", True), ("per_channel", 1), ("method", 3),
+     ("percentile", "high"), ("exclude_nodes", [1, 2]), ("data", 5), ("tensors", [])],
+)
+def test_wrong_types_are_refused(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=key):
+        config_from_mapping({key: value})
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"method": "kl"}, {"percentile": 0.0}, {"percentile": 100.5}, {"batch_size": 0},
+     {"limit": 0}, {"synthetic": 0}, {"bins": 4}, {"quantized_bins": 4096},
+     {"synthetic": 4, "data": "x.npz"}, {"threads": -1}],
+)
+def test_invalid_values_are_refused(values: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        config_from_mapping(values)
+
+
+def test_config_file_paths_resolve_against_its_folder(tmp_path: Path) -> None:
+    cfg = tmp_path / "sub" / "qcal.toml"
+    cfg.parent.mkdir()
+    cfg.write_text('data = "calib.npz"\nmethod = "percentile"\n[tensors."x"]\nmethod = "minmax"\n')
+    config = config_from_mapping(load_config_file(cfg))
+    assert config.data == tmp_path / "sub" / "calib.npz"
+    assert config.method_for("x") == "minmax" and config.method_for("y") == "percentile"
+    assert config.uses_histograms
+
+
+def test_tensor_override_unknown_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "qcal.toml"
+    cfg.write_text('[tensors."x"]\nmethd = "minmax"\n')
+    with pytest.raises(ConfigError, match="methd"):
+        config_from_mapping(load_config_file(cfg))
+
+
+def test_bad_toml_names_the_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "broken.toml"
+    cfg.write_text("method = \n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_config_file(cfg)
+
+
+def test_to_json_is_plain_data() -> None:
+    import json
+
+    config = CalibrationConfig(data=Path("a.npz"), exclude_nodes=("conv*",))
+    text = json.dumps(config.to_json())
+    assert '"data": "a.npz"' in text and '"exclude_nodes": ["conv*"]' in text
