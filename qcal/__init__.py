@@ -1,3 +1,85 @@
 """qcal: post-training calibration of ONNX models into QDQ models."""
 
 __version__ = "0.1.0"
+
+from qcal.fakequant import fake_quantize, quantize
+from qcal.histogram import (
+    Histogram,
+    HistogramObserver,
+    RangeSelection,
+    entropy_range,
+    mse_range,
+    percentile_range,
+    select_range,
+)
+from qcal.observers import (
+    DataPolicy,
+    FixedRangeObserver,
+    Granularity,
+    MindSporeObserver,
+    MinMaxObserver,
+    MinMaxStats,
+    MovingAverageMinMaxObserver,
+    Observer,
+    OneFlowMovingAverageObserver,
+    PerChannel,
+    PerTensor,
+    observer_from_dict,
+)
+from qcal.onnx_mapping import OnnxQParams, to_onnx_qparams
+from qcal.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
+from qcal.schemes import (
+    HorizonScheme,
+    LearnedScaleScheme,
+    MindSporeScheme,
+    OneFlowScheme,
+    QParams,
+    Rounding,
+    Scheme,
+    TFScheme,
+    TorchScheme,
+    compute_qparams,
+)
+
+__all__ = [
+    # statistics, parameters, fake-quant, presets and the ONNX mapping
+    "PRESETS",
+    "DataPolicy",
+    "FixedRangeObserver",
+    "Granularity",
+    "Histogram",
+    "HistogramObserver",
+    "HorizonScheme",
+    "LearnedScaleScheme",
+    "MinMaxObserver",
+    "MinMaxStats",
+    "MindSporeObserver",
+    "MindSporeScheme",
+    "MovingAverageMinMaxObserver",
+    "Observer",
+    "OneFlowMovingAverageObserver",
+    "OneFlowScheme",
+    "OnnxQParams",
+    "PerChannel",
+    "PerTensor",
+    "Preset",
+    "PresetSpec",
+    "QParams",
+    "RangeSelection",
+    "Rounding",
+    "Scheme",
+    "TFScheme",
+    "TensorRecipe",
+    "TorchScheme",
+    "__version__",
+    "build_preset",
+    "compute_qparams",
+    "entropy_range",
+    "fake_quantize",
+    "mse_range",
+    "observer_from_dict",
+    "percentile_range",
+    "quantize",
+    "select_range",
+    "to_onnx_qparams",
+]
