@@ -1,0 +1,47 @@
+"""Histogram calibration: a streaming, mergeable histogram observer and range selection.
+
+* :class:`HistogramObserver` counts every batch into fixed-resolution bins keyed on the float32
+  bit pattern (sign, exponent, top mantissa bits) and drops it. Memory is bounded by the bin
+  count; the state is the same, bit for bit, for any sample order, batching or merge of shards.
+  Calibration is a single pass over the data.
+* :func:`percentile_range`, :func:`entropy_range` and :func:`mse_range` (or
+  :func:`select_range` by name) choose a range from the histogram's state. Each returns a
+  :class:`RangeSelection` whose ``stats`` feeds the preset's ``compute_qparams``.
+
+Approximation: each value is known to within its bin, a relative width of
+``2**-mantissa_bits`` (0.39 % by default). Methods that need a uniform histogram (entropy) or
+bin masses (mse) spread each bin's count uniformly over its interval, clipped to the exact
+observed extremes, so no value moves by more than its bin's width.
+"""
+
+from __future__ import annotations
+
+from qcal.histogram._distribution import Distribution, abs_distribution, signed_distribution
+from qcal.histogram._observer import DEFAULT_MANTISSA_BITS, Histogram, HistogramObserver
+from qcal.histogram._select import (
+    RANGE_METHODS,
+    QuantRecipe,
+    RangeSelection,
+    entropy_divergences,
+    entropy_range,
+    mse_range,
+    percentile_range,
+    select_range,
+)
+
+__all__ = [
+    "DEFAULT_MANTISSA_BITS",
+    "RANGE_METHODS",
+    "Distribution",
+    "Histogram",
+    "HistogramObserver",
+    "QuantRecipe",
+    "RangeSelection",
+    "abs_distribution",
+    "entropy_divergences",
+    "entropy_range",
+    "mse_range",
+    "percentile_range",
+    "select_range",
+    "signed_distribution",
+]

@@ -1,0 +1,509 @@
+"""A streaming histogram of float32 values at a fixed relative resolution, mergeable exactly.
+
+Bins are keyed on the high bits of the float32 bit pattern: the sign, the 8 exponent bits and the
+top ``mantissa_bits`` mantissa bits. No range is needed up front and no bin edge ever moves, so a
+batch only adds integer counts: the state after any sequence of batches is the same, bit for bit,
+whatever the order of the samples, however they were batched, and however shards were merged.
+
+A bin covers ``[v, v * (1 + 2**-mantissa_bits))`` in magnitude (its width is at most
+``2**-mantissa_bits`` of the values in it). Bins are stored in blocks of ``2**mantissa_bits``, one
+block per (channel, sign, exponent) that was seen, so memory is bounded by the bin count
+(at most ``512 * 2**mantissa_bits`` counts per channel) and never grows with the number of samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from qcal.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.observers import Granularity, MinMaxStats, Observer, PerChannel, PerTensor, reduce_min_max
+
+__all__ = ["DEFAULT_MANTISSA_BITS", "Histogram", "HistogramObserver"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MANTISSA_BITS = 8
+_MAX_MANTISSA_BITS = 12
+_GROUPS = 512  # sign bit x 8 exponent bits: one block of bins per group and channel
+_STATE_VERSION = 1
+# Upper bound on the dense per-batch count table (int64 entries, 2 MiB): a table that stays in
+# cache is filled fastest. Per-channel batches are counted a few channels at a time.
+_MAX_DENSE_BINS = 1 << 18
+# Below one value per _SORT_BELOW_FILL bins of a channel, sorting the keys beats filling and
+# scanning a dense table; sorted chunks hold at most _MAX_SORTED keys.
+_SORT_BELOW_FILL = 16
+_MAX_SORTED = 1 << 20
+# A dense table's occupied blocks are found by scanning it when there are at least this many
+# values per table entry, else by a second, small bincount over block ids (untouched table
+# pages then stay untouched).
+_SCAN_ABOVE_FILL = 0.5
+# Per-tensor batches smaller than this are buffered as bin keys (uint32) and counted together:
+# a batch then costs a few microseconds instead of a full count. 64 KiB per observer.
+_PENDING_KEYS = 1 << 14
+
+
+@dataclass(frozen=True, eq=False)
+class Histogram:
+    """Immutable snapshot of a :class:`HistogramObserver`: sparse fixed-resolution counts.
+
+    Attributes:
+        mantissa_bits: mantissa bits kept in a bin key; relative bin width is 2**-mantissa_bits.
+        axis: normalised channel axis for per-channel histograms, None per tensor.
+        groups: int64 (G,), sorted: ``channel * 512 + sign * 256 + biased_exponent`` of each
+            stored block.
+        counts: int64 (G, 2**mantissa_bits): counts of the bins of each block, by top mantissa
+            bits.
+        min: float32 (C,) exact minimum per channel (C = 1 per tensor).
+        max: float32 (C,) exact maximum per channel.
+    """
+
+    mantissa_bits: int
+    axis: int | None
+    groups: np.ndarray
+    counts: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+
+    @property
+    def is_per_channel(self) -> bool:
+        """True when there is one histogram per channel."""
+        return self.axis is not None
+
+    @property
+    def channels(self) -> int:
+        """Number of channels (1 per tensor)."""
+        return int(self.min.shape[0])
+
+    @property
+    def observed(self) -> MinMaxStats:
+        """The exact extremes of the data, shaped () per tensor and (C,) per channel."""
+        if self.axis is None:
+            return MinMaxStats(self.min.reshape(()), self.max.reshape(()))
+        return MinMaxStats(self.min.copy(), self.max.copy(), self.axis)
+
+    @property
+    def relative_resolution(self) -> float:
+        """Upper bound of a bin's width relative to the magnitudes in it: 2**-mantissa_bits."""
+        return float(2.0**-self.mantissa_bits)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the counts and extremes."""
+        return int(self.groups.nbytes + self.counts.nbytes + self.min.nbytes + self.max.nbytes)
+
+    def channel_bins(self, channel: int) -> tuple[np.ndarray, np.ndarray]:
+        """Occupied bins of one channel as (keys, counts).
+
+        Args:
+            channel: channel index (0 per tensor).
+
+        Returns:
+            int64 keys ``sign << (8 + m) | exponent << m | mantissa_top`` (m = mantissa_bits),
+            i.e. the float32 bit pattern shifted right by ``23 - m``, sorted; and int64 counts > 0.
+        """
+        first = np.searchsorted(self.groups, channel * _GROUPS)
+        last = np.searchsorted(self.groups, (channel + 1) * _GROUPS)
+        local = self.groups[first:last] - channel * _GROUPS
+        width = 1 << self.mantissa_bits
+        keys = (local[:, None] << self.mantissa_bits) + np.arange(width, dtype=np.int64)
+        counts = self.counts[first:last]
+        occupied = counts > 0
+        return keys[occupied], counts[occupied]
+
+    def total(self) -> np.ndarray:
+        """int64 (C,): number of values seen per channel."""
+        totals = np.zeros(self.channels, dtype=np.int64)
+        np.add.at(totals, self.groups // _GROUPS, self.counts.sum(axis=1))
+        return totals
+
+
+class HistogramObserver:
+    """Streaming histogram observer; satisfies :class:`qcal.observers.Observer`.
+
+    Each batch is counted and dropped: memory is bounded by the bin count. NaN and infinities are
+    refused (a histogram has no bin for them); empty batches are ignored. The state is
+    independent of sample order, batching and merging (bit for bit), see the module docstring.
+
+    Args:
+        granularity: PerTensor() or PerChannel(axis).
+        mantissa_bits: mantissa bits per bin key (0..12); relative resolution 2**-mantissa_bits.
+            The default 8 gives 0.39 %.
+
+    Raises:
+        ConfigError: unknown granularity or mantissa_bits out of range.
+    """
+
+    kind: ClassVar[str] = "histogram"
+    is_order_dependent: ClassVar[bool] = False
+
+    def __init__(
+        self, granularity: Granularity, *, mantissa_bits: int = DEFAULT_MANTISSA_BITS
+    ) -> None:
+        if not isinstance(granularity, (PerTensor, PerChannel)):
+            raise ConfigError(f"unknown granularity {granularity!r}")
+        if (
+            isinstance(mantissa_bits, bool)
+            or not isinstance(mantissa_bits, int)
+            or not (0 <= mantissa_bits <= _MAX_MANTISSA_BITS)
+        ):
+            raise ConfigError(
+                f"histogram mantissa_bits={mantissa_bits!r}: expected an integer in "
+                f"0..{_MAX_MANTISSA_BITS}"
+            )
+        self._granularity = granularity
+        self._bits = mantissa_bits
+        self._axis: int | None = None
+        self._groups = np.empty(0, dtype=np.int64)
+        self._counts = np.empty((0, 1 << mantissa_bits), dtype=np.int64)
+        self._min: np.ndarray | None = None
+        self._max: np.ndarray | None = None
+        self._pending: np.ndarray | None = None  # buffered keys of small per-tensor batches
+        self._pending_size = 0
+
+    @property
+    def granularity(self) -> Granularity:
+        """Per tensor or per channel, as constructed."""
+        return self._granularity
+
+    @property
+    def mantissa_bits(self) -> int:
+        """Mantissa bits per bin key."""
+        return self._bits
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the state (counts, block ids and extremes)."""
+        extremes = 0 if self._min is None or self._max is None else self._min.nbytes * 2
+        pending = 0 if self._pending is None else self._pending.nbytes
+        return int(self._groups.nbytes + self._counts.nbytes + extremes + pending)
+
+    def update(self, batch: np.ndarray) -> None:
+        """Count one batch (any float dtype; counted as float32).
+
+        Raises:
+            DataError: NaN or infinite values, a missing axis, or a channel count that differs
+                from earlier batches.
+        """
+        x = np.asarray(batch)
+        if x.dtype != np.float32:
+            if x.dtype.kind not in "fiub":
+                raise DataError(
+                    f"cannot observe a tensor of dtype {x.dtype}: expected real numbers"
+                )
+            with np.errstate(over="ignore"):
+                x = x.astype(np.float32)
+        if x.size == 0:
+            logger.debug("ignoring an empty batch of shape %s", x.shape)
+            return
+        if isinstance(self._granularity, PerTensor):
+            self._update_tensor(x.reshape(-1))
+            return
+        lo, hi, axis = reduce_min_max(x, self._granularity)
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+            raise DataError(_non_finite_message(x))
+        if self._min is not None and self._min.shape != lo.shape:
+            raise DataError(
+                f"batch has {lo.shape[0]} channels on axis {axis}, "
+                f"earlier batches had {self._min.shape[0]}"
+            )
+        assert axis is not None  # per channel
+        self._axis = axis
+        self._absorb_extremes(lo, hi)
+        rows = np.moveaxis(x, axis, 0).reshape(lo.shape[0], -1)
+        self._absorb(*_count(rows.view(np.uint32), 23 - self._bits, self._bits))
+
+    def _update_tensor(self, flat: np.ndarray) -> None:
+        lo, hi = flat.min(), flat.max()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise DataError(_non_finite_message(flat))
+        if self._min is None or self._max is None:
+            self._absorb_extremes(lo.reshape(1), hi.reshape(1))
+        else:  # scalar compares: cheaper than array ufuncs for the small batches buffered below
+            if lo < self._min[0]:
+                self._min[0] = lo + np.float32(0.0)  # +0.0 turns -0.0 into +0.0
+            if hi > self._max[0]:
+                self._max[0] = hi + np.float32(0.0)
+        keys = flat.view(np.uint32) >> np.uint32(23 - self._bits)
+        if keys.size >= _PENDING_KEYS:
+            self._absorb(*_count(keys.reshape(1, -1), 0, self._bits))
+            return
+        if self._pending is None:
+            self._pending = np.empty(_PENDING_KEYS, dtype=np.uint32)
+        if self._pending_size + keys.size > _PENDING_KEYS:
+            self._flush()
+        self._pending[self._pending_size : self._pending_size + keys.size] = keys
+        self._pending_size += keys.size
+
+    def _flush(self) -> None:
+        """Count the buffered keys (the state does not depend on when this happens)."""
+        if self._pending is not None and self._pending_size:
+            keys = self._pending[: self._pending_size].reshape(1, -1)
+            self._absorb(*_count(keys, 0, self._bits))
+        self._pending_size = 0
+
+    def merge(self, other: Observer) -> None:
+        """Add another histogram observer's counts (exact: any split gives the same state).
+
+        Raises:
+            ConfigError: other is not a HistogramObserver of the same granularity and resolution,
+                or its channel count differs.
+        """
+        if not isinstance(other, HistogramObserver):
+            raise ConfigError(f"cannot merge a {type(other).__name__} into a HistogramObserver")
+        if other._granularity != self._granularity or other._bits != self._bits:
+            raise ConfigError(
+                "cannot merge histogram observers with different granularity or mantissa_bits"
+            )
+        if other._min is None or other._max is None:
+            return
+        other._flush()
+        if self._min is not None and self._min.shape != other._min.shape:
+            raise ConfigError(
+                f"cannot merge per-channel histograms of {self._min.shape[0]} and "
+                f"{other._min.shape[0]} channels"
+            )
+        self._axis = other._axis if self._axis is None else self._axis
+        self._absorb_extremes(other._min, other._max)
+        self._absorb(other._groups, other._counts)
+
+    def state(self) -> Histogram:
+        """A snapshot of the counts (copies; later updates do not change it).
+
+        Raises:
+            EmptyStatisticsError: no non-empty batch was observed.
+        """
+        if self._min is None or self._max is None:
+            raise EmptyStatisticsError("histogram observer received no data")
+        self._flush()
+        return Histogram(
+            mantissa_bits=self._bits,
+            axis=self._axis,
+            groups=_frozen(self._groups),
+            counts=_frozen(self._counts),
+            min=_frozen(self._min),
+            max=_frozen(self._max),
+        )
+
+    def min_max(self) -> MinMaxStats:
+        """The exact extremes seen so far (as a min-max observer would report them)."""
+        return self.state().observed
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable, versioned state.
+
+        Occupied bins are stored sparsely as parallel lists ``keys`` (``channel << (9 + m) |``
+        the bin key of :meth:`Histogram.channel_bins`) and ``counts``; ``min``/``max`` as floats
+        (float32 values round-trip exactly through JSON).
+        """
+        state: dict[str, Any] | None = None
+        self._flush()
+        if self._min is not None and self._max is not None:
+            width = 1 << self._bits
+            keys = (self._groups[:, None] * width + np.arange(width, dtype=np.int64)).ravel()
+            counts = self._counts.ravel()
+            occupied = counts > 0
+            state = {
+                "axis": self._axis,
+                "min": [float(v) for v in self._min],
+                "max": [float(v) for v in self._max],
+                "keys": [int(k) for k in keys[occupied]],
+                "counts": [int(c) for c in counts[occupied]],
+            }
+        return {
+            "kind": self.kind,
+            "version": _STATE_VERSION,
+            "granularity": _encode_granularity(self._granularity),
+            "mantissa_bits": self._bits,
+            "state": state,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HistogramObserver:
+        """Rebuild an observer from :meth:`to_dict` output.
+
+        Raises:
+            ConfigError: wrong kind or version, or a malformed or inconsistent state.
+        """
+        if data.get("kind") != cls.kind:
+            raise ConfigError(f"saved observer kind {data.get('kind')!r} is not {cls.kind!r}")
+        if data.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                f"saved histogram observer has version {data.get('version')!r}, "
+                f"expected {_STATE_VERSION}"
+            )
+        try:
+            observer = cls(
+                _decode_granularity(data["granularity"]), mantissa_bits=data["mantissa_bits"]
+            )
+            if data["state"] is not None:
+                observer._load(data["state"])
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
+            raise ConfigError(f"malformed saved histogram observer: {err!r}") from None
+        return observer
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        lo = np.asarray([float(v) for v in state["min"]], dtype=np.float32)
+        hi = np.asarray([float(v) for v in state["max"]], dtype=np.float32)
+        keys = np.asarray(state["keys"], dtype=np.int64).reshape(-1)
+        counts = np.asarray(state["counts"], dtype=np.int64).reshape(-1)
+        axis = state["axis"]
+        channels = lo.shape[0]
+        per_channel = isinstance(self._granularity, PerChannel)
+        if (
+            hi.shape != lo.shape
+            or channels == 0
+            or (not per_channel and (channels != 1 or axis is not None))
+            or (per_channel and not (isinstance(axis, int) and axis >= 0))
+            or not (np.isfinite(lo).all() and np.isfinite(hi).all() and (lo <= hi).all())
+        ):
+            raise ValueError("inconsistent channels, axis or extremes")
+        width = 1 << self._bits
+        if (
+            keys.shape != counts.shape
+            or keys.size == 0
+            or (counts <= 0).any()
+            or (np.diff(keys) <= 0).any()
+            or keys[0] < 0
+            or keys[-1] >= channels * _GROUPS * width
+            or ((keys // width) % 256 == 255).any()  # the NaN/inf exponent is never counted
+        ):
+            raise ValueError("bin keys must be sorted, unique and in range, counts positive")
+        groups, where = np.unique(keys // width, return_inverse=True)
+        dense = np.zeros((groups.size, width), dtype=np.int64)
+        dense[where, keys % width] = counts
+        self._axis = axis
+        self._absorb_extremes(lo, hi)
+        self._absorb(groups, dense)
+
+    def _absorb_extremes(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Widen the (C,) extremes; +0.0 turns -0.0 into +0.0 so order cannot matter."""
+        zero = np.float32(0.0)
+        if self._min is None or self._max is None:
+            self._min = np.asarray(lo, dtype=np.float32).reshape(-1) + zero
+            self._max = np.asarray(hi, dtype=np.float32).reshape(-1) + zero
+        else:
+            self._min = np.minimum(self._min, lo) + zero
+            self._max = np.maximum(self._max, hi) + zero
+
+    def _absorb(self, groups: np.ndarray, counts: np.ndarray) -> None:
+        """Add sparse blocks: sorted unique group ids and their (G, 2**bits) counts."""
+        if groups.size == 0:
+            return
+        stored = self._groups
+        pos = np.searchsorted(stored, groups)
+        if stored.size and pos[-1] < stored.size and np.array_equal(stored[pos], groups):
+            self._counts[pos] += counts  # common case once warm: every block already exists
+            return
+        merged = np.union1d(stored, groups)
+        table = np.zeros((merged.size, counts.shape[1]), dtype=np.int64)
+        table[np.searchsorted(merged, stored)] = self._counts
+        table[np.searchsorted(merged, groups)] += counts
+        self._groups, self._counts = merged, table
+
+
+def _count(bits_rows: np.ndarray, shift: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Occupied blocks of (C, L) uint32 patterns: (group ids, (G, 2**bits) int64 counts).
+
+    Bin keys are the float32 bit patterns shifted right by ``shift`` (0 for patterns that are
+    keys already), plus a channel offset. Many values per channel: one ``np.bincount`` into a
+    dense table (cost ~ values + touched table); few: a sort of the keys (cost ~ values, no
+    table). Channels are taken in chunks that bound the dense table or the sorted array.
+    """
+    channels, length = bits_rows.shape
+    per_channel = _GROUPS << bits
+    dense = length * _SORT_BELOW_FILL >= per_channel
+    chunk = max(1, (_MAX_DENSE_BINS // per_channel) if dense else (_MAX_SORTED // length))
+    chunk = min(chunk, (1 << 32) // per_channel)  # keys plus channel offsets fit in uint32
+    found_groups: list[np.ndarray] = []
+    found_counts: list[np.ndarray] = []
+    for first in range(0, channels, chunk):
+        keys = bits_rows[first : first + chunk]
+        width = keys.shape[0]
+        if shift:
+            keys = keys >> np.uint32(shift)
+        elif width > 1:
+            keys = keys.copy()  # the channel offsets below must not touch the caller's array
+        if width > 1:
+            keys += (np.arange(width, dtype=np.uint32) * np.uint32(per_channel))[:, None]
+        if dense:
+            groups, counts = _count_dense(
+                keys.ravel(), width, bits, scan=length >= per_channel * _SCAN_ABOVE_FILL
+            )
+        else:
+            groups, counts = _count_sorted(keys.ravel(), bits)
+        found_groups.append(groups + first * _GROUPS)
+        found_counts.append(counts)
+    if len(found_groups) == 1:
+        return found_groups[0], found_counts[0]
+    return np.concatenate(found_groups), np.concatenate(found_counts)
+
+
+def _count_dense(
+    keys: np.ndarray, channels: int, bits: int, *, scan: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    table = np.bincount(keys, minlength=channels * (_GROUPS << bits))
+    blocks = table.reshape(channels * _GROUPS, 1 << bits)
+    if scan:
+        present = np.flatnonzero(blocks.sum(axis=1))
+    else:
+        present = np.flatnonzero(np.bincount(keys >> np.uint32(bits), minlength=blocks.shape[0]))
+    return present, blocks[present]
+
+
+def _count_sorted(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    ordered = np.sort(keys)
+    starts = np.flatnonzero(_run_starts(ordered))
+    unique = ordered[starts]
+    counts = np.diff(np.append(starts, ordered.size))
+    groups = unique >> np.uint32(bits)
+    new_group = _run_starts(groups)
+    blocks = np.zeros((int(np.count_nonzero(new_group)), 1 << bits), dtype=np.int64)
+    blocks[np.cumsum(new_group) - 1, unique & np.uint32((1 << bits) - 1)] = counts
+    return groups[new_group].astype(np.int64), blocks
+
+
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """Boolean mask of the first element of each run of equal values in a sorted array."""
+    starts = np.empty(ordered.size, dtype=bool)
+    starts[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    return starts
+
+
+def _non_finite_message(x: np.ndarray) -> str:
+    nan = int(np.isnan(x).sum())
+    pos_inf = int(np.isposinf(x).sum())
+    neg_inf = int(np.isneginf(x).sum())
+    parts = [f"{n} {what}" for n, what in ((nan, "NaN"), (pos_inf, "+inf"), (neg_inf, "-inf")) if n]
+    return (
+        f"calibration data contains {', '.join(parts)}: a histogram cannot hold non-finite values"
+    )
+
+
+def _frozen(values: np.ndarray) -> np.ndarray:
+    copy: np.ndarray = values.copy()
+    copy.flags.writeable = False
+    return copy
+
+
+def _encode_granularity(granularity: Granularity) -> dict[str, Any]:
+    if isinstance(granularity, PerChannel):
+        return {"per": "channel", "axis": granularity.axis}
+    return {"per": "tensor"}
+
+
+def _decode_granularity(data: Mapping[str, Any]) -> Granularity:
+    if data.get("per") == "channel":
+        axis = data["axis"]
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ValueError(f"per-channel axis {axis!r} is not an integer")
+        return PerChannel(axis)
+    if data.get("per") == "tensor":
+        return PerTensor()
+    raise ValueError(f"unknown granularity {data!r}")
