@@ -39,6 +39,7 @@ def write_atomic(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; outputs get ordinary permissions
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -46,6 +47,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def sha256_of_file(path: Path, *, chunk_bytes: int = 1 << 22) -> str:
