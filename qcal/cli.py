@@ -232,6 +232,8 @@ _existing = click.Path(exists=False, path_type=Path)
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
 @click.option("--exclude-tensors", multiple=True, help="Never quantize these tensors.")
+@click.option("--opset", type=int, default=13, show_default=True,
+              help="Upgrade the model to at least this opset (21 enables int4/int16 QDQ types).")
 @click.option("--provider", multiple=True, help="onnxruntime execution provider(s) [default: CPU].")
 @click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime intra-op threads (0: its default).")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")

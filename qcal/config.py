@@ -73,6 +73,7 @@ class CalibrationConfig:
     tensors: Mapping[str, TensorOverride] = field(default_factory=dict)
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     threads: int = 0
+    opset: int = 13
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -94,6 +95,8 @@ class CalibrationConfig:
                 raise ConfigError(f"synthetic: {self.synthetic} must be at least 1")
             if self.data is not None:
                 raise ConfigError("synthetic: cannot be combined with data (choose one source)")
+        if not 13 <= self.opset <= 25:
+            raise ConfigError(f"opset: {self.opset} is not between 13 and 25")
         if self.threads < 0:
             raise ConfigError(f"threads: {self.threads} must be 0 (onnxruntime default) or more")
         for name, override in self.tensors.items():
@@ -136,7 +139,9 @@ class CalibrationConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
 _PATH_KEYS = {"data", "eval_data", "labels"}
 _LIST_KEYS = {"op_types", "exclude_op_types", "exclude_nodes", "exclude_tensors", "providers"}
-_INT_KEYS = {"bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads"}
+_INT_KEYS = {
+    "bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads", "opset",
+}
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,
     "method": str,

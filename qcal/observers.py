@@ -755,6 +755,13 @@ _FROM_DICT: Mapping[str, Callable[[Mapping[str, Any]], Observer]] = {
 }
 
 
+def _histogram_from_dict(data: Mapping[str, Any]) -> Observer:
+    # qcal.histogram builds on this module, so it is imported only when a histogram is loaded.
+    from qcal.histogram import HistogramObserver
+
+    return HistogramObserver.from_dict(data)
+
+
 def observer_from_dict(data: Mapping[str, Any]) -> Observer:
     """Rebuild an observer saved with ``to_dict()``.
 
@@ -762,6 +769,8 @@ def observer_from_dict(data: Mapping[str, Any]) -> Observer:
         ConfigError: unknown kind or unsupported version.
     """
     kind = data.get("kind")
+    if kind == "histogram":
+        return _histogram_from_dict(data)
     if kind not in _FROM_DICT:
         raise ConfigError(f"unknown observer kind {kind!r} in saved statistics")
     if data.get("version") != _STATE_VERSION:

@@ -128,7 +128,8 @@ def calibrate(
     with timings.stage("validate"):
         preset = build_preset(config.preset, config.preset_options)
         loaded = load_model(model_path)
-        prepared, steps = prepare_model(loaded.model)
+        prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
+        opset = _default_opset(prepared)
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
             config.data, model_path=model_path, inputs=inputs, synthetic=config.synthetic,
@@ -162,8 +163,8 @@ def calibrate(
         )
 
     with timings.stage("qparams"):
-        records = _activation_records(plan, observers, preset.activation, config)
-        weights, weight_records = _quantize_weights(prepared, plan, preset.weight, config)
+        records = _activation_records(plan, observers, preset.activation, config, opset)
+        weights, weight_records = _quantize_weights(prepared, plan, preset.weight, config, opset)
         records.update(weight_records)
 
     with timings.stage("qdq"):
@@ -197,6 +198,10 @@ def calibrate(
     return CalibrationResult(quant_model, report, comparison, output, report_path)
 
 
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
 def _stage_progress(progress: Progress | None, stage: str, total: int | None) -> Callable[[int], None] | None:
     if progress is None:
         return None
@@ -217,7 +222,7 @@ def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor
 
 def _activation_records(
     plan: QuantPlan, observers: Mapping[str, Observer], recipe: TensorRecipe,
-    config: CalibrationConfig,
+    config: CalibrationConfig, opset: int,
 ) -> dict[str, TensorRecord]:
     records: dict[str, TensorRecord] = {}
     for target in plan.activations:
@@ -229,13 +234,14 @@ def _activation_records(
         qparams = recipe.qparams(choice.stats)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="activation", method=method, choice=choice,
-            qparams=qparams, onnx=recipe.to_onnx(qparams), consumers=target.consumers,
+            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset), consumers=target.consumers,
         )
     return records
 
 
 def _quantize_weights(
-    model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig
+    model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
+    opset: int,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
     initializers = {i.name: i for i in model.graph.initializer}
     weights: dict[str, QuantizedWeight] = {}
@@ -250,8 +256,9 @@ def _quantize_weights(
         except DataError as err:
             raise type(err)(f"weight {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)
-        onnx_qparams = recipe.to_onnx(qparams)
-        weights[target.tensor] = QuantizedWeight(codes=recipe.quantize(array, qparams), onnx=onnx_qparams)
+        onnx_qparams = recipe.to_onnx(qparams, opset=opset)
+        codes = recipe.quantize(array, qparams, opset=opset)
+        weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="weight", method="minmax", choice=choice,
             qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
@@ -274,7 +281,7 @@ __all__ += ["load_labels", "plan_model"]
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
-    prepared, steps = prepare_model(loaded.model)
+    prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
 
 

@@ -329,6 +329,10 @@ def _torch_knobs(dtype: str, qscheme: str) -> Mapping[str, Knob]:
         "averaging_constant": Knob(0.01, _number(0.0, 1.0)),
         "eps": Knob(TORCH_EPS, _number(0.0, 1.0)),
         "ch_axis": Knob(0, _integer(), "weight channel axis"),
+        # The weight observer's own reduce_range (PerChannelMinMaxObserver(reduce_range=...)).
+        # On by default: onnxruntime's uint8 x int8 kernels on x86 CPUs without VNNI add pairs of
+        # products in 16 bits and saturate with full-range int8 weights; 7-bit weights cannot.
+        "weight_reduce_range": Knob(True, _boolean, "7-bit weights [-64,63] (x86 without VNNI)"),
     }
 
 
@@ -352,7 +356,8 @@ def _build_torch(k: Mapping[str, Any]) -> tuple[TensorRecipe, TensorRecipe, str]
     }
     activation = TensorRecipe(scheme, "any" if per_channel else (), None, observers)
     weight_scheme = TorchScheme.from_api(
-        dtype="qint8", qscheme="per_channel_symmetric", eps=k["eps"]
+        dtype="qint8", qscheme="per_channel_symmetric", reduce_range=k["weight_reduce_range"],
+        eps=k["eps"],
     )
     weight = TensorRecipe(weight_scheme, "any", k["ch_axis"], observers)
     return activation, weight, native
@@ -595,7 +600,8 @@ PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
                 "PyTorch: EMA min/max (c=0.01), quint8 per-tensor affine [0,255], half to even",
                 _torch_knobs("quint8", "per_tensor_affine"),
                 _build_torch,
-                "qint8 per_channel_symmetric on ch_axis (default 0), PerChannelMinMaxObserver",
+                "qint8 per_channel_symmetric on ch_axis (default 0), PerChannelMinMaxObserver, "
+                "7-bit [-64,63] unless weight_reduce_range=false",
             ),
             _spec(
                 "pytorch-symmetric",
@@ -603,7 +609,8 @@ PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
                 "PyTorch: EMA min/max (c=0.01), qint8 per-tensor symmetric (step max|x|/127.5)",
                 _torch_knobs("qint8", "per_tensor_symmetric"),
                 _build_torch,
-                "qint8 per_channel_symmetric on ch_axis (default 0), PerChannelMinMaxObserver",
+                "qint8 per_channel_symmetric on ch_axis (default 0), PerChannelMinMaxObserver, "
+                "7-bit [-64,63] unless weight_reduce_range=false",
             ),
             _spec(
                 "oneflow-google",

@@ -1,9 +1,9 @@
 """Calibration method -> observer, and observer state -> the range handed to `compute_qparams`.
 
 `minmax` and `moving-average` take the range straight from the preset's own observers; the
-histogram methods (`percentile`, `entropy`, `mse`) observe a histogram and choose a range from it.
-Either way the chosen range goes through the preset's scheme, so every preset works with every
-method.
+histogram methods (`percentile`, `entropy`, `mse`) observe a streaming histogram and choose a
+range from it. Either way the chosen range goes through the preset's scheme, so every preset works
+with every method.
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qcal.config import CalibrationConfig
+import numpy as np
+
+from qcal.config import HISTOGRAM_METHODS, CalibrationConfig
+from qcal.errors import DataError
+from qcal.histogram import HistogramObserver, select_range
 from qcal.observers import Granularity, MinMaxStats, Observer
 from qcal.presets import TensorRecipe
 
-__all__ = ["RangeChoice", "choose_range", "new_observer"]
+__all__ = ["RangeChoice", "new_observer", "choose_range"]
 
 
 @dataclass(frozen=True)
@@ -28,15 +32,26 @@ class RangeChoice:
 def new_observer(
     recipe: TensorRecipe, method: str, granularity: Granularity, config: CalibrationConfig
 ) -> Observer:
-    if method in ("minmax", "moving-average"):
-        return recipe.observer(method, granularity)
-    raise NotImplementedError(method)
+    if method in HISTOGRAM_METHODS:
+        return HistogramObserver(granularity)
+    return recipe.observer(method, granularity)
 
 
 def choose_range(
     observer: Observer, recipe: TensorRecipe, method: str, config: CalibrationConfig
 ) -> RangeChoice:
-    state = observer.state()
-    if method in ("minmax", "moving-average"):
-        return RangeChoice(observed=state, stats=state)
-    raise NotImplementedError(method)
+    """The range for `method`; a non-finite range (infinite values in the data) is refused."""
+    if method in HISTOGRAM_METHODS:
+        selection = select_range(
+            observer.state(), method, recipe,
+            percentile=config.percentile,
+            symmetric_percentile=bool(getattr(recipe.scheme, "symmetric", True)),
+            bins=config.bins, quantized_bins=config.quantized_bins,
+        )
+        choice = RangeChoice(selection.observed, selection.stats, dict(selection.summary))
+    else:
+        state = observer.state()
+        choice = RangeChoice(observed=state, stats=state, summary={"method": method})
+    if not (np.all(np.isfinite(choice.stats.min)) and np.all(np.isfinite(choice.stats.max))):
+        raise DataError("its range is not finite: the data holds infinite or NaN values")
+    return choice

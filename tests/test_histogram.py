@@ -536,3 +536,21 @@ def test_constant_and_zero_data_keep_the_observed_range() -> None:
         for selection in (percentile_range(state), entropy_range(state), mse_range(state, recipe)):
             lo, hi = float(selection.stats.min), float(selection.stats.max)
             assert (lo, hi) == (value, value) or (value == 0.0 and lo == hi == 0.0)
+
+
+def test_entropy_ignores_the_relu_spike_at_zero() -> None:
+    """Half the values of a ReLU output are exactly 0; they must not drag the threshold down."""
+    from qcal.histogram import HistogramObserver, entropy_range
+    from qcal.observers import PerTensor
+
+    rng = np.random.default_rng(11)
+    relu = np.maximum(rng.standard_normal(200_000).astype(np.float32), 0)
+    observer = HistogramObserver(PerTensor())
+    observer.update(relu)
+    with_spike = entropy_range(observer.state())
+    positive = HistogramObserver(PerTensor())
+    positive.update(relu[relu > 0])
+    without_spike = entropy_range(positive.state())
+    # The zeros change nothing about where the non-zero values are best cut.
+    assert float(with_spike.stats.max) == float(without_spike.stats.max)
+    assert float(with_spike.stats.max) > 3.0  # a normal's tail beyond 3 sigma is 0.13 %

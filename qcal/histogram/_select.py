@@ -161,7 +161,9 @@ def entropy_range(
     candidate ``i`` in ``quantized_bins..bins`` (see :func:`entropy_divergences`) the divergence
     between the clipped reference P and its ``quantized_bins``-level quantization Q is computed;
     the threshold is the upper edge of bin ``i - 1`` of the best candidate, ``t = i * max|x| /
-    bins``. The range is the observed one clipped to ``[-t, t]``. ``smoothing`` is the count
+    bins``. Exact zeros are left out of P (they quantize exactly whatever the threshold, and a
+    ReLU's spike at zero would otherwise dominate the search). The range is the observed one
+    clipped to ``[-t, t]``. ``smoothing`` is the count
     put on empty bins (onnxruntime's 1e-4); it is what lets isolated outliers be clipped.
 
     Raises:
@@ -175,14 +177,19 @@ def entropy_range(
         if top == 0.0:
             t, kl, outside = 0.0, 0.0, 0.0
         else:
-            counts = abs_distribution(histogram, channel).histogram(0.0, top, bins)
+            distribution = abs_distribution(histogram, channel)
+            counts = distribution.histogram(0.0, top, bins)
+            # Exact zeros (the spike after a ReLU) are exact under every scheme, so they carry no
+            # quantization error; left in, they dominate P and the search clips real values.
+            zeros = float(distribution.mass[distribution.hi == 0.0].sum())
+            counts[0] = max(float(counts[0]) - zeros, 0.0)
             kl_all = entropy_divergences(counts, quantized_bins, smoothing=smoothing)
             # Ties go to the largest candidate (least clipping), as pytorch-quantization does.
             best = kl_all.size - 1 - int(np.argmin(kl_all[::-1]))
             edge = quantized_bins + best
             t = top if edge == bins else top * edge / bins
             kl = float(kl_all[best])
-            total = float(counts.sum())
+            total = float(counts.sum()) + zeros
             outside = float(counts[edge:].sum()) / total if total > 0 else 0.0
         lo, hi = _clip_to(low, high, -t, t)
         lows.append(lo)
