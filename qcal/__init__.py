@@ -2,6 +2,18 @@
 
 __version__ = "0.1.0"
 
+from qcal.config import CalibrationConfig, TensorOverride
+from qcal.errors import (
+    AccuracyGateError,
+    CalibrationInterrupted,
+    ConfigError,
+    DataError,
+    EmptyStatisticsError,
+    ModelError,
+    OutputError,
+    QcalError,
+)
+from qcal.evaluate import Comparison, OutputMetrics, compare_models
 from qcal.fakequant import fake_quantize, quantize
 from qcal.histogram import (
     Histogram,
@@ -28,6 +40,7 @@ from qcal.observers import (
 )
 from qcal.onnx_mapping import OnnxQParams, to_onnx_qparams
 from qcal.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
+from qcal.pipeline import CalibrationResult, calibrate
 from qcal.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
@@ -42,6 +55,22 @@ from qcal.schemes import (
 )
 
 __all__ = [
+    # the calibration run, its configuration and its errors
+    "AccuracyGateError",
+    "CalibrationConfig",
+    "CalibrationInterrupted",
+    "CalibrationResult",
+    "Comparison",
+    "ConfigError",
+    "DataError",
+    "EmptyStatisticsError",
+    "ModelError",
+    "OutputError",
+    "OutputMetrics",
+    "QcalError",
+    "TensorOverride",
+    "calibrate",
+    "compare_models",
     # statistics, parameters, fake-quant, presets and the ONNX mapping
     "PRESETS",
     "DataPolicy",

@@ -33,14 +33,16 @@ from qcal.model import (
     plan_quantization,
     prepare_model,
 )
-from qcal.observers import MinMaxStats, Observer, PerChannel, PerTensor
-from qcal.onnx_mapping import OnnxQParams
-from qcal.presets import Preset, TensorRecipe, build_preset
+from qcal.observers import Observer, PerChannel, PerTensor
+from qcal.presets import TensorRecipe, build_preset
 from qcal.qdq import InsertQDQ, QuantizedWeight
-from qcal.ranges import RangeChoice, choose_range, new_observer
+from qcal.ranges import choose_range, new_observer
 from qcal.report import TensorRecord, build_report
 
-__all__ = ["CalibrationResult", "Progress", "calibrate", "default_output_paths"]
+__all__ = [
+    "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
+    "plan_model",
+]
 
 Progress = Callable[[str, int, "int | None"], None]
 """Called as progress(stage, samples_done_since_last_call, total_samples_or_None)."""
@@ -275,14 +277,8 @@ def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: boo
     return PerTensor()
 
 
-# Re-exported for the CLI's `inspect`, which shows the plan without calibrating.
-__all__ += ["load_labels", "plan_model"]
-
-
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
     prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
 
-
-_ = (MinMaxStats, OnnxQParams, Preset, RangeChoice)

@@ -19,7 +19,7 @@ from qcal.histogram import HistogramObserver, select_range
 from qcal.observers import Granularity, MinMaxStats, Observer
 from qcal.presets import TensorRecipe
 
-__all__ = ["RangeChoice", "new_observer", "choose_range"]
+__all__ = ["RangeChoice", "choose_range", "new_observer"]
 
 
 @dataclass(frozen=True)
