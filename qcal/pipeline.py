@@ -34,6 +34,7 @@ from qcal.model import (
     prepare_model,
 )
 from qcal.observers import Observer, PerChannel, PerTensor
+from qcal.onnx_mapping import OnnxQParams
 from qcal.presets import TensorRecipe, build_preset
 from qcal.qdq import InsertQDQ, QuantizedWeight
 from qcal.ranges import choose_range, new_observer
@@ -148,9 +149,12 @@ def calibrate(
         plan = plan_quantization(prepared, _selection_rules(config))
         _check_overrides(config, plan)
         written = [p for p in (output, report_path) if p is not None]
+        # No output may replace a file the run reads, --force or not.
+        read = [model_path, *loaded.external_files]
+        read += [p for p in (calib.path, eval_path, labels_path) if p is not None]
         for path, what in ((output, "output"), (report_path, "report")):
             if path is not None:
-                check_output_path(path, inputs=[model_path], force=force, what=what)
+                check_output_path(path, inputs=read, force=force, what=what)
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
@@ -173,6 +177,7 @@ def calibrate(
         act_params = {name: rec.onnx for name, rec in records.items() if rec.role == "activation"}
         result = InsertQDQ(plan, act_params, weights)(prepared)
         quant_model = result.model
+        records.update(_bias_records(quant_model, plan))
 
     comparison = None
     with timings.stage("evaluate"):
@@ -266,6 +271,34 @@ def _quantize_weights(
             qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
         )
     return weights, records
+
+
+def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:
+    """What the QDQ writer made of each planned bias, read back from the written graph."""
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers = {node.name: node for node in graph.node}
+    initializers = {i.name: i for i in graph.initializer}
+    records: dict[str, TensorRecord] = {}
+    for bias in plan.biases:
+        node = consumers.get(bias.node)
+        dq = producers.get(node.input[2]) if node is not None and len(node.input) > 2 else None
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue  # left float (its input or weight is not quantized)
+        scale = onnx.numpy_helper.to_array(initializers[dq.input[1]]).astype(np.float32)
+        zero_point = onnx.numpy_helper.to_array(initializers[dq.input[2]])
+        axis = next((a.i for a in dq.attribute if a.name == "axis"), None) if scale.ndim else None
+        records[bias.tensor] = TensorRecord(
+            tensor=bias.tensor, role="bias", method="derived: input scale x weight scale",
+            choice=None, qparams=None,
+            onnx=OnnxQParams(
+                dtype=onnx.TensorProto.INT32, scale=scale, zero_point=zero_point, axis=axis,
+                clip_min=None, clip_max=None, exact=True, deviations=(), replacement=None,
+                min_opset=13 if scale.ndim else 10,
+            ),
+            consumers=(bias.node,),
+        )
+    return records
 
 
 def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: bool) -> PerTensor | PerChannel:

@@ -309,3 +309,23 @@ def test_compare(tmp_path: Path, digits_run: tuple[Path, Path, Any]) -> None:
     assert content["outputs"][0]["top1_agreement"] > 0.97
     report = json.loads(digits_run[1].read_text())
     assert content["outputs"][0]["quantized_accuracy"] == report["evaluation"]["outputs"][0]["quantized_accuracy"]
+
+
+def test_bias_scales_are_input_scale_times_weight_scale(digits_run: tuple[Path, Path, Any]) -> None:
+    report = json.loads(digits_run[1].read_text())
+    tensors = {t["name"]: t for t in report["tensors"]}
+    model = onnx.load(digits_run[0])
+    producers = {o: n for n in model.graph.node for o in n.output}
+    biases = [t for t in report["tensors"] if t["role"] == "bias"]
+    assert len(biases) == sum(n["op_type"] in ("Conv", "Gemm") for n in report["nodes"])
+    for bias in biases:
+        node = next(n for n in model.graph.node if n.name == bias["consumers"][0])
+        x_dq, w_dq = producers[node.input[0]], producers[node.input[1]]
+        x_name = producers[x_dq.input[0]].input[0]  # the float tensor the QuantizeLinear reads
+        weight = next(t for t in report["tensors"]
+                      if t["role"] == "weight" and node.name in t["consumers"])
+        x_scale = np.float32(tensors[x_name]["onnx"]["scale"][0])
+        expected = x_scale * np.asarray(weight["onnx"]["scale"], np.float32)
+        np.testing.assert_array_equal(np.asarray(bias["onnx"]["scale"], np.float32), expected)
+        assert bias["onnx"]["type"] == "int32" and set(bias["onnx"]["zero_point"]) == {0}
+        assert w_dq.op_type == "DequantizeLinear"
