@@ -82,8 +82,11 @@ def main() -> None:
 
 
 def _parse_option_value(text: str) -> Any:
-    from qcal.config import tomllib
-
+    """A TOML value (true, 3, 0.5, "x", [1, 2]); anything else is taken as a bare string."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -113,7 +116,7 @@ def _build_config(ctx: click.Context, params: Mapping[str, Any]) -> tuple[Calibr
     file_values: dict[str, Any] = {}
     if params.get("config") is not None:
         file_values = load_config_file(params["config"])
-    outputs = {k: file_values.pop(k) for k in _OUTPUT_KEYS if k in file_values}
+    outputs = _file_outputs(params.get("config"), file_values)
     config = config_from_mapping(file_values, where=f"{params['config']}: ") if file_values else CalibrationConfig()
     flags: dict[str, Any] = {}
     for name, value in params.items():
@@ -133,6 +136,24 @@ def _build_config(ctx: click.Context, params: Mapping[str, Any]) -> tuple[Calibr
         if _explicit(ctx, key) or key not in outputs:
             outputs[key] = params[key]
     return config_from_mapping(flags, base=config, where="--"), outputs
+
+
+def _file_outputs(config_path: Path | None, file_values: dict[str, Any]) -> dict[str, Any]:
+    """Take output, report and force out of the config file's values, checked like the rest."""
+    outputs: dict[str, Any] = {}
+    for key in _OUTPUT_KEYS:
+        if key not in file_values:
+            continue
+        value = file_values.pop(key)
+        if key == "force":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{config_path}: force: expected true or false, got {value!r}")
+        elif not isinstance(value, str) or not value:
+            raise ConfigError(f"{config_path}: {key}: expected a path string, got {value!r}")
+        elif config_path is not None:
+            value = str(config_path.parent / value)  # relative to the file, as the README says
+        outputs[key] = value
+    return outputs
 
 
 @contextmanager
@@ -316,8 +337,10 @@ def presets(as_json: bool) -> None:
     """List every preset with its parameters and their defaults."""
     from qcal.presets import PRESETS
 
-    listing = {name: {"description": spec.description, "options": dict(spec.knobs)}
-               for name, spec in sorted(PRESETS.items())}
+    listing: dict[str, dict[str, Any]] = {
+        name: {"description": spec.description, "options": dict(spec.knobs)}
+        for name, spec in sorted(PRESETS.items())
+    }
     if as_json:
         stdout.print_json(json.dumps(listing, default=str))
         return
@@ -364,7 +387,7 @@ def compare(float_model: Path, quant_model: Path, data: Path | None, labels: Pat
         write_atomic(json_path, (json.dumps(result, indent=2) + "\n").encode())
     stdout.print(_metrics_table(
         f"{float_model.name} vs {quant_model.name} on {comparison.samples} samples",
-        result["outputs"]))
+        [o.to_json() for o in comparison.outputs]))
 
 
 if __name__ == "__main__":  # pragma: no cover

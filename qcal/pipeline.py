@@ -114,7 +114,7 @@ def load_labels(path: Path) -> np.ndarray:
         raise DataError(f"{path}: cannot read labels ({err})") from None
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise DataError(f"{path}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
-    return labels.astype(np.int64)
+    return np.asarray(labels, dtype=np.int64)
 
 
 def calibrate(
@@ -206,7 +206,7 @@ def calibrate(
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
 
 
 def _stage_progress(progress: Progress | None, stage: str, total: int | None) -> Callable[[int], None] | None:
@@ -235,7 +235,8 @@ def _activation_records(
     for target in plan.activations:
         method = config.method_for(target.tensor)
         try:
-            choice = choose_range(observers[target.tensor], recipe, method, config)
+            choice = choose_range(observers[target.tensor], recipe, method, config,
+                                  percentile=config.percentile_for(target.tensor))
         except DataError as err:
             raise type(err)(f"tensor {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)

@@ -63,7 +63,7 @@ def _ints(values: np.ndarray) -> list[int | float]:
 
 
 def _onnx_type_name(dtype: int) -> str:
-    return onnx.TensorProto.DataType.Name(dtype).lower()
+    return str(onnx.TensorProto.DataType.Name(dtype)).lower()
 
 
 def tensor_json(record: TensorRecord) -> dict[str, Any]:
