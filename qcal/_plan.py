@@ -4,18 +4,19 @@ whether it is quantized and which tensors get Q/DQ. Public through `qcal.model`.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import onnx
 
+from qcal._traps import Traps, find_traps
 from qcal.errors import ConfigError, ModelError
 from qcal.passes._graph import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     UseIndex,
     attribute_graphs,
-    element_types,
+    graph_element_types,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "QuantPlan",
     "SelectionRules",
     "WeightTarget",
+    "leave_unobserved_float",
     "plan_quantization",
     "rules_table",
 ]
@@ -117,8 +119,16 @@ OP_RULES: Mapping[str, OpRule] = {
         weight_axis=_matmul_weight_axis,
         fuses_activation=True,
     ),
-    "Add": OpRule("both inputs (constants per tensor) and the output", inputs=(0, 1)),
-    "Mul": OpRule("both inputs (constants per tensor) and the output", inputs=(0, 1)),
+    "Add": OpRule(
+        "both inputs (constants per tensor, in the activation type) and the output",
+        inputs=(0, 1),
+        fuses_activation=True,
+    ),
+    "Mul": OpRule(
+        "both inputs (constants per tensor, in the activation type) and the output",
+        inputs=(0, 1),
+        fuses_activation=True,
+    ),
     "Concat": OpRule("every input and the output", inputs=None),
     "MaxPool": _data_rule("input X (never the Indices output)"),
     "AveragePool": _data_rule("input X"),
@@ -178,6 +188,7 @@ class SelectionRules:
         exclude_nodes: fnmatch globs on node names to leave float.
         exclude_tensors: tensors never to quantize.
         per_channel: quantize weights per channel where the rule allows.
+        default_exclusions: apply the trap-avoiding default exclusions (`TRAP_RULES_DOC`).
     """
 
     op_types: frozenset[str] | None = None
@@ -185,6 +196,7 @@ class SelectionRules:
     exclude_nodes: tuple[str, ...] = ()
     exclude_tensors: frozenset[str] = frozenset()
     per_channel: bool = True
+    default_exclusions: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,10 +206,16 @@ class ActivationTarget:
     Attributes:
         tensor: its name.
         consumers: names of the quantized nodes that read it through the DQ (sorted).
+        same_as: for the output of an operator that only moves or selects values (Reshape,
+            Transpose, MaxPool, Resize, ...; `SAME_SCALE_OPS`), the activation upstream whose
+            parameters it takes instead of being observed: its values lie within that tensor's
+            range, and with equal parameters onnxruntime runs the operator on the integers,
+            without a DequantizeLinear/QuantizeLinear pair around it. None: observed itself.
     """
 
     tensor: str
     consumers: tuple[str, ...]
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -209,12 +227,17 @@ class WeightTarget:
         node: the quantized node reading it.
         op_type: that node's op type.
         axis: channel axis for per-channel quantization, None for per-tensor.
+        role: "weight" at the rule's weight input (the preset's weight scheme); "operand" at
+            another input (Add, Mul, Concat, a constant MatMul A): per tensor in the activation
+            scheme, so that its type matches the activations and onnxruntime's integer kernels
+            (QLinearAdd, QLinearMul, ...) take the node.
     """
 
     tensor: str
     node: str
     op_type: str
     axis: int | None
+    role: str = "weight"
 
 
 @dataclass(frozen=True)
@@ -259,7 +282,8 @@ def plan_quantization(model: onnx.ModelProto, rules: SelectionRules) -> QuantPla
 
     `model` should come from `prepare_model` (named nodes, Constant weights as initializers,
     inferred types): tensors whose element type is unknown are not quantized. Nodes inside
-    If/Loop/Scan bodies are skipped for now, with that reason.
+    If/Loop/Scan bodies are planned by the same rules (constants of enclosing graphs count as
+    weights); nodes in the graphs of other operators stay float, with that reason.
 
     Raises:
         ConfigError: an op type in `rules.op_types` has no rule, or a tensor in
@@ -267,7 +291,79 @@ def plan_quantization(model: onnx.ModelProto, rules: SelectionRules) -> QuantPla
         ModelError: a node has no name or a repeated one, or the model is already quantized.
     """
     _check_selection(model, rules)
-    return _Planner(model.graph, rules).plan()
+    return _Planner(model.graph, rules, ambiguous=_defined_twice(model.graph)).plan()
+
+
+def leave_unobserved_float(
+    model: onnx.ModelProto, plan: QuantPlan, unobserved: Iterable[str]
+) -> QuantPlan:
+    """`plan` without what calibration never saw, which stays float.
+
+    An activation in `unobserved` received no values (an If branch not taken, a Loop that ran
+    no iteration, a tensor empty in every batch): it is not quantized, and its quantized
+    readers say so. An If/Loop/Scan body none of whose planned tensors received values never
+    ran during calibration: every node in it (nested bodies included) stays float, with that
+    reason.
+    """
+    never = set(unobserved)
+    dropped = set(never)  # grows by activations whose every quantized reader stays float
+    if not never:
+        return plan
+    planned = {t.tensor for t in plan.activations}
+    idle: dict[str, str] = {}  # node -> why it stays float
+    producers: dict[str, str] = {}  # planned activation -> node writing it
+
+    def visit(graph: onnx.GraphProto, where: str | None) -> None:
+        local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        for node in graph.node:
+            local.update(node.output)
+            producers.update((v, node.name) for v in node.output if v in planned)
+        mine = planned & local
+        if where is not None and mine and mine <= dropped:
+            reason = f"inside {where}, which never ran during calibration: left float"
+            idle.update((node.name, reason) for node, _ in _walk_nodes(graph, where))
+            return
+        for node in graph.node:
+            if node.op_type not in _CONTROL_FLOW_OPS or node.domain not in DEFAULT_DOMAINS:
+                continue
+            for attribute in node.attribute:
+                for body in attribute_graphs(attribute):
+                    visit(body, f"the {attribute.name} of {node.op_type} node {node.name!r}")
+
+    visit(model.graph, None)
+    activations = []
+    for target in plan.activations:
+        consumers = tuple(c for c in target.consumers if c not in idle)
+        if target.tensor in dropped or (target.consumers and not consumers):
+            dropped.add(target.tensor)
+            continue
+        activations.append(ActivationTarget(target.tensor, consumers, target.same_as))
+    weights = tuple(w for w in plan.weights if w.node not in idle)
+    biases = tuple(
+        b for b in plan.biases if b.node not in idle and b.input_tensor not in dropped
+    )
+    live: set[str] = {w.node for w in weights}
+    live.update(c for t in activations for c in t.consumers)
+    live.update(producers[t.tensor] for t in activations if t.tensor in producers)
+    notes: dict[str, list[str]] = {}
+    for target in plan.activations:
+        if target.tensor in never:
+            for consumer in target.consumers:
+                notes.setdefault(consumer, []).append(
+                    f"input {target.tensor!r} left float: it received no values in calibration"
+                )
+    decisions = []
+    for decision in plan.nodes:
+        if decision.node in idle:
+            decision = NodeDecision(decision.node, decision.op_type, False, idle[decision.node])
+        elif decision.quantized and decision.node not in live:
+            reason = "; ".join(notes.get(decision.node, ["nothing it quantizes received values"]))
+            decision = NodeDecision(decision.node, decision.op_type, False, f"left float: {reason}")
+        elif decision.node in notes:
+            reason = "; ".join([decision.reason, *notes[decision.node]])
+            decision = NodeDecision(decision.node, decision.op_type, decision.quantized, reason)
+        decisions.append(decision)
+    return QuantPlan(tuple(activations), weights, biases, tuple(decisions))
 
 
 def _check_selection(model: onnx.ModelProto, rules: SelectionRules) -> None:
@@ -328,6 +424,7 @@ class _NodeTargets:
     inputs: list[str] = field(default_factory=list)  # activations it reads through a DQ
     outputs: list[str] = field(default_factory=list)  # activations it writes
     weights: list[tuple[str, int | None]] = field(default_factory=list)  # (tensor, axis)
+    operands: list[str] = field(default_factory=list)  # weights not at the rule's weight input
     notes: list[str] = field(default_factory=list)  # what the user should know
 
     def is_empty(self) -> bool:
@@ -339,16 +436,67 @@ class _NodeTargets:
         return "no float tensor to quantize"
 
 
-class _Planner:
-    """One planning run over the main graph (indexes built once)."""
+_CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
-    def __init__(self, graph: onnx.GraphProto, rules: SelectionRules) -> None:
+
+def _defined_twice(graph: onnx.GraphProto) -> frozenset[str]:
+    """Value names defined in more than one graph (sibling subgraphs may reuse a name)."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+
+    def visit(g: onnx.GraphProto) -> None:
+        names = {v.name for v in g.input} | {t.name for t in g.initializer}
+        names.update(v for node in g.node for v in node.output)
+        names.discard("")
+        twice.update(names & seen)
+        seen.update(names)
+        for node in g.node:
+            for attribute in node.attribute:
+                for subgraph in attribute_graphs(attribute):
+                    visit(subgraph)
+
+    visit(graph)
+    return frozenset(twice)
+
+
+@dataclass
+class _Found:
+    """What planning found so far, over the main graph and its bodies."""
+
+    readers: dict[str, set[str]] = field(default_factory=dict)
+    weights: dict[str, list[tuple[str, str, int | None]]] = field(default_factory=dict)
+    operands: set[tuple[str, str]] = field(default_factory=set)  # (weight, node) not at `weight`
+    shares: dict[str, str] = field(default_factory=dict)  # output -> input of a SAME_SCALE_OPS node
+    biases: list[BiasTarget] = field(default_factory=list)
+    decisions: list[NodeDecision] = field(default_factory=list)
+
+
+class _Planner:
+    """One planning run over one graph, the main graph or an If/Loop/Scan body (indexes built
+    once); bodies are planned by planners of their own, in graph order, depth first."""
+
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        rules: SelectionRules,
+        *,
+        types: Mapping[str, int] | None = None,
+        outer_constants: Mapping[str, onnx.TensorProto] | None = None,
+        ambiguous: frozenset[str] = frozenset(),
+    ) -> None:
         self._graph = graph
         self._rules = rules
         self._index = UseIndex.build(graph)
-        self._types = element_types(graph)
+        # Value names are unique across scopes (bar `ambiguous`), so one type map serves all.
+        self._types = graph_element_types(graph) if types is None else types
+        self._outer_constants = outer_constants or {}
+        self._ambiguous = ambiguous
         self._selected: dict[str, OpRule] = {}
         self._skips: dict[str, str] = {}
+        self._traps = (
+            find_traps(graph, self._index, self._types, self._constant)
+            if rules.default_exclusions else Traps()
+        )
         for node in graph.node:
             rule, reason = self._select(node)
             if rule is not None:
@@ -358,41 +506,83 @@ class _Planner:
         self._fused = self._fused_tensors()
 
     def plan(self) -> QuantPlan:
-        readers: dict[str, set[str]] = {}
-        weights: dict[str, list[tuple[str, str, int | None]]] = {}
-        biases: list[BiasTarget] = []
-        decisions: list[NodeDecision] = []
-        for node, container in _walk_nodes(self._graph, None):
-            if container is not None:
-                reason = f"inside {container}: subgraphs are not quantized yet"
-                decisions.append(NodeDecision(node.name, node.op_type, False, reason))
-                continue
-            rule = self._selected.get(node.name)
-            targets = self._targets(node, rule) if rule is not None else self._skips[node.name]
-            if isinstance(targets, str) or targets.is_empty():
-                reason = targets if isinstance(targets, str) else targets.empty_reason()
-                decisions.append(NodeDecision(node.name, node.op_type, False, reason))
-                continue
-            assert rule is not None
-            for tensor in targets.inputs:
-                readers.setdefault(tensor, set()).add(node.name)
-            for tensor in targets.outputs:
-                readers.setdefault(tensor, set())
-            for tensor, axis in targets.weights:
-                weights.setdefault(tensor, []).append((node.name, node.op_type, axis))
-            bias = self._bias(node, rule, targets)
-            if bias is not None:
-                biases.append(bias)
-            reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
-            decisions.append(NodeDecision(node.name, node.op_type, True, reason))
+        found = _Found()
+        self._plan_into(found)
+        readers = found.readers
+        roots = _share_roots(found.shares, readers)
         return QuantPlan(
             activations=tuple(
-                ActivationTarget(t, tuple(sorted(readers[t]))) for t in sorted(readers)
+                ActivationTarget(t, tuple(sorted(readers[t])), roots.get(t)) for t in sorted(readers)
             ),
-            weights=_weight_targets(weights),
-            biases=tuple(sorted(biases, key=lambda b: (b.tensor, b.node))),
-            nodes=tuple(decisions),
+            weights=_weight_targets(found.weights, found.operands),
+            biases=tuple(sorted(found.biases, key=lambda b: (b.tensor, b.node))),
+            nodes=tuple(found.decisions),
         )
+
+    def _plan_into(self, found: _Found) -> None:
+        for node in self._graph.node:
+            self._decide(node, found)
+            for attribute in node.attribute:
+                for subgraph in attribute_graphs(attribute):
+                    where = f"the {attribute.name} of {node.op_type} node {node.name!r}"
+                    if node.op_type in _CONTROL_FLOW_OPS and node.domain in DEFAULT_DOMAINS:
+                        body = _Planner(
+                            subgraph,
+                            self._rules,
+                            types=self._types,
+                            outer_constants=self._scope_constants(),
+                            ambiguous=self._ambiguous,
+                        )
+                        body._plan_into(found)
+                        continue
+                    reason = f"inside {where}: only If, Loop and Scan bodies are quantized"
+                    found.decisions += [
+                        NodeDecision(inner.name, inner.op_type, False, reason)
+                        for inner, _ in _walk_nodes(subgraph, where)
+                    ]
+
+    def _decide(self, node: onnx.NodeProto, found: _Found) -> None:
+        rule = self._selected.get(node.name)
+        targets = self._targets(node, rule) if rule is not None else self._skips[node.name]
+        if isinstance(targets, str) or targets.is_empty():
+            reason = targets if isinstance(targets, str) else targets.empty_reason()
+            found.decisions.append(NodeDecision(node.name, node.op_type, False, reason))
+            return
+        assert rule is not None
+        for tensor in targets.inputs:
+            found.readers.setdefault(tensor, set()).add(node.name)
+        for tensor in targets.outputs:
+            found.readers.setdefault(tensor, set())
+        for tensor, axis in targets.weights:
+            found.weights.setdefault(tensor, []).append((node.name, node.op_type, axis))
+        found.operands.update((tensor, node.name) for tensor in targets.operands)
+        found.shares.update(_shared_outputs(node, targets))
+        bias = self._bias(node, rule, targets)
+        if bias is not None:
+            found.biases.append(bias)
+        reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
+        found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
+
+    def _constant(self, value: str) -> onnx.TensorProto | None:
+        """The initializer holding `value`, in this graph or an enclosing one."""
+        own = self._index.constant(value)
+        if own is not None or value in self._index.graph_inputs or value in self._index.producer:
+            return own
+        return self._outer_constants.get(value)
+
+    def _scope_constants(self) -> dict[str, onnx.TensorProto]:
+        """The constants a body inside this graph sees: ours and those of enclosing graphs."""
+        visible = {
+            name: tensor
+            for name, tensor in self._outer_constants.items()
+            if name not in self._index.graph_inputs and name not in self._index.producer
+        }
+        visible.update(
+            (name, tensor)
+            for name, tensor in self._index.initializers.items()
+            if name not in self._index.graph_inputs
+        )
+        return visible
 
     def _select(self, node: onnx.NodeProto) -> tuple[OpRule | None, str]:
         """The node's rule, or why it is not quantized (by op type or name)."""
@@ -408,6 +598,8 @@ class _Planner:
         for pattern in rules.exclude_nodes:
             if fnmatch.fnmatchcase(node.name, pattern):
                 return None, f"node name matches --exclude-nodes pattern {pattern!r}"
+        if node.name in self._traps.nodes:
+            return None, self._traps.nodes[node.name]
         return rule, ""
 
     def _fused_tensors(self) -> dict[str, tuple[str, str]]:
@@ -431,7 +623,7 @@ class _Planner:
                 and activation.input[0] == tensor
                 and len(self._index.uses.get(tensor, ())) == 1
                 and self._quantizable(activation.output[0])
-                and all(not v or self._index.constant(v) is not None for v in activation.input[1:])
+                and all(not v or self._constant(v) is not None for v in activation.input[1:])
             ):
                 fused[tensor] = (node.name, activation.name)
         return fused
@@ -456,6 +648,9 @@ class _Planner:
     def _add_input(
         self, node: onnx.NodeProto, rule: OpRule, slot: int, tensor: str, found: _NodeTargets
     ) -> None:
+        if (node.name, tensor) in self._traps.reads:
+            found.notes.append(self._traps.reads[(node.name, tensor)])
+            return
         if tensor in self._fused:
             found.notes.append(
                 f"input {tensor!r} left float: onnxruntime fuses this "
@@ -464,7 +659,7 @@ class _Planner:
             return
         if not self._accepts(tensor, found):
             return
-        constant = self._index.constant(tensor)
+        constant = self._constant(tensor)
         if constant is None:
             found.inputs.append(tensor)
             return
@@ -472,6 +667,8 @@ class _Planner:
         if slot == rule.weight and rule.weight_axis is not None and self._rules.per_channel:
             axis = rule.weight_axis(node, len(constant.dims))
         found.weights.append((tensor, axis))
+        if slot != rule.weight:
+            found.operands.append(tensor)
 
     def _add_output(self, node: onnx.NodeProto, tensor: str, found: _NodeTargets) -> None:
         if tensor in self._fused:
@@ -487,6 +684,12 @@ class _Planner:
         """Whether `tensor` may be quantized; notes why not when the user should know."""
         if tensor in self._rules.exclude_tensors:
             found.notes.append(f"{tensor!r} excluded by --exclude-tensors")
+            return False
+        if tensor in self._traps.tensors:
+            found.notes.append(f"{tensor!r} left float: {self._traps.tensors[tensor]}")
+            return False
+        if tensor in self._ambiguous:
+            found.notes.append(f"{tensor!r} left float: its name is defined in several subgraphs")
             return False
         elem_type = self._types.get(tensor)
         if elem_type is None:
@@ -509,8 +712,8 @@ class _Planner:
         return BiasTarget(tensor=bias, node=node.name, input_tensor=source, weight_tensor=weight)
 
     def _bias_problem(self, node: onnx.NodeProto, bias: str, weight: str) -> str | None:
-        constant = self._index.constant(bias)
-        weight_constant = self._index.constant(weight)
+        constant = self._constant(bias)
+        weight_constant = self._constant(weight)
         if bias in self._rules.exclude_tensors:
             return "excluded by --exclude-tensors"
         if constant is None or constant.data_type not in FLOAT_TYPES:
@@ -545,14 +748,65 @@ def _quantized_slot(slots: tuple[int, ...] | None, slot: int) -> bool:
 
 def _weight_targets(
     found: dict[str, list[tuple[str, str, int | None]]],
+    operands: set[tuple[str, str]],
 ) -> tuple[WeightTarget, ...]:
-    """One target per (weight, reading node); a weight read on different axes goes per tensor."""
+    """One target per (weight, reading node); a weight read on different axes goes per tensor,
+    and one read as a weight by any node is a weight for all (it has one set of codes)."""
     targets = []
     for tensor in sorted(found):
         uses = found[tensor]
         shared_axis = uses[0][2] if len({axis for _, _, axis in uses}) == 1 else None
-        targets += [WeightTarget(tensor, node, op_type, shared_axis) for node, op_type, _ in uses]
+        role = "operand" if all((tensor, node) in operands for node, _, _ in uses) else "weight"
+        targets += [
+            WeightTarget(tensor, node, op_type, shared_axis, role) for node, op_type, _ in uses
+        ]
     return tuple(sorted(targets, key=lambda t: (t.tensor, t.node)))
+
+
+# Operators whose outputs hold only values of their first input (moved, selected, or the max of
+# some), or, for Resize, values between them: an output quantized with the input's parameters
+# loses nothing the input did not, and onnxruntime then drops the DequantizeLinear/QuantizeLinear
+# pair around the node and runs it on the integers.
+SAME_SCALE_OPS = frozenset(
+    {
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
+        "DepthToSpace", "SpaceToDepth", "MaxPool", "GlobalMaxPool", "Resize",
+    }
+)
+
+
+def _shared_outputs(node: onnx.NodeProto, targets: _NodeTargets) -> list[tuple[str, str]]:
+    """(output, input) pairs where `node`'s quantized outputs take its quantized input's
+    parameters (every output of a Split, the first of the others)."""
+    if node.op_type not in SAME_SCALE_OPS or node.domain not in DEFAULT_DOMAINS:
+        return []
+    if node.op_type == "Resize" and _string_attribute(node, "mode", "nearest") == "cubic":
+        return []  # cubic interpolation overshoots its inputs
+    source = node.input[0] if node.input else ""
+    outputs = [o for o in node.output[: None if node.op_type == "Split" else 1] if o]
+    if source not in targets.inputs or not outputs or not set(outputs) <= set(targets.outputs):
+        return []
+    return [(output, source) for output in outputs]
+
+
+def _share_roots(shares: Mapping[str, str], readers: Mapping[str, set[str]]) -> dict[str, str]:
+    """Shared output -> the observed activation at the start of its chain of shares."""
+    roots: dict[str, str] = {}
+    for output in shares:
+        root, seen = shares[output], {output}
+        while root in shares and root not in seen:
+            seen.add(root)
+            root = shares[root]
+        if root in readers and root not in shares:
+            roots[output] = root
+    return roots
+
+
+def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return attribute.s.decode()
+    return default
 
 
 def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:

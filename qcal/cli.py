@@ -188,15 +188,21 @@ def _show_summary(result: Any) -> None:
         f"[bold]qcal[/] {report['preset']['name']} preset, method {report['config']['method']}: "
         f"{cov['quantized']} of {cov['nodes']} nodes quantized, {cov['skipped']} kept in float; "
         f"{len(report['tensors'])} tensors; calibrated on {report['data']['samples']} samples"
+        f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
     )
     if cov["skipped_by_reason"]:
         for reason, count in cov["skipped_by_reason"].items():
             stdout.print(f"  kept in float: {count} × {reason}")
+    _show_accuracy(report)
     evaluation = report["evaluation"]
     if evaluation:
         stdout.print(_metrics_table(
             f"float vs quantized on {evaluation['samples']} samples ({evaluation['data']})",
             evaluation["outputs"]))
+    for gate in report["gates"]:
+        verdict = "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]"
+        value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
+        stdout.print(f"gate --{gate['option']} {gate['threshold']:g}: {gate['measure']} {value} {verdict}")
     for warning in report["warnings"]:
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
@@ -204,6 +210,37 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"wrote {result.output}")
     if result.report_path is not None:
         stdout.print(f"wrote {result.report_path}")
+
+
+def _show_accuracy(report: dict[str, Any]) -> None:
+    """Compute coverage, the most sensitive tensors and what the fallback kept in float."""
+    cov = report["coverage"]
+    if "macs_quantized_fraction" in cov:
+        unit = "MACs" if cov["basis"] == "macs" else "nodes (shapes unknown)"
+        stdout.print(
+            f"  compute quantized: {cov['macs_quantized_fraction']:.1%} of Conv/MatMul/Gemm {unit} "
+            f"({cov['quantized_compute_nodes']} of {cov['compute_nodes']} nodes)"
+        )
+    sensitivity = report.get("sensitivity")
+    if sensitivity:
+        table = Table(title_justify="left", title=(
+            f"most sensitive tensors, each quantized alone ({sensitivity['samples']} samples; "
+            f"all {len(sensitivity['tensors'])} in the report)"))
+        for col in ("tensor", "role", "output SQNR dB", "local SQNR dB"):
+            table.add_column(col, justify="left" if col in ("tensor", "role") else "right")
+        for entry in sensitivity["tensors"][:8]:
+            table.add_row(entry["tensor"], entry["role"],
+                          _fmt(entry["output_sqnr_db"], ".1f", "exact"),
+                          _fmt(entry["local_sqnr_db"], ".1f", "exact"))
+        stdout.print(table)
+    fallback = report.get("fallback")
+    if fallback:
+        style = "green" if fallback["reached"] else "bold red"
+        stdout.print(f"[{style}]fallback:[/] {fallback['message']}")
+        for entry in fallback["kept_float"][:10]:
+            stdout.print(f"  kept float: {entry['tensor']} ({entry['reason']})")
+        if len(fallback["kept_float"]) > 10:
+            stdout.print(f"  ... and {len(fallback['kept_float']) - 10} more (see the report)")
 
 
 def _metrics_table(title: str, outputs: list[dict[str, Any]]) -> Table:
@@ -257,12 +294,30 @@ _existing = click.Path(exists=False, path_type=Path)
               help="Upgrade the model to at least this opset (21 enables int4/int16 QDQ types).")
 @click.option("--provider", multiple=True, help="onnxruntime execution provider(s) [default: CPU].")
 @click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime intra-op threads (0: its default).")
+@click.option("--default-exclusions/--no-default-exclusions", default=True, show_default=True,
+              help="Keep known accuracy traps in float (normalization statistics, ...; see README).")
+@click.option("--sensitivity", is_flag=True, help="Measure every quantized tensor's effect alone.")
+@click.option("--sensitivity-samples", type=int, metavar="N",
+              help="Evaluation samples the sensitivity runs on [default: 32, fewer on large "
+                   "models: at most 2048 runs, at least 2 samples].")
+@click.option("--target-sqnr", type=float, metavar="DB",
+              help="Keep harmful tensors in float until every output's SQNR is at least DB.")
+@click.option("--max-agreement-drop", type=float, metavar="PCT",
+              help="Keep harmful tensors in float until top-1 agreement is at least 100-PCT %.")
+@click.option("--min-coverage", type=float, default=50.0, show_default=True, metavar="PCT",
+              help="The fallback never keeps more than 100-PCT % of Conv/MatMul/Gemm MACs in float.")
+@click.option("--fail-under-sqnr", type=float, metavar="DB", help="Exit 7 if an output's SQNR is below DB.")
+@click.option("--fail-under-agreement", type=float, metavar="PCT",
+              help="Exit 7 if top-1 agreement is below PCT %.")
+@click.option("--fail-if-coverage-below", type=float, metavar="PCT",
+              help="Exit 7 if less than PCT % of Conv/MatMul/Gemm MACs are quantized.")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @reports_errors
 def calibrate(**params: Any) -> None:
     """Calibrate MODEL on real data and write a QDQ model and a JSON report."""
+    from qcal.gates import raise_for_failed
     from qcal.pipeline import calibrate as run_calibration
     from qcal.pipeline import default_output_paths
 
@@ -275,9 +330,11 @@ def calibrate(**params: Any) -> None:
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
         result = run_calibration(model, config, output=output, report_path=report,
-                                 force=bool(outputs.get("force")), progress=progress)
+                                 force=bool(outputs.get("force")), progress=progress,
+                                 enforce_gates=False)
     if not params["quiet"]:
         _show_summary(result)
+    raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
 
 
 @main.command()
@@ -287,6 +344,8 @@ def calibrate(**params: Any) -> None:
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
 @click.option("--exclude-tensors", multiple=True, help="Never quantize these tensors.")
 @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
+@click.option("--default-exclusions/--no-default-exclusions", default=True, show_default=True,
+              help="Keep known accuracy traps in float (see README).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @reports_errors

@@ -17,8 +17,23 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from qcal.data import find_nonfinite
 from qcal.errors import DataError, ModelError, QcalError
-from qcal.observers import Observer
+from qcal.observers import Observer, PerChannel
+from qcal.passes._graph import element_types
+from qcal.passes._large import (
+    DETACH_MIN_BYTES,
+    SERIALIZE_LIMIT_BYTES,
+    light_copy,
+    serialized_size,
+)
+from qcal.passes.expose_subgraph_tensors import expose_subgraph_tensors
+from qcal.passes.reduce_min_max import (
+    MinMaxLayout,
+    add_min_max_outputs,
+    read_min_max,
+    value_ranks,
+)
 from qcal.runtime import create_session
 
 __all__ = ["CollectionSummary", "collect", "expose_tensors"]
@@ -32,6 +47,7 @@ class CollectionSummary:
     samples: int
     batches: int
     seconds: float
+    providers: tuple[str, ...] = ()  # the execution providers onnxruntime ran with
 
 
 def expose_tensors(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
@@ -55,19 +71,65 @@ def expose_tensors(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.Model
     return exposed
 
 
+def _reducible(
+    model: onnx.ModelProto, observers: Mapping[str, tuple[str, Observer]]
+) -> dict[str, int | None]:
+    """Outputs whose observers take min/max statistics, with their channel axis (None: per tensor).
+
+    These observers need only the extremes of each batch, so onnxruntime computes them in the
+    graph and the tensors never leave it. Other observers (histograms), float16 tensors and
+    per-channel tensors of unknown rank get whole arrays.
+    """
+    types = element_types(model.graph)
+    ranks = value_ranks(model.graph)
+    found: dict[str, int | None] = {}
+    for output, (_, observer) in observers.items():
+        if types.get(output) != onnx.TensorProto.FLOAT or not (
+            hasattr(observer, "update_min_max") and hasattr(observer, "channel_axis")
+        ):
+            continue
+        if not isinstance(getattr(observer, "granularity", None), PerChannel):
+            found[output] = None
+            continue
+        rank = ranks.get(output)
+        if rank is None:
+            continue
+        try:
+            found[output] = observer.channel_axis(rank)
+        except DataError:
+            continue  # the update with the whole batch reports it, naming the tensor
+    return found
+
+
 def _update_observers(
-    observers: Mapping[str, Observer], names: list[str], arrays: list[np.ndarray]
+    observers: Mapping[str, tuple[str, Observer]],
+    reduced: MinMaxLayout,
+    names: list[str],
+    arrays: list[np.ndarray],
 ) -> None:
+    """Feed each session output to the observer of the tensor it carries (keyed by output)."""
+    outputs = dict(zip(names, arrays))
+    for value, lo, hi in read_min_max(reduced, outputs):
+        if lo is None or hi is None:
+            continue  # no values in this batch, as for whole arrays below
+        tensor, observer = observers[value]
+        try:
+            observer.update_min_max(lo, hi, reduced.axes[value])  # type: ignore[attr-defined]
+        except QcalError as err:
+            raise type(err)(f"tensor {tensor!r}: {err}") from None
     for name, array in zip(names, arrays):
-        observer = observers.get(name)
-        if observer is None:
+        if name not in observers or name in reduced.axes:
+            continue
+        tensor, observer = observers[name]
+        if array.size == 0:
+            # No values: an If branch not taken, a Loop without iterations, an empty batch.
             continue
         if array.dtype != np.float32:
             array = array.astype(np.float32)
         try:
             observer.update(array)
         except QcalError as err:
-            raise type(err)(f"tensor {name!r}: {err}") from None
+            raise type(err)(f"tensor {tensor!r}: {err}") from None
 
 
 def collect(
@@ -81,39 +143,81 @@ def collect(
 ) -> CollectionSummary:
     """Run `model` on every batch and update `observers` (keyed by tensor name) in data order."""
     started = time.perf_counter()
-    session = create_session(
-        expose_tensors(model, sorted(observers)), providers=providers, threads=threads,
-        what="calibration model",
+    # A model too large to serialize is rewritten without its weights (so the copies below stay
+    # small); the session reads them from the model itself.
+    weights = model if serialized_size(model) > SERIALIZE_LIMIT_BYTES else None
+    if weights is not None:
+        model = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
+    # Tensors of If/Loop/Scan bodies reach the outputs through routes of their own.
+    routed = expose_subgraph_tensors(model, observers)
+    by_output = {routed.sources[t]: (t, observer) for t, observer in observers.items()}
+    calibration_model, reduced = add_min_max_outputs(
+        routed.model, _reducible(routed.model, by_output)
     )
-    output_names = [o.name for o in session.get_outputs()]
+    del routed
+    whole = sorted(o for o in by_output if o not in reduced.axes)
+    session = create_session(
+        expose_tensors(calibration_model, whole), providers=providers, threads=threads,
+        what="calibration model", node_order=True, weights_from=weights,
+    )
+    del calibration_model
+    output_names = reduced.output_names + whole
     samples = batch_count = 0
-    pending: Future[None] | None = None
+    # The batch being observed, with its feed and first sample (to name bad inputs on failure).
+    pending: tuple[Future[None], Feed, int, int] | None = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcal-observe") as pool:
         try:
             for feed, n in batches:
-                arrays = _run(session, output_names, feed)
+                arrays = _run(session, output_names, feed, samples, n)
                 if pending is not None:
-                    pending.result()  # keeps at most two batches of activations alive
-                pending = pool.submit(_update_observers, observers, output_names, arrays)
+                    _wait(*pending)  # keeps at most two batches of activations alive
+                future = pool.submit(_update_observers, by_output, reduced, output_names, arrays)
+                pending = (future, feed, samples, n)
                 del arrays
                 samples += n
                 batch_count += 1
                 if on_batch is not None:
                     on_batch(n)
             if pending is not None:
-                pending.result()
+                _wait(*pending)
         except BaseException:
             if pending is not None:
-                pending.cancel()
+                pending[0].cancel()
             raise
     if samples == 0:
         raise DataError("calibration data has no samples")
-    return CollectionSummary(samples, batch_count, time.perf_counter() - started)
+    return CollectionSummary(
+        samples, batch_count, time.perf_counter() - started, tuple(session.get_providers())
+    )
 
 
-def _run(session: object, output_names: list[str], feed: Feed) -> list[np.ndarray]:
+def _samples_text(first: int, n: int) -> str:
+    """Which samples a batch holds, 0-based in data order."""
+    return f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
+
+
+def _run(
+    session: object, output_names: list[str], feed: Feed, first: int, n: int
+) -> list[np.ndarray]:
     try:
         return session.run(output_names, dict(feed))  # type: ignore[attr-defined, no-any-return]
-    except Exception as err:  # onnxruntime raises its own untyped exceptions
+    except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"onnxruntime failed on a calibration batch: {message}") from None
+        raise DataError(
+            f"onnxruntime failed on calibration {_samples_text(first, n)}: {message}"
+        ) from None
+
+
+def _wait(future: Future[None], feed: Feed, first: int, n: int) -> None:
+    """The observers' update of one batch; a failure names the inputs holding NaN/inf."""
+    try:
+        future.result()
+    except DataError as err:
+        bad = find_nonfinite(feed)
+        if not bad:
+            raise
+        names = ", ".join(repr(name) for name in bad)
+        raise DataError(
+            f"input {names} holds NaN or infinite values in calibration "
+            f"{_samples_text(first, n)} (0-based); {err}"
+        ) from None

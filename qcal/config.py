@@ -74,6 +74,17 @@ class CalibrationConfig:
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     threads: int = 0
     opset: int = 13
+    # Accuracy: default exclusions, sensitivity, automatic fallback and CI gates. Percentages
+    # are in percent (0-100), SQNR in dB; None means "not asked for".
+    default_exclusions: bool = True
+    sensitivity: bool = False
+    sensitivity_samples: int | None = None  # None: automatic (see pipeline)
+    target_sqnr: float | None = None
+    max_agreement_drop: float | None = None
+    min_coverage: float = 50.0
+    fail_under_sqnr: float | None = None
+    fail_under_agreement: float | None = None
+    fail_if_coverage_below: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -99,12 +110,32 @@ class CalibrationConfig:
             raise ConfigError(f"opset: {self.opset} is not between 13 and 25")
         if self.threads < 0:
             raise ConfigError(f"threads: {self.threads} must be 0 (onnxruntime default) or more")
+        self._check_accuracy_options()
         for name, override in self.tensors.items():
             if override.method is not None and override.method not in METHODS:
                 raise ConfigError(
                     f"tensors.{name}.method: unknown {override.method!r}; "
                     f"choose one of {', '.join(METHODS)}"
                 )
+
+    def _check_accuracy_options(self) -> None:
+        if self.sensitivity_samples is not None and self.sensitivity_samples < 1:
+            raise ConfigError(f"sensitivity-samples: {self.sensitivity_samples} must be at least 1")
+        for key in ("max_agreement_drop", "min_coverage", "fail_under_agreement",
+                    "fail_if_coverage_below"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 <= value <= 100.0:
+                raise ConfigError(f"{key.replace('_', '-')}: {value} is not a percentage in [0, 100]")
+
+    @property
+    def has_fallback_target(self) -> bool:
+        """Whether the automatic float fallback runs (a target was set)."""
+        return self.target_sqnr is not None or self.max_agreement_drop is not None
+
+    @property
+    def wants_sensitivity(self) -> bool:
+        """Whether per-tensor sensitivity is measured (asked for, or needed by the fallback)."""
+        return self.sensitivity or self.has_fallback_target
 
     @property
     def uses_histograms(self) -> bool:
@@ -115,6 +146,10 @@ class CalibrationConfig:
     def method_for(self, tensor: str) -> str:
         override = self.tensors.get(tensor)
         return override.method if override and override.method else self.method
+
+    def percentile_for(self, tensor: str) -> float:
+        override = self.tensors.get(tensor)
+        return override.percentile if override and override.percentile else self.percentile
 
     def to_json(self) -> dict[str, Any]:
         """The resolved configuration, as recorded in the report."""
@@ -141,12 +176,19 @@ _PATH_KEYS = {"data", "eval_data", "labels"}
 _LIST_KEYS = {"op_types", "exclude_op_types", "exclude_nodes", "exclude_tensors", "providers"}
 _INT_KEYS = {
     "bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads", "opset",
+    "sensitivity_samples",
+}
+_FLOAT_KEYS = {
+    "percentile", "target_sqnr", "max_agreement_drop", "min_coverage", "fail_under_sqnr",
+    "fail_under_agreement", "fail_if_coverage_below",
 }
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,
     "method": str,
-    "percentile": (int, float),
+    **{key: (int, float) for key in _FLOAT_KEYS},
     "per_channel": bool,
+    "default_exclusions": bool,
+    "sensitivity": bool,
     "preset_options": dict,
     "tensors": dict,
 }
@@ -176,7 +218,7 @@ def _check_type(key: str, value: Any, where: str) -> Any:
         not isinstance(value, expected) or (expected is not bool and isinstance(value, bool))
     ):
         raise ConfigError(f"{where}{key}: expected {_type_name(expected)}, got {value!r}")
-    return float(value) if key == "percentile" else value
+    return float(value) if key in _FLOAT_KEYS else value
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:
@@ -197,8 +239,23 @@ def _tensor_overrides(raw: Mapping[str, Any], where: str) -> dict[str, TensorOve
                 f"{where}tensors.{tensor}: unknown key {unknown[0]!r} "
                 f"(allowed: {', '.join(sorted(allowed))})"
             )
+        _check_override_types(values, f"{where}tensors.{tensor}.")
         out[tensor] = TensorOverride(**values)
     return out
+
+
+def _check_override_types(values: Mapping[str, Any], where: str) -> None:
+    """Per-tensor values have the types (and percentile the range) of the global keys."""
+    if "method" in values and not isinstance(values["method"], str):
+        raise ConfigError(f"{where}method: expected a string, got {values['method']!r}")
+    if "skip" in values and not isinstance(values["skip"], bool):
+        raise ConfigError(f"{where}skip: expected true or false, got {values['skip']!r}")
+    if "percentile" in values:
+        value = values["percentile"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}percentile: expected a number, got {value!r}")
+        if not 0.0 < value <= 100.0:
+            raise ConfigError(f"{where}percentile: {value} is not in (0, 100]")
 
 
 def config_from_mapping(

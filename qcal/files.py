@@ -23,6 +23,8 @@ def check_output_path(path: Path, *, inputs: Iterable[Path], force: bool, what: 
     if resolved.is_dir():
         raise OutputError(f"{what} {path}: is a directory")
     parent = resolved.parent
+    if parent.exists() and not parent.is_dir():
+        raise OutputError(f"{what} {path}: {parent} is a file, not a directory")
     if not parent.is_dir():
         raise OutputError(f"{what} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

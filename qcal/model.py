@@ -32,6 +32,7 @@ from qcal._plan import (
     QuantPlan,
     SelectionRules,
     WeightTarget,
+    leave_unobserved_float,
     plan_quantization,
     rules_table,
 )
@@ -45,7 +46,7 @@ from qcal.passes import (
     PrepPass,
     UpgradeOpset,
 )
-from qcal.passes._graph import attribute_graphs, check_wiring
+from qcal.passes._graph import all_graphs, attribute_graphs, check_wiring
 
 __all__ = [
     "OP_RULES",
@@ -60,6 +61,7 @@ __all__ = [
     "QuantPlan",
     "SelectionRules",
     "WeightTarget",
+    "leave_unobserved_float",
     "load_model",
     "model_inputs",
     "plan_quantization",
@@ -96,11 +98,13 @@ class LoadedModel:
         path: the file it was read from.
         model: the model, external data loaded into memory (from safe paths only).
         sha256: hex digest of the .onnx file's bytes.
+        external_files: the external-data files the weights were read from (resolved, sorted).
     """
 
     path: Path
     model: onnx.ModelProto
     sha256: str
+    external_files: tuple[Path, ...] = ()
 
 
 def load_model(path: Path | str) -> LoadedModel:
@@ -125,8 +129,7 @@ def load_model(path: Path | str) -> LoadedModel:
         return LoadedModel(path=path, model=model, sha256=digest)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
     folder = path.parent.resolve()
-    for tensor in external:
-        _check_external_reference(path, folder, tensor)
+    files = sorted({_check_external_reference(path, folder, tensor) for tensor in external})
     _run_checker(path, os.fspath(path))
     try:
         onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
@@ -137,7 +140,7 @@ def load_model(path: Path | str) -> LoadedModel:
             f"{path}: external data of tensor {tensor.name!r} was not loaded "
             "(sparse tensors with external data are not supported)"
         )
-    return LoadedModel(path=path, model=model, sha256=digest)
+    return LoadedModel(path=path, model=model, sha256=digest, external_files=tuple(files))
 
 
 def _read_file(path: Path) -> bytes:
@@ -207,8 +210,8 @@ def _is_external(tensor: onnx.TensorProto) -> bool:
     return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
 
 
-def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto) -> None:
-    """Refuse an external-data entry that is unsafe, missing or does not hold the tensor."""
+def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto) -> Path:
+    """The file holding `tensor`'s data; refuses an entry that is unsafe, missing or short."""
     where = f"{path}: external data of tensor {tensor.name!r}"
     entries = {entry.key: entry.value for entry in tensor.external_data}
     location = entries.get("location", "")
@@ -221,7 +224,7 @@ def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto
         or location.startswith(("/", "\\"))
     ):
         raise ModelError(f"{where}: location {location!r} is an absolute path")
-    resolved = (folder / location).resolve()  # follows symlinks and `..`
+    resolved: Path = (folder / location).resolve()  # follows symlinks and `..`
     if not resolved.is_relative_to(folder):
         raise ModelError(f"{where}: location {location!r} points outside the model's folder")
     if (folder / location).is_symlink():  # onnx refuses these too, even pointing inside
@@ -243,6 +246,7 @@ def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto
         raise ModelError(
             f"{where}: {location!r} holds {length} bytes for it, its shape and type need {needed}"
         )
+    return resolved
 
 
 def _non_negative(text: str, where: str, key: str) -> int:
@@ -316,7 +320,8 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
 
 def _dimension(dim: onnx.TensorShapeProto.Dimension) -> int | str | None:
     if dim.HasField("dim_value"):
-        return int(dim.dim_value)
+        # Some exporters (PaddlePaddle) write -1 for a dynamic dim; onnxruntime reads it as unknown.
+        return int(dim.dim_value) if dim.dim_value >= 0 else None
     if dim.HasField("dim_param") and dim.dim_param:
         return dim.dim_param
     return None
@@ -340,19 +345,27 @@ class PrepStep:
 
 
 def prepare_model(
-    model: onnx.ModelProto, *, min_opset: int = 13
+    model: onnx.ModelProto, *, min_opset: int = 13, in_place: bool = False
 ) -> tuple[onnx.ModelProto, list[PrepStep]]:
     """A copy of `model` ready to quantize, and the steps that changed it.
 
     Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
     int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
     fold-batchnorm, infer-shapes. Each step that did something (or could not complete, as
-    shape inference may) is reported. `model` itself is never changed.
+    shape inference may) is reported. `model` itself is never changed, unless `in_place`
+    (which saves a copy of the weights when the caller has no further use for `model`).
+
+    A model with float16 or bfloat16 tensors is upgraded to at least opset 19, the first whose
+    QuantizeLinear/DequantizeLinear take half-precision values and scales; its tensors are
+    observed in float32 (a step says so).
 
     Raises:
         ModelError: naming the step, when the model is malformed or a step cannot do its job.
         ConfigError: when `min_opset` is not an opset the installed onnx knows.
     """
+    half = _half_precision_types(model.graph)
+    if half:
+        min_opset = max(min_opset, _HALF_QDQ_OPSET)
     passes: list[PrepPass] = [
         UpgradeOpset(min_opset),
         NameNodes(),
@@ -361,8 +374,10 @@ def prepare_model(
         FoldBatchNorm(),
         InferShapes(),
     ]
-    work = onnx.ModelProto()
-    work.CopyFrom(model)
+    work = model
+    if not in_place:
+        work = onnx.ModelProto()
+        work.CopyFrom(model)
     problem = check_wiring(work.graph)
     if problem is not None:
         raise ModelError(f"cannot prepare the model: {problem}")
@@ -382,7 +397,29 @@ def prepare_model(
         if result.detail:
             steps.append(PrepStep(prep.name, result.detail))
             logger.info("%s: %s", prep.name, result.detail)
+    if half:
+        steps.append(PrepStep("half-precision", (
+            f"{' and '.join(half)} tensors are observed in float32; their Q/DQ scales are "
+            f"stored in {half[0]} (QuantizeLinear takes {half[0]} from opset {_HALF_QDQ_OPSET})"
+        )))
     return work, steps
+
+
+_HALF_QDQ_OPSET = 19
+_HALF_TYPES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+def _half_precision_types(graph: onnx.GraphProto) -> list[str]:
+    """The half-precision float types among the model's typed values, e.g. ["float16"]."""
+    found: set[int] = set()
+    for g in all_graphs(graph):
+        found.update(t.data_type for t in g.initializer)
+        for value in (*g.input, *g.output, *g.value_info):
+            found.add(value.type.tensor_type.elem_type)
+        for node in g.node:
+            if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+                found.update(a.i for a in node.attribute if a.name == "to")
+    return [name for dtype, name in _HALF_TYPES.items() if dtype in found]
 
 
 def _first_line(err: BaseException) -> str:

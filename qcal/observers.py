@@ -258,6 +258,13 @@ def _min_max(x: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 def _check_values(lo: np.ndarray, hi: np.ndarray, policy: DataPolicy) -> None:
     """Reject NaN/inf as the policy says, looking only at the reduced values (cheap)."""
+    if lo.ndim == 0 and hi.ndim == 0:  # per tensor: scalar tests, ~10x cheaper than ufuncs
+        low, high = float(lo), float(hi)
+        if policy.nan == "reject" and (math.isnan(low) or math.isnan(high)):
+            raise DataError("calibration data contains NaN")
+        if policy.inf == "reject" and (math.isinf(low) or math.isinf(high)):
+            raise DataError("calibration data contains an infinite value")
+        return
     if policy.nan == "reject" and (np.isnan(lo).any() or np.isnan(hi).any()):
         raise DataError("calibration data contains NaN")
     if policy.inf == "reject" and (np.isinf(lo).any() or np.isinf(hi).any()):
@@ -338,6 +345,31 @@ class _RangeObserver:
             logger.debug("ignoring an empty batch of shape %s", x.shape)
             return
         lo, hi, axis = self._reduce(x)
+        self._fold(lo, hi, axis)
+
+    def channel_axis(self, ndim: int) -> int | None:
+        """The axis a rank-`ndim` batch is reduced per channel on (None: per tensor).
+
+        Raises:
+            DataError: the per-channel axis does not exist at that rank.
+        """
+        if isinstance(self._granularity, PerChannel):
+            return _normalise_axis(self._granularity.axis, ndim)
+        return None
+
+    def update_min_max(self, lo: np.ndarray, hi: np.ndarray, axis: int | None = None) -> None:
+        """Fold one non-empty batch given by its extremes, as if :meth:`update` had reduced it.
+
+        For callers that reduce elsewhere (inside the onnxruntime graph during calibration):
+        ``lo``/``hi`` are the batch's min and max, shape () per tensor or (C,) per channel on
+        ``axis`` (= :meth:`channel_axis`), NaN where the batch (channel) holds a NaN. They take
+        the path of :meth:`update` from there (float32, signed zeros made +0.0, the data policy,
+        the channel check), so the statistics are bit-identical to updating with the batch.
+        """
+        zero = _F32(0.0)
+        self._fold(np.asarray(lo, dtype=_F32) + zero, np.asarray(hi, dtype=_F32) + zero, axis)
+
+    def _fold(self, lo: np.ndarray, hi: np.ndarray, axis: int | None) -> None:
         _check_values(lo, hi, self._policy)
         if self._min is not None and self._min.shape != lo.shape:
             raise DataError(
@@ -569,6 +601,12 @@ class MindSporeObserver(_RangeObserver):
             granularity = PerChannel(0)
         return reduce_min_max(x, granularity)
 
+    def channel_axis(self, ndim: int) -> int | None:
+        """As the base class, but a 1-D batch is reduced per element (axis 0)."""
+        if isinstance(self._granularity, PerChannel) and ndim == 1:
+            return 0
+        return super().channel_axis(ndim)
+
     def _absorb(self, lo: np.ndarray, hi: np.ndarray) -> None:
         zero = _F32(0.0)
         if self.ema:
@@ -713,6 +751,19 @@ class FixedRangeObserver(_RangeObserver):
             raise DataError(
                 f"given range has {self._min.shape[0]} channels, "
                 f"the tensor has {x.shape[axis]} on axis {axis}"
+            )
+        self._axis = axis
+
+    def update_min_max(self, lo: np.ndarray, hi: np.ndarray, axis: int | None = None) -> None:
+        """As :meth:`update`: only the channel count and axis of the batch are checked."""
+        if not isinstance(self._granularity, PerChannel):
+            return
+        assert self._min is not None
+        channels = int(np.asarray(lo).size)
+        if channels != self._min.shape[0]:
+            raise DataError(
+                f"given range has {self._min.shape[0]} channels, "
+                f"the tensor has {channels} on axis {axis}"
             )
         self._axis = axis
 

@@ -7,9 +7,11 @@ headers and output paths.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,14 +22,20 @@ import onnx
 from qcal import data as data_mod
 from qcal.collect import collect
 from qcal.config import CalibrationConfig
-from qcal.errors import ConfigError, DataError
+from qcal.coverage import compute_macs, measure_coverage, shape_probe
+from qcal.errors import ConfigError, DataError, EmptyStatisticsError
 from qcal.evaluate import Comparison, compare_models
+from qcal.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
+from qcal.gates import GateResult, check_gates, raise_for_failed
 from qcal.files import check_output_path, write_atomic
+from qcal.model_file import data_path, needs_external_data, stage_model
 from qcal.model import (
+    ActivationTarget,
     LoadedModel,
     PrepStep,
     QuantPlan,
     SelectionRules,
+    leave_unobserved_float,
     load_model,
     model_inputs,
     plan_quantization,
@@ -35,10 +43,13 @@ from qcal.model import (
 )
 from qcal.observers import Observer, PerChannel, PerTensor
 from qcal.onnx_mapping import OnnxQParams
+from qcal.passes._graph import all_graphs
 from qcal.presets import TensorRecipe, build_preset
 from qcal.qdq import InsertQDQ, QuantizedWeight
-from qcal.ranges import choose_range, new_observer
+from qcal.ranges import RangeChoice, choose_range, new_observer
 from qcal.report import TensorRecord, build_report
+from qcal.schemes import QParams
+from qcal.sensitivity import SensitivityResult, measure_sensitivity
 
 __all__ = [
     "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
@@ -56,6 +67,7 @@ class CalibrationResult:
     comparison: Comparison | None
     output: Path | None
     report_path: Path | None
+    gates: tuple[GateResult, ...] = ()
 
 
 @dataclass
@@ -85,6 +97,7 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         exclude_nodes=tuple(config.exclude_nodes),
         exclude_tensors=frozenset(config.exclude_tensors) | skipped,
         per_channel=config.per_channel,
+        default_exclusions=config.default_exclusions,
     )
 
 
@@ -125,13 +138,20 @@ def calibrate(
     report_path: Path | None = None,
     force: bool = False,
     progress: Progress | None = None,
+    enforce_gates: bool = True,
 ) -> CalibrationResult:
-    """Calibrate the model at `model_path`; write the QDQ model and report when paths are given."""
+    """Calibrate the model at `model_path`; write the QDQ model and report when paths are given.
+
+    With `enforce_gates` (the default), a failed accuracy or coverage gate raises
+    AccuracyGateError after both files are written; otherwise the caller checks
+    `CalibrationResult.gates` (the CLI does, after printing its summary).
+    """
     timings = _Timings()
     with timings.stage("validate"):
         preset = build_preset(config.preset, config.preset_options)
         loaded = load_model(model_path)
-        prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
+        # In place: only the loaded model's path and hash are used from here on.
+        prepared, steps = prepare_model(loaded.model, min_opset=config.opset, in_place=True)
         opset = _default_opset(prepared)
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
@@ -148,6 +168,9 @@ def calibrate(
         labels = load_labels(labels_path) if labels_path is not None else None
         plan = plan_quantization(prepared, _selection_rules(config))
         _check_overrides(config, plan)
+        _check_agreement_options(config, prepared)
+        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
+        macs = _compute_macs(prepared, calib, config)
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]
@@ -155,12 +178,14 @@ def calibrate(
         for path, what in ((output, "output"), (report_path, "report")):
             if path is not None:
                 check_output_path(path, inputs=read, force=force, what=what)
+        if output is not None and loaded.external_files:  # written with external data too
+            check_output_path(data_path(output), inputs=read, force=force, what="output data")
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
     with timings.stage("collect"):
         observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
-                     for t in plan.activations}
+                     for t in plan.activations if _observed(t, config)}
         summary = collect(
             prepared, observers,
             data_mod.iter_batches(calib, inputs, config.batch_size),
@@ -170,7 +195,12 @@ def calibrate(
 
     with timings.stage("qparams"):
         records = _activation_records(plan, observers, preset.activation, config, opset)
-        weights, weight_records = _quantize_weights(prepared, plan, preset.weight, config, opset)
+        # Tensors that received no values (If branches not taken, ...) stay float.
+        unobserved = {t.tensor for t in plan.activations} - records.keys()
+        plan = leave_unobserved_float(prepared, plan, unobserved)
+        weights, weight_records = _quantize_weights(
+            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation
+        )
         records.update(weight_records)
 
     with timings.stage("qdq"):
@@ -179,30 +209,59 @@ def calibrate(
         quant_model = result.model
         records.update(_bias_records(quant_model, plan))
 
-    comparison = None
-    with timings.stage("evaluate"):
-        source = eval_source if eval_source is not None else calib
-        comparison = compare_models(
-            prepared, quant_model, data_mod.iter_batches(source, inputs, config.batch_size),
-            labels=labels if eval_source is not None or config.labels else None,
-            providers=config.providers, threads=config.threads,
-            on_batch=_stage_progress(progress, "evaluate", source.num_samples()),
+    source = eval_source if eval_source is not None else calib
+    eval_labels = labels if eval_source is not None or config.labels else None
+
+    def evaluate(model: onnx.ModelProto, stage: str = "evaluate") -> Comparison:
+        return compare_models(
+            prepared, model, data_mod.iter_batches(source, inputs, config.batch_size),
+            labels=eval_labels, providers=config.providers, threads=config.threads,
+            on_batch=_stage_progress(progress, stage, source.num_samples()),
         )
 
-    model_bytes = quant_model.SerializeToString()
-    report = build_report(
-        config=config, preset=preset, loaded=loaded, steps=steps, plan=plan, records=records,
-        calib=calib, calib_samples=summary.samples, eval_source=eval_source,
-        labels_path=labels_path, comparison=comparison, output=output, model_bytes=model_bytes,
-        timings=timings.seconds,
+    accuracy = _improve_accuracy(
+        prepared, plan, act_params, weights, config=config, inputs=inputs, source=source,
+        macs=macs, evaluate=evaluate, timings=timings, progress=progress,
     )
-    if output is not None:
-        write_atomic(output, model_bytes)
+    if accuracy.fallback is not None:
+        plan, quant_model = accuracy.fallback.plan, accuracy.fallback.model
+        comparison = accuracy.fallback.comparison  # on the same data as the evaluation below
+        records = _planned_records(records, plan, quant_model)
+    else:
+        with timings.stage("evaluate"):
+            comparison = evaluate(quant_model)
+    coverage = measure_coverage(prepared, plan, macs)
+    gates = check_gates(config, comparison, coverage)
+
+    # Large models (or inputs with external data) are written with external data,
+    # <output>.data, staged beside the output before the report, which records both files.
+    external = output is not None and (
+        bool(loaded.external_files) or needs_external_data(quant_model)
+    )
+    if external:
+        assert output is not None
+        check_output_path(data_path(output), inputs=read, force=force, what="output data")
+    with stage_model(quant_model, output, external=external) if output is not None \
+            else nullcontext(None) as staged:
+        report = build_report(
+            config=config, preset=preset, loaded=loaded, steps=steps, plan=plan, records=records,
+            calib=calib, calib_samples=summary.samples, eval_source=eval_source,
+            labels_path=labels_path, comparison=comparison, output=output,
+            model_bytes=staged.model_bytes if staged is not None else b"",
+            timings=timings.seconds, evaluation_data=eval_label, compute_coverage=coverage,
+            sensitivity=accuracy.sensitivity, fallback=accuracy.fallback, gates=gates,
+            providers_used=summary.providers,
+            external_data=staged.external if staged is not None else None,
+        )
+        if staged is not None:
+            staged.commit()
     if report_path is not None:
         from qcal.report import dump_report
 
         write_atomic(report_path, dump_report(report))
-    return CalibrationResult(quant_model, report, comparison, output, report_path)
+    if enforce_gates:  # after writing: a failed gate leaves the model and report as evidence
+        raise_for_failed(gates, report_path)
+    return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -233,10 +292,14 @@ def _activation_records(
 ) -> dict[str, TensorRecord]:
     records: dict[str, TensorRecord] = {}
     for target in plan.activations:
+        if target.tensor not in observers:
+            continue  # takes the parameters of `target.same_as`, below
         method = config.method_for(target.tensor)
         try:
             choice = choose_range(observers[target.tensor], recipe, method, config,
                                   percentile=config.percentile_for(target.tensor))
+        except EmptyStatisticsError:
+            continue  # received no values: the caller leaves it float
         except DataError as err:
             raise type(err)(f"tensor {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)
@@ -244,18 +307,37 @@ def _activation_records(
             tensor=target.tensor, role="activation", method=method, choice=choice,
             qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset), consumers=target.consumers,
         )
+    for target in plan.activations:
+        source = records.get(target.same_as or "")
+        if target.tensor in records or source is None or source.choice is None:
+            continue  # observed itself, or its source received no values (both stay float)
+        summary = {**source.choice.summary, "same_as": source.tensor}
+        records[target.tensor] = dataclasses.replace(
+            source, tensor=target.tensor, consumers=target.consumers,
+            choice=RangeChoice(source.choice.observed, source.choice.stats, summary),
+        )
     return records
+
+
+def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
+    """Whether `target` gets an observer: a shared output does not, unless configured itself."""
+    return target.same_as is None or target.tensor in config.tensors
 
 
 def _quantize_weights(
     model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
-    opset: int,
+    opset: int, *, operand_recipe: TensorRecipe | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
-    initializers = {i.name: i for i in model.graph.initializer}
+    """Codes and records of the planned weights; "operand" constants use `operand_recipe`."""
+    # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
+    initializers = {i.name: i for g in all_graphs(model.graph) for i in g.initializer}
     weights: dict[str, QuantizedWeight] = {}
     records: dict[str, TensorRecord] = {}
+    weight_recipe = recipe
     for target in plan.weights:
-        array = onnx.numpy_helper.to_array(initializers[target.tensor]).astype(np.float32)
+        recipe = operand_recipe if target.role == "operand" and operand_recipe else weight_recipe
+        array = onnx.numpy_helper.to_array(initializers[target.tensor])
+        array = array.astype(np.float32, copy=False)
         granularity = _weight_granularity(recipe, target.axis, config.per_channel)
         observer = new_observer(recipe, "minmax", granularity, config)
         try:
@@ -265,7 +347,7 @@ def _quantize_weights(
             raise type(err)(f"weight {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)
         onnx_qparams = recipe.to_onnx(qparams, opset=opset)
-        codes = recipe.quantize(array, qparams, opset=opset)
+        codes = _quantize_in_blocks(recipe, array, qparams, opset)
         weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="weight", method="minmax", choice=choice,
@@ -276,10 +358,10 @@ def _quantize_weights(
 
 def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:
     """What the QDQ writer made of each planned bias, read back from the written graph."""
-    graph = model.graph
-    producers = {out: node for node in graph.node for out in node.output}
-    consumers = {node.name: node for node in graph.node}
-    initializers = {i.name: i for i in graph.initializer}
+    graphs = list(all_graphs(model.graph))  # biases of If/Loop/Scan bodies too
+    producers = {out: node for g in graphs for node in g.node for out in node.output}
+    consumers = {node.name: node for g in graphs for node in g.node}
+    initializers = {i.name: i for g in graphs for i in g.initializer}
     records: dict[str, TensorRecord] = {}
     for bias in plan.biases:
         node = consumers.get(bias.node)
@@ -302,6 +384,28 @@ def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRe
     return records
 
 
+_QUANTIZE_BLOCK_ELEMENTS = 2**23
+
+
+def _quantize_in_blocks(
+    recipe: TensorRecipe, array: np.ndarray, qparams: QParams, opset: int
+) -> np.ndarray:
+    """`recipe.quantize`, a block of slices at a time along an axis that is not the channel
+    axis: quantizing is elementwise, and whole, a large weight would need several float64
+    temporaries of its size."""
+    if array.size <= _QUANTIZE_BLOCK_ELEMENTS or array.ndim < 2:
+        return recipe.quantize(array, qparams, opset=opset)
+    channel = None if qparams.axis is None else qparams.axis % array.ndim
+    along = 0 if channel != 0 else 1
+    step = max(1, _QUANTIZE_BLOCK_ELEMENTS * array.shape[along] // array.size)
+    blocks = [
+        recipe.quantize(np.take(array, range(start, min(start + step, array.shape[along])),
+                                axis=along), qparams, opset=opset)
+        for start in range(0, array.shape[along], step)
+    ]
+    return np.concatenate(blocks, axis=along)
+
+
 def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: bool) -> PerTensor | PerChannel:
     if not per_channel or axis is None:
         return PerTensor()
@@ -309,6 +413,131 @@ def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: boo
     if allowed == "any" or (isinstance(allowed, tuple) and axis in allowed):
         return PerChannel(axis)
     return PerTensor()
+
+
+# ------------------------------------------------------------------ accuracy: sensitivity, fallback
+
+
+@dataclass(frozen=True)
+class _Accuracy:
+    sensitivity: SensitivityResult | None
+    fallback: FallbackResult | None
+
+
+def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) -> None:
+    """Agreement options need a classifier-like output (rank 2); say so before anything runs."""
+    asked = [key for key, value in (("fail-under-agreement", config.fail_under_agreement),
+                                    ("max-agreement-drop", config.max_agreement_drop))
+             if value is not None]
+    if not asked:
+        return
+    ranks = [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
+             for o in model.graph.output]
+    if all(rank is not None and rank != 2 for rank in ranks):
+        raise ConfigError(
+            f"{asked[0]}: no model output is classifier-like ([N, classes]), so top-1 "
+            "agreement is not measured; use a SQNR option instead"
+        )
+
+
+class _SampleRange:
+    """Samples [start, stop) of another source (the held-out part of the calibration data)."""
+
+    def __init__(self, source: Any, start: int, stop: int) -> None:
+        self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
+        self._source, self._start, self._stop = source, start, stop
+
+    def num_samples(self) -> int:
+        return self._stop - self._start
+
+    def samples(self) -> Iterator[dict[str, np.ndarray]]:
+        return islice(self._source.samples(), self._start, self._stop)
+
+
+def _accuracy_sources(
+    config: CalibrationConfig, calib: Any, eval_source: Any
+) -> tuple[Any, Any, str | None]:
+    """(calibration, evaluation, evaluation label): without evaluation data, sensitivity and
+    fallback hold out the last quarter of the calibration samples (at most 256) to measure on."""
+    if eval_source is not None or not config.wants_sensitivity:
+        return calib, eval_source, None
+    count = calib.num_samples() or 0
+    held = min(count // 4, 256)
+    if held < 1:
+        return calib, None, None  # too few to split: measured on the calibration data itself
+    kept = count - held
+    label = f"calibration samples {kept}-{count - 1}, held out from calibration"
+    return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
+
+
+def _compute_macs(
+    model: onnx.ModelProto, calib: Any, config: CalibrationConfig
+) -> dict[str, int | None]:
+    first = next(iter(calib.samples()), None)
+    probe = None if first is None else shape_probe(
+        model, first, providers=config.providers, threads=config.threads)
+    return compute_macs(model, first, run_shapes=probe)
+
+
+def _improve_accuracy(
+    model: onnx.ModelProto, plan: QuantPlan, act_params: Mapping[str, OnnxQParams],
+    weights: Mapping[str, QuantizedWeight], *, config: CalibrationConfig, inputs: Any,
+    source: Any, macs: Mapping[str, int | None], evaluate: Callable[..., Comparison],
+    timings: _Timings, progress: Progress | None,
+) -> _Accuracy:
+    """Per-tensor sensitivity (when asked or needed), then the fallback search (with a target)."""
+    if not config.wants_sensitivity:
+        return _Accuracy(None, None)
+    with timings.stage("sensitivity"):
+        count = _sensitivity_samples(config, plan, source)
+        sensitivity = measure_sensitivity(
+            model, plan, act_params, weights,
+            data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
+            providers=config.providers, threads=config.threads,
+            on_batch=_stage_progress(progress, "sensitivity", count),
+        )
+    if not config.has_fallback_target:
+        return _Accuracy(sensitivity, None)
+    target = AccuracyTarget(
+        min_sqnr_db=config.target_sqnr,
+        max_agreement_drop=None if config.max_agreement_drop is None
+        else config.max_agreement_drop / 100.0,
+    )
+    floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
+    with timings.stage("fallback"):
+        fallback = search_fallback(
+            model=model, plan=plan, candidates=rank_candidates(model, plan, sensitivity, macs),
+            macs=macs, target=target, floor=floor,
+            write=lambda restricted: InsertQDQ(restricted, act_params, weights)(model).model,
+            evaluate=lambda quantized: evaluate(quantized, "fallback"),
+        )
+    return _Accuracy(sensitivity, fallback)
+
+
+# Sensitivity runs the model once per planned tensor and sample: by default as many of 32
+# samples as keep that under 2048 runs (at least 2), so large models stay affordable.
+_SENSITIVITY_SAMPLES = 32
+_SENSITIVITY_RUNS = 2048
+
+
+def _sensitivity_samples(config: CalibrationConfig, plan: QuantPlan, source: Any) -> int:
+    wanted = config.sensitivity_samples
+    if wanted is None:
+        units = len({a.tensor for a in plan.activations if a.consumers})
+        units += len({w.tensor for w in plan.weights})
+        wanted = min(_SENSITIVITY_SAMPLES, max(2, _SENSITIVITY_RUNS // max(units, 1)))
+    available = source.num_samples()
+    return min(wanted, available) if available else wanted
+
+
+def _planned_records(
+    records: Mapping[str, TensorRecord], plan: QuantPlan, model: onnx.ModelProto
+) -> dict[str, TensorRecord]:
+    """The records of what the restricted plan still quantizes, biases read back from `model`."""
+    kept = {a.tensor for a in plan.activations} | {w.tensor for w in plan.weights}
+    found = {name: r for name, r in records.items() if name in kept and r.role != "bias"}
+    found.update(_bias_records(model, plan))
+    return found
 
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -37,14 +37,17 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.errors import ModelError
 from qcal.names import NameAllocator
 from qcal.passes._graph import (
+    DEFAULT_DOMAINS,
     SUBGRAPH_SLOT,
     Use,
     UseIndex,
+    all_graphs,
+    attribute_graphs,
     check_wiring,
     default_opset,
-    element_types,
+    graph_element_types,
 )
-from qcal.passes._large import SERIALIZE_LIMIT_BYTES, run_detached
+from qcal.passes._large import SERIALIZE_LIMIT_BYTES, light_copy, run_detached, serialized_size
 
 if TYPE_CHECKING:
     from qcal.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
@@ -70,6 +73,24 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 # Float types a QDQ pair can carry; the scale takes the tensor's type (from opset 19 it must).
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+
+# Operators onnxruntime's CPU provider runs as one integer kernel when these inputs (None: all)
+# come from DequantizeLinear and the output goes to a QuantizeLinear (QLinearConv, QGemm,
+# QLinearMatMul, QLinearAdd, QLinearMul, QLinearConcat, QLinearAveragePool, ...). A Conv or
+# Gemm bias (input 2) must then be quantized too.
+_INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
+    "Conv": (0, 1),
+    "Gemm": (0, 1),
+    "MatMul": (0, 1),
+    "Add": (0, 1),
+    "Mul": (0, 1),
+    "Concat": None,
+    "AveragePool": (0,),
+    "GlobalAveragePool": (0,),
+    "Sigmoid": (0,),
+    "LeakyRelu": (0,),
+    "Softmax": (0,),
+}
 
 _QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist from opset 10
 _CLIP_INPUTS_OPSET = 11  # Clip takes min/max as inputs (before: attributes)
@@ -140,6 +161,10 @@ class InsertQDQ:
             (t.tensor, node) for t in self._activations for node in t.consumers
         }
         self._quantized_weights = {(t.tensor, t.node) for t in self._weights}
+        self._originals: dict[str, onnx.TensorProto] = {}  # float data left out of the copy
+        self._quantized_biases = {(t.tensor, t.node) for t in self._biases}
+        # Node inputs as planned, before this pass redirects them to DequantizeLinear outputs.
+        self._planned_inputs: dict[str, tuple[str, ...]] = {}
 
     def __call__(self, model: onnx.ModelProto) -> PassResult:
         """Check `model`, rewrite a copy of it and check the result."""
@@ -170,7 +195,7 @@ class InsertQDQ:
         opset = default_opset(model)
         if opset is None:
             raise self._error("model imports no default-domain opset")
-        needed, why = self._required_opset(element_types(model.graph))
+        needed, why = self._required_opset(graph_element_types(model.graph))
         if opset < needed:
             raise self._error(
                 f"model opset {opset} is below {needed}, needed by {why}; upgrade the opset first"
@@ -178,29 +203,40 @@ class InsertQDQ:
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         """Rewrite a copy of `model` (assumes `requires` held)."""
-        out = onnx.ModelProto()
-        out.CopyFrom(model)
-        rewrite = _Rewrite(
+        # The copy leaves out the data of the float weights and biases it replaces: dropped
+        # later, they would still hold their memory (protobuf frees a message's fields only
+        # with the message). Those still read in float get their data back at the end.
+        planned = {t.tensor for t in self._weights} | {t.tensor for t in self._biases}
+        out, detached = light_copy(model, min_bytes=0, names=planned)
+        self._originals = {t.name: t for t in model.graph.initializer if t.name in detached}
+        scopes = _Scopes(
             out.graph,
             NameAllocator.from_model(out),
             opset=default_opset(out) or _QDQ_OPSET,
             ranks=_ranks(model) if self._clips_on_positive_axis() else {},
         )
+        self._planned_inputs = {
+            node.name: tuple(node.input) for graph in all_graphs(out.graph) for node in graph.node
+        }
         for target in self._activations:
-            self._quantize_activation(rewrite, target)
+            self._quantize_activation(scopes, target)
         for tensor, targets in _group_by_tensor(self._weights):
-            self._quantize_weight(rewrite, tensor, targets)
+            self._quantize_weight(scopes, tensor, targets)
         for bias in self._biases:
-            self._quantize_bias(rewrite, bias)
-        rewrite.finish()
-        return PassResult(out, modified=rewrite.modified)
+            self._quantize_bias(scopes, bias)
+        scopes.finish()
+        for tensor in out.graph.initializer:
+            if tensor.name in self._originals:
+                tensor.raw_data = self._originals[tensor.name].raw_data
+        self._originals = {}
+        return PassResult(out, modified=scopes.modified)
 
     def ensures(self, model: onnx.ModelProto) -> None:
         """Postcondition: the written model is wired in order and passes onnx.checker."""
         problem = check_wiring(model.graph)
         if problem is not None:
             raise self._error(f"wrote a malformed graph: {problem}")
-        if model.ByteSize() > SERIALIZE_LIMIT_BYTES:
+        if serialized_size(model) > SERIALIZE_LIMIT_BYTES:
             # onnx.checker takes one serialized protobuf, which cannot exceed 2 GiB.
             logger.warning("%s: model over 2 GiB, onnx.checker skipped", self.name)
             return
@@ -212,20 +248,70 @@ class InsertQDQ:
 
     # -- activations --------------------------------------------------------------------------
 
-    def _quantize_activation(self, rewrite: _Rewrite, target: ActivationTarget) -> None:
-        tensor, qparams = target.tensor, self._activation_qparams[target.tensor]
-        if not rewrite.is_value(tensor):
+    def _quantize_activation(self, scopes: _Scopes, target: ActivationTarget) -> None:
+        tensor = target.tensor
+        if tensor not in scopes.defined:
             raise self._error(f"activation {tensor!r} is not a tensor of the model")
-        float_type = self._float_type(rewrite, tensor, "activation")
-        uses = [
-            use
-            for consumer in sorted(set(target.consumers))
-            for use in self._uses_by(rewrite, tensor, consumer, "activation")
-        ]
+        # One pair, in the graph defining the tensor; consumers inside If/Loop/Scan bodies read
+        # its DequantizeLinear from the outer scope. (A QuantizeLinear inside a body reading an
+        # outer value that a node produces crashes onnxruntime's QDQ propagation.)
+        owner = scopes.definer(tensor)
+        uses: list[Use] = []
+        for rewrite, consumers in scopes.by_graph(target.consumers, self._error):
+            if not rewrite.is_value(tensor):
+                raise self._error(f"activation {tensor!r} is not visible where {consumers[0]!r} is")
+            uses += [
+                use
+                for consumer in consumers
+                for use in self._uses_by(rewrite, tensor, consumer, "activation")
+            ]
+        uses += self._float_reads_of_integer_output(owner, tensor, uses)
         if not uses:
             # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
             logger.debug("activation %r has no quantized consumer; left in float", tensor)
             return
+        self._insert_pair(owner, tensor, uses)
+
+    def _float_reads_of_integer_output(
+        self, rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]
+    ) -> list[Use]:
+        """The float reads of `tensor` that must go through its pair for onnxruntime to compute
+        the producer in integers.
+
+        onnxruntime fuses DequantizeLinear -> Conv (Add, Mul, ...) -> QuantizeLinear into one
+        integer kernel only when the QuantizeLinear is the producer's only reader. So when every
+        input of the producer is quantized, float readers (a HardSigmoid, a Div) read the
+        DequantizeLinear too, as onnxruntime's own quantizer arranges it. Not for graph outputs
+        or tensors read inside bodies: those keep the float value.
+        """
+        producer = rewrite.index.producer.get(tensor)
+        if (
+            producer is None
+            or producer.domain not in DEFAULT_DOMAINS
+            or producer.op_type not in _INTEGER_KERNEL_INPUTS
+            or tensor in rewrite.index.graph_outputs
+        ):
+            return []
+        slots = _INTEGER_KERNEL_INPUTS[producer.op_type]
+        for slot, value in enumerate(self._planned_inputs.get(producer.name, producer.input)):
+            read = (value, producer.name)
+            if not value:
+                continue
+            if slots is None or slot in slots:
+                if read not in self._quantized_reads and read not in self._quantized_weights:
+                    return []
+            elif slot == 2 and producer.op_type in ("Conv", "Gemm"):
+                if read not in self._quantized_biases:  # a float bias keeps the node float
+                    return []
+        taken = {(id(use.node), use.slot) for use in quantized}
+        others = [u for u in rewrite.index.uses.get(tensor, ()) if (id(u.node), u.slot) not in taken]
+        if any(use.slot == SUBGRAPH_SLOT for use in others):
+            return []
+        return others
+
+    def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
+        qparams = self._activation_qparams[tensor]
+        float_type = self._float_type(rewrite, tensor, "activation")
         source = tensor
         if qparams.clip_min is not None or qparams.clip_max is not None:
             source = rewrite.add_clip(tensor, qparams, float_type)
@@ -241,11 +327,11 @@ class InsertQDQ:
     # -- weights ------------------------------------------------------------------------------
 
     def _quantize_weight(
-        self, rewrite: _Rewrite, tensor: str, targets: Sequence[WeightTarget]
+        self, scopes: _Scopes, tensor: str, targets: Sequence[WeightTarget]
     ) -> None:
         quantized = self._weight_codes[tensor]
         qparams = quantized.onnx
-        initializer = rewrite.index.initializers.get(tensor)
+        initializer = scopes.initializer(tensor)
         if initializer is None:
             raise self._error(f"weight {tensor!r} is not an initializer")
         shape = tuple(initializer.dims)
@@ -258,23 +344,23 @@ class InsertQDQ:
                         f"weight {tensor!r} of node {target.node!r} is quantized on axis "
                         f"{qparams.axis}, planned on axis {target.axis}"
                     )
-        float_type = self._float_type(rewrite, tensor, "weight")
-        uses = [
-            use
-            for target in targets
-            for use in self._uses_by(rewrite, tensor, target.node, "weight")
-        ]
-        codes_name = rewrite.add_integer_initializer(f"{tensor}_quantized", codes, qparams.dtype)
-        scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
-        dequantized = rewrite.add_node(
-            "DequantizeLinear", tensor, [codes_name, scale, zero_point], qparams.axis, after=None
-        )
-        rewrite.redirect(uses, dequantized)
-        rewrite.drop_if_unused(tensor)
+        for rewrite, nodes in scopes.by_graph([t.node for t in targets], self._error):
+            float_type = self._float_type(rewrite, tensor, "weight")
+            uses = [use for node in nodes for use in self._uses_by(rewrite, tensor, node, "weight")]
+            codes_name = rewrite.add_integer_initializer(
+                f"{tensor}_quantized", codes, qparams.dtype
+            )
+            scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
+            dequantized = rewrite.add_node(
+                "DequantizeLinear", tensor, [codes_name, scale, zero_point], qparams.axis,
+                after=None,
+            )
+            rewrite.redirect(uses, dequantized)
+        scopes.drop_if_unused(tensor)
 
     # -- biases -------------------------------------------------------------------------------
 
-    def _quantize_bias(self, rewrite: _Rewrite, bias: BiasTarget) -> None:
+    def _quantize_bias(self, scopes: _Scopes, bias: BiasTarget) -> None:
         input_qparams = self._quantized_input(bias)
         weight_qparams = self._quantized_weight(bias)
         if input_qparams is None or weight_qparams is None:
@@ -292,11 +378,13 @@ class InsertQDQ:
                 bias.input_tensor,
             )
             return
-        initializer = rewrite.index.initializers.get(bias.tensor)
+        initializer = scopes.initializer(bias.tensor)
         if initializer is None:
             raise self._error(f"bias {bias.tensor!r} of node {bias.node!r} is not an initializer")
+        ((rewrite, _),) = scopes.by_graph([bias.node], self._error)
         float_type = self._float_type(rewrite, bias.tensor, "bias")
-        values = numpy_helper.to_array(initializer).astype(np.float32)
+        values = numpy_helper.to_array(self._originals.get(bias.tensor, initializer))
+        values = values.astype(np.float32)
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
         if not (np.all(np.isfinite(stored_scale)) and np.all(stored_scale > 0)):
@@ -317,7 +405,7 @@ class InsertQDQ:
             "DequantizeLinear", bias.tensor, [codes_name, scale_name, zero_point], axis, after=None
         )
         rewrite.redirect(uses, dequantized)
-        rewrite.drop_if_unused(bias.tensor)
+        scopes.drop_if_unused(bias.tensor)
 
     def _quantized_input(self, bias: BiasTarget) -> OnnxQParams | None:
         """The parameters of the bias node's input activation, if the node reads it quantized."""
@@ -423,12 +511,10 @@ class InsertQDQ:
         return ModelError(f"{self.name}: {message}")
 
 
-class _Rewrite:
-    """The edits of one pass over one graph: new nodes and initializers, redirected inputs.
-
-    Nodes go right after the producer of the value they are named after (at the front for
-    graph inputs and initializers), so a topologically sorted graph stays sorted.
-    """
+class _Scopes:
+    """The edits of one pass over the main graph and every graph nested in it, one `_Rewrite`
+    per graph. Value and node names are unique across graphs (NameNodes, and ONNX forbids a
+    body from redefining an outer value), so a node name says which graph it sits in."""
 
     def __init__(
         self,
@@ -438,9 +524,104 @@ class _Rewrite:
         opset: int,
         ranks: Mapping[str, int],
     ) -> None:
+        self._names, self._opset, self._ranks = names, opset, ranks
+        self._types = graph_element_types(graph)
+        self.rewrites: list[_Rewrite] = []
+        self.defined: dict[str, _Rewrite] = {}  # value -> rewrite of the graph defining it
+        self._of_node: dict[str, _Rewrite] = {}
+        self._twice: set[str] = set()
+        self._owner: dict[str, _Rewrite] = {}  # initializer -> rewrite of the graph holding it
+        self._maybe_unread: list[str] = []
+        self.main = self._visit(graph, frozenset())
+
+    def _visit(self, graph: onnx.GraphProto, outer: frozenset[str]) -> _Rewrite:
+        rewrite = _Rewrite(
+            graph, self._names, opset=self._opset, ranks=self._ranks, types=self._types,
+            outer=outer,
+        )
+        self.rewrites.append(rewrite)
+        for node in graph.node:
+            if node.name and self._of_node.setdefault(node.name, rewrite) is not rewrite:
+                self._twice.add(node.name)
+        for name in rewrite.index.initializers:
+            self._owner.setdefault(name, rewrite)
+        local = {v.name for v in graph.input} | set(rewrite.index.initializers)
+        local.update(rewrite.index.producer)
+        for name in local:
+            self.defined.setdefault(name, rewrite)
+        inner = outer | local
+        for node in graph.node:
+            for attribute in node.attribute:
+                for subgraph in attribute_graphs(attribute):
+                    self._visit(subgraph, inner)
+        return rewrite
+
+    @property
+    def modified(self) -> bool:
+        return any(r.modified for r in self.rewrites)
+
+    def by_graph(
+        self, nodes: Iterable[str], error: Callable[[str], ModelError]
+    ) -> list[tuple[_Rewrite, list[str]]]:
+        """`nodes` (names, sorted) grouped by the graph holding them, main graph first."""
+        groups: dict[int, list[str]] = defaultdict(list)
+        order = {id(r): i for i, r in enumerate(self.rewrites)}
+        for node in sorted(set(nodes)):
+            if node in self._twice:
+                raise error(f"node name {node!r} is not unique")
+            rewrite = self._of_node.get(node)
+            if rewrite is None:
+                raise error(f"node {node!r} is not in the graph")
+            groups[order[id(rewrite)]].append(node)
+        return [(self.rewrites[i], groups[i]) for i in sorted(groups)]
+
+    def definer(self, value: str) -> _Rewrite:
+        """The rewrite of the graph that defines `value`."""
+        return self.defined[value]
+
+    def initializer(self, name: str) -> onnx.TensorProto | None:
+        owner = self._owner.get(name)
+        return None if owner is None else owner.index.initializers[name]
+
+    def drop_if_unused(self, tensor: str) -> None:
+        """Drop float initializer `tensor` at the end if nothing reads it any more."""
+        self._maybe_unread.append(tensor)
+
+    def finish(self) -> None:
+        if self._maybe_unread:
+            read = set()
+            for rewrite in self.rewrites:
+                read |= rewrite.reads()
+            for tensor in self._maybe_unread:
+                if tensor not in read:
+                    self._owner[tensor].drop(tensor)
+        # Innermost graphs first: writing a graph copies its nodes, bodies included.
+        for rewrite in reversed(self.rewrites):
+            rewrite.finish()
+
+
+class _Rewrite:
+    """The edits of one pass over one graph: new nodes and initializers, redirected inputs.
+
+    Nodes go right after the producer of the value they are named after (at the front for
+    graph inputs, initializers and values of enclosing graphs), so a topologically sorted
+    graph stays sorted.
+    """
+
+    def __init__(
+        self,
+        graph: onnx.GraphProto,
+        names: NameAllocator,
+        *,
+        opset: int,
+        ranks: Mapping[str, int],
+        types: Mapping[str, int],
+        outer: frozenset[str] = frozenset(),
+    ) -> None:
         self.graph, self.names, self.opset, self._ranks = graph, names, opset, ranks
         self.index = UseIndex.build(graph)
-        self.types = element_types(graph)
+        self.types = types
+        self._outer = outer
         self.nodes_by_name: dict[str, onnx.NodeProto] = {}
         duplicates: set[str] = set()
         self._position: dict[int, int] = {}
@@ -458,7 +639,12 @@ class _Rewrite:
 
     def is_value(self, name: str) -> bool:
         index = self.index
-        return name in index.producer or name in index.graph_inputs or name in index.initializers
+        return (
+            name in index.producer
+            or name in index.graph_inputs
+            or name in index.initializers
+            or name in self._outer
+        )
 
     def add_qparams(self, tensor: str, qparams: OnnxQParams, float_type: int) -> tuple[str, str]:
         """Scale (in `float_type`) and zero-point initializers for `tensor`."""
@@ -562,15 +748,17 @@ class _Rewrite:
             self._redirected.add((id(use.node), use.slot))
         self.modified = True
 
-    def drop_if_unused(self, tensor: str) -> None:
-        """Drop initializer `tensor` if no node, subgraph or graph output still reads it."""
-        remaining = [
-            use
-            for use in self.index.uses.get(tensor, ())
-            if (id(use.node), use.slot) not in self._redirected
-        ]
-        if not remaining and tensor not in self.index.graph_outputs:
-            self._dropped.add(tensor)
+    def reads(self) -> set[str]:
+        """Every value this graph's nodes (new ones included) and outputs read now."""
+        read = {v for node in self.graph.node for v in node.input}
+        for node in (*self._front, *(n for nodes in self._after.values() for n in nodes)):
+            read.update(node.input)
+        read.update(v.name for v in self.graph.output)
+        return read
+
+    def drop(self, tensor: str) -> None:
+        """Remove initializer `tensor` when the graph is written."""
+        self._dropped.add(tensor)
 
     def finish(self) -> None:
         """Write nodes in topological order, add the new initializers, remove dropped floats."""

@@ -38,13 +38,17 @@ def new_observer(
 
 
 def choose_range(
-    observer: Observer, recipe: TensorRecipe, method: str, config: CalibrationConfig
+    observer: Observer, recipe: TensorRecipe, method: str, config: CalibrationConfig,
+    *, percentile: float | None = None,
 ) -> RangeChoice:
-    """The range for `method`; a non-finite range (infinite values in the data) is refused."""
+    """The range for `method`; a non-finite range (infinite values in the data) is refused.
+
+    `percentile` overrides `config.percentile` (a per-tensor setting).
+    """
     if method in HISTOGRAM_METHODS:
         selection = select_range(
             observer.state(), method, recipe,
-            percentile=config.percentile,
+            percentile=config.percentile if percentile is None else percentile,
             symmetric_percentile=bool(getattr(recipe.scheme, "symmetric", True)),
             bins=config.bins, quantized_bins=config.quantized_bins,
         )

@@ -21,12 +21,17 @@ import onnxruntime
 
 import qcal
 from qcal.config import CalibrationConfig
+from qcal.coverage import Coverage
 from qcal.evaluate import Comparison
+from qcal.fallback import FallbackResult
+from qcal.gates import GateResult
 from qcal.model import LoadedModel, PrepStep, QuantPlan
+from qcal.model_file import ExternalFile
 from qcal.onnx_mapping import OnnxQParams
 from qcal.presets import Preset
 from qcal.ranges import RangeChoice
 from qcal.schemes import QParams
+from qcal.sensitivity import SensitivityResult
 
 __all__ = ["SCHEMA_VERSION", "TensorRecord", "build_report", "dump_report", "report_schema"]
 
@@ -50,7 +55,30 @@ def report_schema() -> dict[str, Any]:
 
 
 def dump_report(report: Mapping[str, Any]) -> bytes:
-    return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+    """The report as UTF-8 JSON: top-level keys and the entries of top-level lists and objects
+    one per line, each entry on its line in compact form (one tensor, one node per line).
+
+    json's C encoder writes the entries; indenting everything would use its pure-Python
+    encoder, 3x slower (half a second for a 300-tensor model).
+    """
+    encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+    lines = ["{"]
+    for i, (key, value) in enumerate(report.items()):
+        last = "" if i == len(report) - 1 else ","
+        if isinstance(value, list) and value:
+            lines.append(f"  {encode(key)}: [")
+            lines += [f"    {encode(v)}," for v in value]
+            lines[-1] = lines[-1][:-1]
+            lines.append(f"  ]{last}")
+        elif isinstance(value, dict) and value:
+            lines.append(f"  {encode(key)}: {{")
+            lines += [f"    {encode(k)}: {encode(v)}," for k, v in value.items()]
+            lines[-1] = lines[-1][:-1]
+            lines.append(f"  }}{last}")
+        else:
+            lines.append(f"  {encode(key)}: {encode(value)}{last}")
+    lines.append("}")
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _floats(values: np.ndarray) -> list[float]:
@@ -136,6 +164,13 @@ def build_report(
     output: Path | None,
     model_bytes: bytes,
     timings: Mapping[str, float],
+    evaluation_data: str | None = None,
+    compute_coverage: Coverage | None = None,
+    sensitivity: SensitivityResult | None = None,
+    fallback: FallbackResult | None = None,
+    gates: Sequence[GateResult] = (),
+    providers_used: Sequence[str] = (),
+    external_data: ExternalFile | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -152,6 +187,7 @@ def build_report(
         )
     if any(r.onnx.replacement for r in records.values()):
         warnings.append("degenerate quantization parameters were replaced (see tensors[].onnx.replacement)")
+    warnings += _accuracy_warnings(compute_coverage, fallback, gates)
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": {
@@ -170,6 +206,11 @@ def build_report(
             "path": str(output),
             "size_bytes": len(model_bytes),
             "sha256": hashlib.sha256(model_bytes).hexdigest(),
+            "external_data": None if external_data is None else {
+                "path": str(external_data.path),
+                "size_bytes": external_data.size_bytes,
+                "sha256": external_data.sha256,
+            },
         },
         "config": config.to_json(),
         "preset": {"name": preset.name, "knobs": _jsonable(preset.knobs),
@@ -181,12 +222,23 @@ def build_report(
             "samples": calib_samples,
             "batch_size": config.batch_size,
         },
+        "runtime": {
+            "providers_requested": list(config.providers),
+            "providers_used": list(providers_used),
+            "threads": config.threads,
+        },
         "evaluation": None if comparison is None else {
-            "data": "calibration" if eval_source is None else str(eval_source.path),
+            "data": evaluation_data or ("calibration" if eval_source is None
+                                        else str(eval_source.path)),
             "labels": None if labels_path is None or eval_source is None else str(labels_path),
             **comparison.to_json(),
         },
-        "coverage": _coverage(plan),
+        "coverage": {**_coverage(plan), **_compute_json(compute_coverage)},
+        "sensitivity": None if sensitivity is None else {
+            **sensitivity.to_json(), "data": evaluation_data or _data_name(eval_source),
+        },
+        "fallback": None if fallback is None else fallback_json(fallback),
+        "gates": [g.to_json() for g in gates],
         "tensors": [tensor_json(records[name]) for name in sorted(records)],
         "nodes": [
             {"name": n.node, "op_type": n.op_type, "quantized": n.quantized, "reason": n.reason}
@@ -195,6 +247,45 @@ def build_report(
         "warnings": warnings,
         "timings_seconds": dict(timings),
     }
+
+
+def _data_name(source: Any) -> str:
+    return "calibration" if source is None else str(source.path)
+
+
+def _compute_json(coverage: Coverage | None) -> dict[str, Any]:
+    if coverage is None:
+        return {}
+    return coverage.to_json()
+
+
+def fallback_json(fallback: FallbackResult) -> dict[str, Any]:
+    """The fallback search: outcome, what it kept in float and why, and every model it checked."""
+    return {
+        "reached": fallback.reached,
+        "message": fallback.message,
+        "kept_float": [
+            {
+                **c.sensitivity.to_json(),
+                "compute_lost_fraction": float(f"{c.compute_lost:.6g}"),
+                "reason": c.reason(),
+            }
+            for c in fallback.kept
+        ],
+        "steps": [step.to_json() for step in fallback.steps],
+    }
+
+
+def _accuracy_warnings(
+    coverage: Coverage | None, fallback: FallbackResult | None, gates: Sequence[GateResult]
+) -> list[str]:
+    found = []
+    if coverage is not None and coverage.note:
+        found.append(f"coverage: {coverage.note}")
+    if fallback is not None and not fallback.reached:
+        found.append(f"fallback: {fallback.message}")
+    found += [f"gate failed: {g.describe()}" for g in gates if not g.passed]
+    return found
 
 
 def _jsonable(value: Any) -> Any:

@@ -10,6 +10,8 @@ import onnx
 import onnxruntime as ort
 
 from qcal.errors import ConfigError, ModelError
+from qcal.model_file import stage_model
+from qcal.passes._large import serialized_size
 
 __all__ = ["available_providers", "create_session"]
 
@@ -21,9 +23,15 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
-def _session_options(threads: int) -> ort.SessionOptions:
+def _session_options(threads: int, *, node_order: bool = False) -> ort.SessionOptions:
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: onnxruntime's warnings are not ours to print
+    if node_order:
+        # Nodes run in the order the model lists them (where dependencies allow): a node
+        # placed right after a producer runs while its input is still in cache.
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    # Fatal only: onnxruntime's errors reach the caller as exceptions (reported by qcal in one
+    # line); printed as well, they would put its multi-line log on the user's terminal.
+    options.log_severity_level = 4
     if threads:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -36,26 +44,34 @@ def create_session(
     providers: Sequence[str] = ("CPUExecutionProvider",),
     threads: int = 0,
     what: str = "model",
+    node_order: bool = False,
+    weights_from: onnx.ModelProto | None = None,
 ) -> ort.InferenceSession:
-    """Open `model` in onnxruntime; `what` names the model in error messages."""
+    """Open `model` in onnxruntime; `what` names the model in error messages.
+
+    `weights_from` supplies the weights of a `model` copied without them (models over the
+    protobuf limit are worked on that way; onnxruntime then reads the weights from a file).
+
+    With `node_order`, nodes run in the order the model lists them where dependencies allow
+    (onnxruntime's default order may run them much later).
+    """
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
         raise ConfigError(
             f"provider: {', '.join(missing)} not available in this onnxruntime "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
-    options = _session_options(threads)
+    options = _session_options(threads, node_order=node_order)
     try:
-        if model.ByteSize() < _MAX_INLINE_BYTES:
+        if weights_from is None and serialized_size(model) < _MAX_INLINE_BYTES:
             return ort.InferenceSession(
                 model.SerializeToString(), sess_options=options, providers=list(providers)
             )
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
+            # Not onnx.save_model: it moves the weights out of `model`, which callers still use.
             path = Path(tmp) / "model.onnx"
-            onnx.save_model(
-                model, path, save_as_external_data=True, location="model.onnx.data",
-                size_threshold=1024,
-            )
+            with stage_model(model, path, external=True, weights_from=weights_from) as staged:
+                staged.commit()
             return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except (ort.capi.onnxruntime_pybind11_state.Fail,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph,

@@ -349,7 +349,8 @@ def test_matmul_constant_a_is_per_tensor() -> None:
     nodes = [helper.make_node("MatMul", ["A", "x"], ["y"], name="mm")]
     inits = {"A": rng.standard_normal((3, 4)).astype(np.float32)}
     plan = _plan(build_model(nodes, [float_input("x", [4, 2])], ["y"], inits))
-    assert plan.weights == (WeightTarget("A", "mm", "MatMul", None),)
+    # Not at the weight input: per tensor, in the activation scheme (QLinearMatMul's A type).
+    assert plan.weights == (WeightTarget("A", "mm", "MatMul", None, "operand"),)
     assert _activations(plan) == {"x": ("mm",), "y": ()}
 
 
@@ -361,7 +362,8 @@ def test_attention_matmul_quantizes_both_activations() -> None:
         helper.make_node("MatMul", ["p", "v"], ["y"], name="pv"),
     ]
     inputs = [float_input(n, [1, 4, 8]) for n in ("q", "k", "v")]
-    plan = _plan(build_model(nodes, inputs, ["y"]))
+    # The op rules alone (by default the Softmax input, attention logits, stays float).
+    plan = _plan(build_model(nodes, inputs, ["y"]), default_exclusions=False)
     assert plan.weights == () and plan.biases == ()
     assert _activations(plan) == {
         "k": ("kt",),
@@ -450,7 +452,7 @@ def test_op_type_without_a_rule_in_op_types_is_a_config_error() -> None:
         _plan(conv_bn_relu(np.random.default_rng(20)), op_types=frozenset({"Conv", "Erf"}))
 
 
-def test_subgraph_nodes_are_skipped_with_a_reason() -> None:
+def test_if_branch_nodes_are_planned_with_outer_constants_as_weights() -> None:
     rng = np.random.default_rng(21)
     then = helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["t"], name="inner_mm")],
@@ -476,10 +478,15 @@ def test_subgraph_nodes_are_skipped_with_a_reason() -> None:
     assert sorted(order[1:3]) == ["inner_mm", "inner_relu"]
     assert _decision(plan, "branch") == (False, "no quantization rule for op If")
     for inner in ("inner_mm", "inner_relu"):
-        quantized, reason = _decision(plan, inner)
-        assert not quantized and "'branch'" in reason and "not quantized yet" in reason
-    assert _activations(plan) == {"i": ("outer_mm",), "y": ()}
-    assert plan.weights == (WeightTarget("W", "outer_mm", "MatMul", 1),)
+        assert _decision(plan, inner)[0]
+    # x is read inside both branches; W, a main-graph constant, is the inner MatMul's weight too.
+    assert _activations(plan) == {
+        "x": ("inner_mm", "inner_relu"), "e": (), "t": (), "i": ("outer_mm",), "y": ()
+    }
+    assert plan.weights == (
+        WeightTarget("W", "inner_mm", "MatMul", 1),
+        WeightTarget("W", "outer_mm", "MatMul", 1),
+    )
 
 
 def test_float16_tensors_are_quantized_and_double_ones_are_not() -> None:

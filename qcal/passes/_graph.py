@@ -18,10 +18,12 @@ __all__ = [
     "SUBGRAPH_SLOT",
     "Use",
     "UseIndex",
+    "all_graphs",
     "attribute_graphs",
     "check_wiring",
     "default_opset",
     "element_types",
+    "graph_element_types",
     "subgraph_reads",
 ]
 
@@ -112,6 +114,14 @@ def attribute_graphs(attribute: onnx.AttributeProto) -> Iterator[onnx.GraphProto
         yield from attribute.graphs
 
 
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every graph nested in its nodes' attributes, depth first in graph order."""
+    yield graph
+    for node in graph.node:
+        for subgraph in _node_subgraphs(node):
+            yield from all_graphs(subgraph)
+
+
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     for attribute in node.attribute:
         yield from attribute_graphs(attribute)
@@ -194,6 +204,16 @@ def element_types(graph: onnx.GraphProto) -> dict[str, int]:
             for attribute in node.attribute:
                 if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = attribute.t.data_type
+    return types
+
+
+def graph_element_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """`element_types` of `graph` and of every graph nested in it (outer scopes win)."""
+    types: dict[str, int] = {}
+    for node in graph.node:
+        for subgraph in _node_subgraphs(node):
+            types.update(graph_element_types(subgraph))
+    types.update(element_types(graph))
     return types
 
 

@@ -1,5 +1,5 @@
-"""Pass: turn the main graph's Constant nodes into initializers, so weights held in Constant
-nodes (common in older exporters) are quantized like any other weight."""
+"""Pass: turn Constant nodes into initializers, so weights held in Constant nodes (common in
+older exporters, and inside If/Loop/Scan bodies) are quantized like any other weight."""
 
 from __future__ import annotations
 
@@ -10,41 +10,33 @@ import onnx
 from onnx import numpy_helper
 
 from qcal.passes._base import StepResult
-from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES
+from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
 
 __all__ = ["ConstantsToInitializers"]
 
 # IR versions below 4 require every initializer to be listed as a graph input too.
 _IR_INITIALIZERS_WITHOUT_INPUTS = 4
+_BODY_OPS = frozenset({"If", "Loop", "Scan"})
 
 
 class ConstantsToInitializers:
-    """Replace each main-graph Constant node by an initializer of the same name.
+    """Replace each Constant node of the main graph and of If/Loop/Scan bodies by an
+    initializer of the same name in the same graph.
 
     Handles the dense forms (``value``, ``value_float(s)``, ``value_int(s)``); sparse and string
-    constants, and constants that are graph outputs, stay nodes. Subgraph constants are left
-    alone (subgraphs are not quantized yet).
+    constants, and constants that are graph outputs, stay nodes. Below IR version 4, where
+    initializers must also be graph inputs, bodies are left alone (their inputs are fixed).
     """
 
     name: ClassVar[str] = "constants-to-initializers"
 
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         graph = model.graph
-        outputs = {v.name for v in graph.output}
-        kept: list[onnx.NodeProto] = []
-        moved: list[onnx.TensorProto] = []
-        for node in graph.node:
-            tensor = _dense_value(node) if node.output and node.output[0] not in outputs else None
-            if tensor is None:
-                kept.append(node)
-            else:
-                moved.append(tensor)
+        with_bodies = model.ir_version >= _IR_INITIALIZERS_WITHOUT_INPUTS
+        moved = _move_constants(graph, with_bodies=with_bodies)
         if not moved:
             return StepResult(model, False)
-        del graph.node[:]
-        graph.node.extend(kept)
-        graph.initializer.extend(moved)
-        if model.ir_version < _IR_INITIALIZERS_WITHOUT_INPUTS:
+        if not with_bodies:
             graph.input.extend(
                 onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved
             )
@@ -54,6 +46,31 @@ class ConstantsToInitializers:
             f"({floats} float)"
         )
         return StepResult(model, True, detail)
+
+
+def _move_constants(graph: onnx.GraphProto, *, with_bodies: bool) -> list[onnx.TensorProto]:
+    """Move `graph`'s Constant nodes (and, `with_bodies`, its bodies') into initializers."""
+    moved: list[onnx.TensorProto] = []
+    if with_bodies:  # bodies first: the nodes holding them are copied below
+        for node in graph.node:
+            if node.op_type in _BODY_OPS and node.domain in DEFAULT_DOMAINS:
+                for attribute in node.attribute:
+                    for body in attribute_graphs(attribute):
+                        moved += _move_constants(body, with_bodies=True)
+    outputs = {v.name for v in graph.output}
+    kept: list[onnx.NodeProto] = []
+    here: list[onnx.TensorProto] = []
+    for node in graph.node:
+        tensor = _dense_value(node) if node.output and node.output[0] not in outputs else None
+        if tensor is None:
+            kept.append(node)
+        else:
+            here.append(tensor)
+    if here:
+        del graph.node[:]
+        graph.node.extend(kept)
+        graph.initializer.extend(here)
+    return here + moved
 
 
 def _dense_value(node: onnx.NodeProto) -> onnx.TensorProto | None:

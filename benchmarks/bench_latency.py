@@ -1,0 +1,311 @@
+"""Latency of quantized models: the float model, qcal's QDQ output and quantize_static's output.
+
+Both quantized models are made in this run from the same calibration set (qcal: default preset,
+--method minmax; onnxruntime: QDQ, per-channel, QUInt8 activations, QInt8 weights, MinMax).
+Each model is then timed at batch 1 with 1 and 2 intra-op threads: one session per (variant,
+threads), warmed up, then single runs interleaved across all sessions (the order rotates every
+repeat) and summarised by the median. Also reported: what onnxruntime's CPU provider makes of
+each graph (integer kernels, leftover QuantizeLinear/DequantizeLinear, float Conv/MatMul/Gemm
+in the ORT_ENABLE_ALL optimized graph) and output agreement with the float model on the
+evaluation set.
+
+    python benchmarks/bench_latency.py
+    python benchmarks/bench_latency.py --quick
+    python benchmarks/bench_latency.py --models ppocr_det --repeats 100 --threads 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import (
+    OutputAgreement,
+    default_max_rss_mib,
+    machine_info,
+    optimized_op_counts,
+    print_table,
+    qcal_cli_cmd,
+    qcal_cli_job,
+    run_child,
+    split_args,
+    summarize_optimized,
+    work_dir,
+    worker_cmd,
+    write_results,
+)
+from models import ALL_MODELS, BenchmarkSetupError, BenchModel, get_models, iter_samples
+
+QUICK = {"calib_samples": 8, "eval_samples": 8, "repeats": 10, "warmup": 2}
+ARGMAX_TASKS = ("classify", "cls", "rec")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(ALL_MODELS))
+    parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=32,
+        help="samples for output agreement (the first one is the latency input)",
+    )
+    parser.add_argument("--repeats", type=int, default=50, help="timed runs per session")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs per session first")
+    parser.add_argument("--threads", default="1,2", help="intra-op thread counts")
+    parser.add_argument("--qcal-method", default="minmax")
+    parser.add_argument("--qcal-mode", choices=("library", "cli"), default="library")
+    parser.add_argument(
+        "--qcal-args", default="", help="extra `qcal calibrate` arguments (cli mode)"
+    )
+    parser.add_argument("--qcal-config", default="{}", help="extra CalibrationConfig fields, JSON")
+    parser.add_argument("--ort-method", default="MinMax")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--max-rss-mib", type=float, default=default_max_rss_mib())
+    parser.add_argument("--no-install", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    return args
+
+
+def make_variants(model: BenchModel, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """float, qcal and ort model files; a failed quantization is kept with its message."""
+    calib = model.calib_data(args.calib_samples)
+    out = work_dir("latency", model.name)
+    logs = work_dir("latency", model.name, "logs")
+    variants: dict[str, dict[str, Any]] = {"float": {"path": model.path, "ok": True}}
+    output, report = out / "qcal.qdq.onnx", out / "qcal.qcal.json"
+    eval_data = model.eval_data(args.eval_samples)
+    if args.qcal_mode == "cli":
+        cmd = qcal_cli_cmd(
+            model.path,
+            calib,
+            output,
+            report,
+            method=args.qcal_method,
+            batch_size=1,
+            eval_data=eval_data,
+            extra=split_args(args.qcal_args),
+        )
+        result = run_child(
+            worker_cmd(qcal_cli_job(cmd, report), logs / "qcal.result.json"),
+            log_stem=logs / "qcal",
+            timeout_s=args.timeout,
+            max_rss_mib=args.max_rss_mib,
+            result_file=logs / "qcal.result.json",
+        )
+    else:
+        job = {
+            "kind": "qcal",
+            "method": args.qcal_method,
+            "model": str(model.path),
+            "data": str(calib),
+            "batch_size": 1,
+            "output": str(output),
+            "report": str(report),
+            "eval_data": str(eval_data),
+            "config": json.loads(args.qcal_config),
+        }
+        result = run_child(
+            worker_cmd(job, logs / "qcal.result.json"),
+            log_stem=logs / "qcal",
+            timeout_s=args.timeout,
+            max_rss_mib=args.max_rss_mib,
+            result_file=logs / "qcal.result.json",
+        )
+    variants["qcal"] = {
+        "path": output,
+        "ok": result.ok,
+        "error": result.error,
+        "calibration": result.to_json(),
+    }
+    job = {
+        "kind": "ort",
+        "method": args.ort_method,
+        "model": str(model.path),
+        "input": model.input_name,
+        "data": str(calib),
+        "batch_size": 1,
+        "output": str(out / "ort.onnx"),
+    }
+    result = run_child(
+        worker_cmd(job, logs / "ort.result.json"),
+        log_stem=logs / "ort",
+        timeout_s=args.timeout,
+        max_rss_mib=args.max_rss_mib,
+        result_file=logs / "ort.result.json",
+    )
+    variants["ort"] = {
+        "path": Path(job["output"]),
+        "ok": result.ok,
+        "error": result.error,
+        "calibration": result.to_json(),
+    }
+    for name, variant in variants.items():
+        if variant["ok"]:
+            counts = optimized_op_counts(variant["path"], out / f"{name}.optimized.onnx")
+            variant["optimized_graph"] = summarize_optimized(counts)
+            variant["optimized_op_counts"] = counts
+        print(
+            f"[variant] {model.name} {name}: "
+            f"{'ok' if variant['ok'] else 'failed: ' + str(variant['error'])}",
+            flush=True,
+        )
+    return variants
+
+
+def time_sessions(
+    model: BenchModel, variants: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Median single-run latency per (variant, threads), runs interleaved across sessions."""
+    import onnxruntime as ort
+
+    feed = next(iter_samples(model.eval_data(args.eval_samples), model.input_name))
+    sessions = {}
+    for name, variant in variants.items():
+        if not variant["ok"]:
+            continue
+        for threads in [int(t) for t in args.threads.split(",")]:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.log_severity_level = 3
+            sessions[f"{name}@{threads}"] = ort.InferenceSession(
+                str(variant["path"]), options, providers=["CPUExecutionProvider"]
+            )
+    for session in sessions.values():
+        for _ in range(args.warmup):
+            session.run(None, feed)
+    times: dict[str, list[float]] = {key: [] for key in sessions}
+    keys = list(sessions)
+    for repeat in range(args.repeats):
+        shift = repeat % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            started = time.perf_counter()
+            sessions[key].run(None, feed)
+            times[key].append(time.perf_counter() - started)
+            # let the previous session's worker threads stop spinning before the next one runs
+            time.sleep(0.002)
+    return {
+        key: {
+            "median_ms": 1e3 * float(np.median(t)),
+            "p10_ms": 1e3 * float(np.percentile(t, 10)),
+            "p90_ms": 1e3 * float(np.percentile(t, 90)),
+            "runs": len(t),
+            "input_shape": list(feed[model.input_name].shape),
+        }
+        for key, t in times.items()
+    }
+
+
+def agreement(
+    model: BenchModel, variants: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Output agreement of each quantized variant with the float model on the evaluation set."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    sessions = {
+        name: ort.InferenceSession(str(v["path"]), options, providers=["CPUExecutionProvider"])
+        for name, v in variants.items()
+        if v["ok"]
+    }
+    stats = {
+        name: OutputAgreement(argmax=model.task in ARGMAX_TASKS)
+        for name in sessions
+        if name != "float"
+    }
+    for feed in iter_samples(model.eval_data(args.eval_samples), model.input_name):
+        ref = sessions["float"].run(None, feed)[0]
+        for name, stat in stats.items():
+            stat.update(ref, sessions[name].run(None, feed)[0])
+    return {name: stat.result() for name, stat in stats.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        models = get_models(
+            [m.strip() for m in args.models.split(",")], install=not args.no_install
+        )
+    except BenchmarkSetupError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    rows = []
+    for model in models:
+        variants = make_variants(model, args)
+        latency = time_sessions(model, variants, args)
+        agree = agreement(model, variants, args)
+        results[model.name] = {"variants": variants, "latency": latency, "agreement": agree}
+        for name, variant in variants.items():
+            if not variant["ok"]:
+                rows.append([model.name, name, *([None] * 9), f"failed: {variant['error']}"[:60]])
+                continue
+            graph = variant["optimized_graph"]
+            metrics = agree.get(name, {})
+            for threads in args.threads.split(","):
+                lat = latency[f"{name}@{threads}"]
+                ref = latency.get(f"float@{threads}")
+                rows.append(
+                    [
+                        model.name,
+                        name,
+                        threads,
+                        lat["median_ms"],
+                        f"{lat['median_ms'] / ref['median_ms']:.2f}x" if ref else None,
+                        graph["integer_nodes"],
+                        graph["quantize_linear"],
+                        graph["dequantize_linear"],
+                        graph["float_compute_nodes"],
+                        metrics.get("sqnr_db"),
+                        _top1(metrics),
+                        "ok",
+                    ]
+                )
+    print_table(
+        f"Latency at batch 1 (median of {args.repeats} interleaved runs) and onnxruntime's "
+        "optimized graph (ORT_ENABLE_ALL)",
+        [
+            "model",
+            "variant",
+            "threads",
+            "median ms",
+            "x float",
+            "int nodes",
+            "Q",
+            "DQ",
+            "float conv/mm",
+            "SQNR dB",
+            "top-1 agr",
+            "status",
+        ],
+        rows,
+    )
+    path = write_results(
+        "latency", {"machine": machine_info(), "args": vars(args), "models": results}
+    )
+    print(f"\nJSON: {path}")
+    return 0
+
+
+def _top1(metrics: dict[str, Any]) -> str | None:
+    value = metrics.get("top1_agreement")
+    return None if value is None else f"{100 * value:.1f} %"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

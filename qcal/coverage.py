@@ -1,0 +1,276 @@
+"""How much of a model's compute a quantization plan leaves quantized, in multiply-accumulates.
+
+Only Conv, ConvTranspose, MatMul and Gemm count: they hold nearly all the arithmetic of the
+models qcal quantizes, and they are what onnxruntime's integer kernels speed up. A compute node
+counts as quantized when it would run as an integer kernel: it is quantized by the plan, every
+float input it reads comes through a DequantizeLinear (activations listed with it as consumer,
+constants planned as its weights), and, for Conv and ConvTranspose, its output is quantized too,
+directly or behind a Relu/Clip that onnxruntime fuses into it (their QDQ fusions need a Q after
+the node; MatMul and Gemm also have integer kernels with a float output).
+
+MACs per node, for one sample of real data:
+
+* Conv: ``prod(Y.shape) * prod(W.shape[1:])`` (every output element sums Cin/group x kernel),
+* ConvTranspose: ``prod(X.shape) * prod(W.shape[1:])`` (every input element scatters into
+  Cout/group x kernel outputs),
+* MatMul: ``prod(Y.shape) * A.shape[-1]``; Gemm: ``prod(Y.shape) * K`` (K = A's inner dim).
+
+Shapes come from shape inference when every one is a number (symbolic dimensions of the graph
+inputs are replaced by those of the first sample); otherwise from one onnxruntime run of the
+float model on the first sample. Nodes whose shapes stay unknown make the whole figure fall back
+to counting nodes, and the result says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from qcal.errors import QcalError
+from qcal.model import QuantPlan
+from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
+
+__all__ = [
+    "COMPUTE_OPS",
+    "Coverage",
+    "compute_macs",
+    "measure_coverage",
+    "quantized_compute",
+    "shape_probe",
+]
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+_OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+
+Shapes = Mapping[str, tuple[int, ...]]
+ShapeProbe = Callable[[list[str]], Shapes]
+"""Measures the shapes of the named tensors with a real run (one sample)."""
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The quantized share of compute.
+
+    Attributes:
+        basis: "macs" (multiply-accumulates from shapes) or "nodes" (shapes unknown: a count).
+        compute_nodes: Conv/ConvTranspose/MatMul/Gemm nodes in the main graph.
+        quantized_nodes: those that run as integer kernels under the plan.
+        macs_total: MACs of all compute nodes for one sample (None on the "nodes" basis).
+        macs_quantized: MACs of the quantized ones (None on the "nodes" basis).
+        note: why the basis is "nodes", or None.
+    """
+
+    basis: str
+    compute_nodes: int
+    quantized_nodes: int
+    macs_total: int | None
+    macs_quantized: int | None
+    note: str | None = None
+
+    @property
+    def fraction(self) -> float:
+        """Quantized share of MACs (of compute nodes on the "nodes" basis); 1.0 with no compute."""
+        if self.basis == "macs" and self.macs_total:
+            return (self.macs_quantized or 0) / self.macs_total
+        if self.compute_nodes:
+            return self.quantized_nodes / self.compute_nodes
+        return 1.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "basis": self.basis,
+            "macs_quantized_fraction": float(f"{self.fraction:.9g}"),
+            "macs_total": self.macs_total,
+            "macs_quantized": self.macs_quantized,
+            "compute_nodes": self.compute_nodes,
+            "quantized_compute_nodes": self.quantized_nodes,
+            "note": self.note,
+        }
+
+
+def compute_macs(
+    model: onnx.ModelProto,
+    sample: Mapping[str, np.ndarray] | None,
+    *,
+    run_shapes: ShapeProbe | None = None,
+) -> dict[str, int | None]:
+    """MACs per compute node of the main graph for `sample` (None where shapes are unknown).
+
+    Args:
+        model: a prepared model (named nodes, value_info from shape inference).
+        sample: one model feed whose input shapes replace symbolic input dimensions.
+        run_shapes: measures shapes with a real run, used when shape inference leaves some
+            unknown (None: do not run).
+    """
+    graph = model.graph
+    nodes = [n for n in graph.node if _is_compute(n)]
+    needed = sorted({t for n in nodes for t in _shape_tensors(n) if t})
+    shapes = _static_shapes(graph, sample)
+    missing = [t for t in needed if t not in shapes]
+    if missing and run_shapes is not None:
+        try:
+            shapes.update(run_shapes(missing))
+        except QcalError:
+            pass  # measured shapes are a refinement; the node-count fallback still applies
+    return {n.name: _node_macs(n, shapes) for n in nodes}
+
+
+def quantized_compute(model: onnx.ModelProto, plan: QuantPlan) -> set[str]:
+    """Names of the compute nodes that run as integer kernels under `plan` (module docstring)."""
+    graph = model.graph
+    index = UseIndex.build(graph)
+    types = element_types(graph)
+    quantized_nodes = {d.node for d in plan.nodes if d.quantized}
+    reads = {(t.tensor, c) for t in plan.activations for c in t.consumers}
+    outputs = {t.tensor for t in plan.activations}
+    weights = {(w.tensor, w.node) for w in plan.weights}
+    found: set[str] = set()
+    for node in graph.node:
+        if not _is_compute(node) or node.name not in quantized_nodes:
+            continue
+        inputs_ok = all(
+            (t, node.name) in (weights if index.constant(t) is not None else reads)
+            for t in _float_data_inputs(node, types)
+        )
+        if inputs_ok and (
+            node.op_type not in _OUTPUT_QUANTIZED_OPS or _output_quantized(node, index, outputs)
+        ):
+            found.add(node.name)
+    return found
+
+
+def measure_coverage(
+    model: onnx.ModelProto, plan: QuantPlan, macs: Mapping[str, int | None]
+) -> Coverage:
+    """The share of `macs` (from `compute_macs`) that `plan` leaves quantized."""
+    quantized = quantized_compute(model, plan)
+    unknown = sorted(name for name, value in macs.items() if value is None)
+    if unknown:
+        note = (
+            f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
+            f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
+        )
+        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None, note)
+    total = sum(v for v in macs.values() if v is not None)
+    done = sum(v for name, v in macs.items() if v is not None and name in quantized)
+    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _is_compute(node: onnx.NodeProto) -> bool:
+    return node.op_type in COMPUTE_OPS and node.domain in DEFAULT_DOMAINS
+
+
+def _float_data_inputs(node: onnx.NodeProto, types: Mapping[str, int]) -> list[str]:
+    # The inputs an integer kernel reads quantized: A/B or X/W (a bias is int32 or float alike).
+    return [t for t in node.input[:2] if t and types.get(t) in FLOAT_TYPES]
+
+
+def _output_quantized(node: onnx.NodeProto, index: UseIndex, quantized: set[str]) -> bool:
+    if not node.output or not node.output[0]:
+        return False
+    tensor = node.output[0]
+    if tensor in quantized:
+        return True
+    readers = index.readers(tensor)
+    return (
+        len(readers) == 1
+        and readers[0].op_type in _FUSED_ACTIVATIONS
+        and bool(readers[0].output)
+        and readers[0].output[0] in quantized
+    )
+
+
+def _shape_tensors(node: onnx.NodeProto) -> Iterable[str]:
+    """The tensors whose shapes `_node_macs` needs: data input, weight and output."""
+    yield from node.input[:2]
+    if node.output:
+        yield node.output[0]
+
+
+def _static_shapes(
+    graph: onnx.GraphProto, sample: Mapping[str, np.ndarray] | None
+) -> dict[str, tuple[int, ...]]:
+    """Fully known shapes from value_info and initializers, input symbols bound from `sample`."""
+    symbols: dict[str, int] = {}
+    if sample is not None:
+        for value in graph.input:
+            array = sample.get(value.name)
+            input_dims = value.type.tensor_type.shape.dim
+            if array is None or len(input_dims) != array.ndim:
+                continue
+            for dim, size in zip(input_dims, array.shape):
+                if dim.HasField("dim_param"):
+                    symbols.setdefault(dim.dim_param, int(size))
+    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims: list[int] = []
+        for dim in tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                dims.append(int(dim.dim_value))
+            elif dim.HasField("dim_param") and dim.dim_param in symbols:
+                dims.append(symbols[dim.dim_param])
+            else:
+                break
+        else:
+            shapes.setdefault(value.name, tuple(dims))
+    if sample is not None:
+        shapes.update({name: tuple(a.shape) for name, a in sample.items()})
+    return shapes
+
+
+def _node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
+    data = shapes.get(node.input[0]) if node.input else None
+    weight = shapes.get(node.input[1]) if len(node.input) > 1 else None
+    out = shapes.get(node.output[0]) if node.output else None
+    if node.op_type == "Conv" and out is not None and weight is not None:
+        return math.prod(out) * math.prod(weight[1:])
+    if node.op_type == "ConvTranspose" and data is not None and weight is not None:
+        return math.prod(data) * math.prod(weight[1:])
+    if node.op_type == "MatMul" and out is not None and data is not None and data:
+        return math.prod(out) * data[-1]
+    if node.op_type == "Gemm" and out is not None and data is not None and len(data) == 2:
+        trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+        return math.prod(out) * data[0 if trans_a else 1]
+    return None
+
+
+def shape_probe(
+    model: onnx.ModelProto,
+    sample: Mapping[str, np.ndarray],
+    *,
+    providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    threads: int = 0,
+) -> ShapeProbe:
+    """A `ShapeProbe` that runs `model` once on `sample` with the asked tensors as outputs."""
+    from qcal.collect import expose_tensors
+    from qcal.runtime import create_session
+
+    def probe(tensors: list[str]) -> Shapes:
+        known = element_types(model.graph)
+        wanted = [t for t in tensors if t in known]
+        if not wanted:
+            return {}
+        session = create_session(expose_tensors(model, wanted), providers=providers,
+                                 threads=threads, what="shape probe")
+        try:
+            arrays = session.run(wanted, dict(sample))
+        except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
+            logger.info("shape probe failed: %s", str(err).strip().splitlines()[:1])
+            return {}
+        return {name: tuple(np.shape(a)) for name, a in zip(wanted, arrays)}
+
+    return probe

@@ -1,0 +1,325 @@
+"""Automatic float fallback: keep the most harmful tensors in float until an accuracy target holds.
+
+Candidates are the planned tensors whose quantization alone changes the outputs (from
+`qcal.sensitivity`). Each gets a harm, its output noise ratio alone, and a cost, the share of
+compute that would stop running as integer kernels if it were kept float (from
+`qcal.coverage`). They are ranked by ``harm / (cost + 1 %)``: a tensor that costs no compute
+(the input of an elementwise op, a statistic) goes first unless a matmul's harm is much larger,
+so that cheap elementwise tensors are given up before expensive convolutions and matmuls.
+
+The search keeps the first k ranked tensors in float and checks the real QDQ model (written by
+InsertQDQ, run by onnxruntime on the evaluation data): k = 0, then 1, 2, 4, ... until the target
+holds, then bisection between the last failing and the first passing k. Coverage never goes below
+the floor: when the target does not hold at the largest k above it, the search says so and keeps
+the best model it checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+
+from qcal.coverage import Coverage, measure_coverage
+from qcal.evaluate import Comparison
+from qcal.model import NodeDecision, QuantPlan
+from qcal.sensitivity import SensitivityResult, TensorSensitivity
+
+__all__ = [
+    "AccuracyTarget",
+    "Candidate",
+    "FallbackResult",
+    "FallbackStep",
+    "rank_candidates",
+    "restrict_plan",
+    "search_fallback",
+]
+
+logger = logging.getLogger(__name__)
+
+# A tensor that costs no compute is charged as if it cost 1 % of it: harm per cost stays finite
+# and a tiny harm never outranks a large one just because it is free.
+_FREE_COST = 0.01
+
+
+@dataclass(frozen=True)
+class AccuracyTarget:
+    """What the quantized model must reach against the float model.
+
+    Attributes:
+        min_sqnr_db: every model output's SQNR at least this (None: no SQNR target).
+        max_agreement_drop: top-1 agreement of every classifier-like output at least
+            ``1 - max_agreement_drop`` (a fraction; None: no agreement target).
+    """
+
+    min_sqnr_db: float | None = None
+    max_agreement_drop: float | None = None
+
+    def is_met(self, comparison: Comparison) -> bool:
+        return self.shortfall(comparison) <= 0.0
+
+    def shortfall(self, comparison: Comparison) -> float:
+        """How far `comparison` is from the target (<= 0: met), comparable between models."""
+        gaps = [0.0]
+        if self.min_sqnr_db is not None:
+            sqnr = comparison.worst_sqnr_db
+            if sqnr is not None:  # None: identical outputs
+                gaps.append((self.min_sqnr_db - sqnr) / 10.0)
+        if self.max_agreement_drop is not None:
+            agreement = worst_agreement(comparison)
+            if agreement is not None:
+                gaps.append((1.0 - agreement) - self.max_agreement_drop)
+        return max(gaps)
+
+    def describe(self) -> str:
+        parts = []
+        if self.min_sqnr_db is not None:
+            parts.append(f"output SQNR >= {self.min_sqnr_db:g} dB")
+        if self.max_agreement_drop is not None:
+            parts.append(f"top-1 agreement >= {100 * (1 - self.max_agreement_drop):g} %")
+        return " and ".join(parts)
+
+
+def worst_agreement(comparison: Comparison) -> float | None:
+    values = [o.top1_agreement for o in comparison.outputs if o.top1_agreement is not None]
+    return min(values) if values else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor the search may keep in float: its harm alone and what keeping it float costs."""
+
+    sensitivity: TensorSensitivity
+    compute_lost: float  # share of compute (0..1) that stops being integer without it
+
+    @property
+    def score(self) -> float:
+        return self.sensitivity.noise_ratio / (self.compute_lost + _FREE_COST)
+
+    def reason(self) -> str:
+        s = self.sensitivity
+        sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
+        return (
+            f"kept float by the accuracy fallback: quantized alone, output SQNR {sqnr}; "
+            f"costs {100 * self.compute_lost:.2f} % of quantized compute"
+        )
+
+
+@dataclass(frozen=True)
+class FallbackStep:
+    """One checked model: the first `kept` candidates in float."""
+
+    kept: int
+    comparison: Comparison
+    coverage: Coverage
+    met: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kept_float": self.kept,
+            "worst_sqnr_db": _round(self.comparison.worst_sqnr_db),
+            "worst_top1_agreement": _round(worst_agreement(self.comparison)),
+            "macs_quantized_fraction": _round(self.coverage.fraction),
+            "target_met": self.met,
+        }
+
+
+@dataclass(frozen=True)
+class FallbackResult:
+    """What the search chose.
+
+    Attributes:
+        plan: the plan with the chosen tensors kept float.
+        model: the QDQ model written from it.
+        comparison: that model against the float model on the evaluation data.
+        coverage: its quantized share of compute.
+        reached: whether the target holds.
+        kept: the candidates kept float, in rank order.
+        steps: every model checked, in order.
+        message: one sentence saying what happened.
+    """
+
+    plan: QuantPlan
+    model: onnx.ModelProto
+    comparison: Comparison
+    coverage: Coverage
+    reached: bool
+    kept: tuple[Candidate, ...]
+    steps: tuple[FallbackStep, ...]
+    message: str
+
+
+def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
+    """`plan` without the tensors in `keep_float` (name -> reason), and what depends on them.
+
+    A weight kept float takes the activations its node reads with it: given a quantized input
+    and a float weight, onnxruntime quantizes the weight itself (its WeightBiasQuantization
+    optimizer, per tensor), and a float input is only float for every reader (the QDQ writer
+    sends float readers of an integer kernel's output through the pair). Biases whose input or
+    weight goes float stay float. A node left with nothing to quantize is marked not quantized
+    with the reason; a node that still quantizes something gets the reason appended.
+    """
+    if not keep_float:
+        return plan
+    keep = dict(keep_float)
+    float_nodes = {w.node: w.tensor for w in plan.weights if w.tensor in keep_float}
+    for a in plan.activations:
+        node = next((c for c in a.consumers if c in float_nodes), None)
+        if node is not None and a.tensor not in keep:
+            keep[a.tensor] = f"kept float with weight {float_nodes[node]!r} of {node!r}"
+    activations = tuple(a for a in plan.activations if a.tensor not in keep)
+    weights = tuple(w for w in plan.weights if w.tensor not in keep and w.node not in float_nodes)
+    reads = {(a.tensor, c) for a in activations for c in a.consumers}
+    quantized_weights = {(w.tensor, w.node) for w in weights}
+    biases = tuple(
+        b for b in plan.biases
+        if b.tensor not in keep and (b.input_tensor, b.node) in reads
+        and (b.weight_tensor, b.node) in quantized_weights
+    )
+    touched: dict[str, set[str]] = {}
+    for a in plan.activations:
+        if a.tensor in keep:
+            for consumer in a.consumers:
+                touched.setdefault(consumer, set()).add(a.tensor)
+    for w in plan.weights:
+        if w.tensor in keep:
+            touched.setdefault(w.node, set()).add(w.tensor)
+    still = {c for a in activations for c in a.consumers} | {w.node for w in weights}
+    nodes = []
+    for decision in plan.nodes:
+        tensors = touched.get(decision.node)
+        if not decision.quantized or not tensors:
+            nodes.append(decision)
+            continue
+        why = "; ".join(f"{t!r} {keep[t]}" for t in sorted(tensors))
+        if decision.node in still:
+            nodes.append(dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
+        else:
+            nodes.append(NodeDecision(decision.node, decision.op_type, False, why))
+    return QuantPlan(activations, weights, biases, tuple(nodes))
+
+
+def rank_candidates(
+    model: onnx.ModelProto,
+    plan: QuantPlan,
+    sensitivity: SensitivityResult,
+    macs: Mapping[str, int | None],
+) -> list[Candidate]:
+    """Tensors whose quantization alone changes the outputs, best to keep float first."""
+    full = measure_coverage(model, plan, macs).fraction
+    found = []
+    for s in sensitivity.tensors:
+        if s.noise_ratio <= 0.0:
+            continue
+        without = measure_coverage(model, restrict_plan(plan, {s.tensor: "-"}), macs).fraction
+        found.append(Candidate(s, max(0.0, full - without)))
+    found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
+    return found
+
+
+def search_fallback(
+    *,
+    model: onnx.ModelProto,
+    plan: QuantPlan,
+    candidates: Sequence[Candidate],
+    macs: Mapping[str, int | None],
+    target: AccuracyTarget,
+    floor: float,
+    write: Callable[[QuantPlan], onnx.ModelProto],
+    evaluate: Callable[[onnx.ModelProto], Comparison],
+) -> FallbackResult:
+    """The fewest ranked candidates to keep float for `target`, never below `floor` coverage.
+
+    Args:
+        model: the prepared float model.
+        plan: the full plan.
+        candidates: ranked by `rank_candidates`.
+        macs: MACs per compute node (`qcal.coverage.compute_macs`).
+        target: what the QDQ model must reach.
+        floor: lowest acceptable quantized share of compute (0..1).
+        write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).
+        evaluate: compares a QDQ model with the float model on the evaluation data.
+    """
+    checked: dict[int, FallbackStep] = {}
+    models: dict[int, tuple[QuantPlan, onnx.ModelProto]] = {}
+
+    def plan_for(k: int) -> QuantPlan:
+        return restrict_plan(plan, {c.sensitivity.tensor: c.reason() for c in candidates[:k]})
+
+    def check(k: int) -> FallbackStep:
+        if k not in checked:
+            restricted = plan_for(k)
+            quantized = write(restricted)
+            comparison = evaluate(quantized)
+            coverage = measure_coverage(model, restricted, macs)
+            checked[k] = FallbackStep(k, comparison, coverage, target.is_met(comparison))
+            models[k] = (restricted, quantized)
+            logger.info("fallback: %d kept float, coverage %.3f, met %s", k, coverage.fraction,
+                        checked[k].met)
+        return checked[k]
+
+    limit = _largest_above_floor(model, plan_for, len(candidates), macs, floor)
+    chosen = _smallest_passing(check, limit)
+    reached = chosen is not None
+    if chosen is None:
+        chosen = min(checked, key=lambda k: (target.shortfall(checked[k].comparison), k))
+    step = checked[chosen]
+    restricted, quantized = models[chosen]
+    if reached:
+        message = (f"{target.describe()} reached with {chosen} tensor(s) kept float; "
+                   f"{100 * step.coverage.fraction:.1f} % of compute quantized")
+    elif limit < len(candidates):
+        message = (f"{target.describe()} NOT reached: it would need more than "
+                   f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
+                   f"{100 * floor:.0f} %); kept the best model checked ({chosen} tensor(s) float)")
+    else:
+        message = (f"{target.describe()} NOT reached even with all {len(candidates)} "
+                   f"sensitive tensor(s) in float; kept the best model checked "
+                   f"({chosen} tensor(s) float)")
+    return FallbackResult(
+        plan=restricted, model=quantized, comparison=step.comparison, coverage=step.coverage,
+        reached=reached, kept=tuple(candidates[:chosen]),
+        steps=tuple(checked[k] for k in checked), message=message,
+    )
+
+
+def _largest_above_floor(
+    model: onnx.ModelProto, plan_for: Callable[[int], QuantPlan], count: int,
+    macs: Mapping[str, int | None], floor: float,
+) -> int:
+    """Largest k whose plan keeps coverage >= floor (coverage only falls as k grows)."""
+    low, high = 0, count
+    while low < high:
+        mid = (low + high + 1) // 2
+        if measure_coverage(model, plan_for(mid), macs).fraction >= floor - 1e-12:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _smallest_passing(check: Callable[[int], FallbackStep], limit: int) -> int | None:
+    """Exponential then binary search for the smallest k <= limit that meets the target."""
+    if check(0).met:
+        return 0
+    failing, k = 0, 1
+    while k < limit and not check(k).met:
+        failing, k = k, 2 * k
+    k = min(k, limit)
+    if k == 0 or not check(k).met:
+        return None
+    passing = k
+    while passing - failing > 1:
+        mid = (failing + passing) // 2
+        if check(mid).met:
+            passing = mid
+        else:
+            failing = mid
+    return passing
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.6g}")

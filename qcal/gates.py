@@ -1,0 +1,86 @@
+"""Accuracy and coverage gates for CI: thresholds the finished run must meet.
+
+Each gate compares one figure of the finished run with a threshold the user set. The pipeline
+writes the model and the report first (the report is the evidence, and it records every gate),
+then raises AccuracyGateError naming the gates that failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qcal.config import CalibrationConfig
+from qcal.coverage import Coverage
+from qcal.errors import AccuracyGateError
+from qcal.evaluate import Comparison
+from qcal.fallback import worst_agreement
+
+__all__ = ["GateResult", "check_gates", "raise_for_failed"]
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One gate: its option, threshold, the measured value and whether it passed.
+
+    Attributes:
+        option: the flag that set it ("fail-under-sqnr", ...).
+        measure: what was compared ("worst output SQNR (dB)", ...).
+        threshold: the limit, in the measure's unit (dB or %).
+        value: the measured value in that unit (None: outputs identical, so infinite SQNR).
+        passed: whether the value meets the threshold.
+    """
+
+    option: str
+    measure: str
+    threshold: float
+    value: float | None
+    passed: bool
+
+    def describe(self) -> str:
+        value = "infinite" if self.value is None else f"{self.value:.2f}"
+        verdict = "passed" if self.passed else "FAILED"
+        return f"{self.measure} {value} vs --{self.option} {self.threshold:g}: {verdict}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "option": self.option,
+            "measure": self.measure,
+            "threshold": self.threshold,
+            "value": None if self.value is None else float(f"{self.value:.6g}"),
+            "passed": self.passed,
+        }
+
+
+def check_gates(
+    config: CalibrationConfig, comparison: Comparison | None, coverage: Coverage
+) -> list[GateResult]:
+    """Evaluate every gate the config sets, in a fixed order (SQNR, agreement, coverage)."""
+    results: list[GateResult] = []
+    if config.fail_under_sqnr is not None:
+        sqnr = None if comparison is None else comparison.worst_sqnr_db
+        passed = comparison is not None and (sqnr is None or sqnr >= config.fail_under_sqnr)
+        results.append(GateResult("fail-under-sqnr", "worst output SQNR (dB)",
+                                  config.fail_under_sqnr, sqnr, passed))
+    if config.fail_under_agreement is not None:
+        agreement = None if comparison is None else worst_agreement(comparison)
+        value = None if agreement is None else 100.0 * agreement
+        passed = value is not None and value >= config.fail_under_agreement
+        results.append(GateResult("fail-under-agreement", "worst top-1 agreement (%)",
+                                  config.fail_under_agreement, value, passed))
+    if config.fail_if_coverage_below is not None:
+        value = 100.0 * coverage.fraction
+        measure = ("quantized share of compute MACs (%)" if coverage.basis == "macs"
+                   else "quantized share of compute nodes (%)")
+        results.append(GateResult("fail-if-coverage-below", measure,
+                                  config.fail_if_coverage_below, value,
+                                  value >= config.fail_if_coverage_below))
+    return results
+
+
+def raise_for_failed(results: Sequence[GateResult], report_path: object) -> None:
+    """Raise AccuracyGateError naming every failed gate (the report is already written)."""
+    failed = [r for r in results if not r.passed]
+    if failed:
+        where = f"; see {report_path}" if report_path is not None else ""
+        raise AccuracyGateError("; ".join(r.describe() for r in failed) + where)

@@ -1,0 +1,365 @@
+"""Accuracy you can gate on: default exclusions, automatic float fallback, coverage and gates.
+
+The trap model below holds the three patterns that break naive full quantization: an embedding
+of byte inputs whose common rows are small, an RMS normalization written out as elementwise ops,
+and a softmax over attention logits. Every figure checked here is recomputed in the test from
+the written QDQ model (onnxruntime outputs, MACs from the graph), not read from qcal alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.cli import main
+from qcal.config import CalibrationConfig
+from qcal.coverage import Coverage, compute_macs, measure_coverage
+from qcal.errors import AccuracyGateError, ConfigError
+from qcal.evaluate import Comparison, OutputMetrics
+from qcal.fallback import AccuracyTarget, Candidate, restrict_plan, search_fallback
+from qcal.model import SelectionRules, plan_quantization, prepare_model
+from qcal.pipeline import calibrate
+from qcal.report import report_schema
+from qcal.runtime import create_session
+from qcal.sensitivity import TensorSensitivity
+
+SAMPLE_MODELS = Path(__file__).resolve().parents[1] / "sample_models"
+VOCAB, LENGTH, WIDTH, CLASSES = 256, 12, 16, 10
+
+
+# ------------------------------------------------------------------------------- the models
+
+
+def trap_model(seed: int = 0) -> onnx.ModelProto:
+    """bytes -> embedding (+ positions) -> explicit RMSNorm -> attention -> mean -> logits."""
+    rng = np.random.default_rng(seed)
+    printable = (np.arange(VOCAB) >= 32) & (np.arange(VOCAB) < 127)
+    norms = np.where(printable, 0.05, 4.0)  # rare bytes have large vectors, text bytes small
+    inits = {
+        "table": (rng.standard_normal((VOCAB, WIDTH)) * norms[:, None] / 4).astype(np.float32),
+        "pos": (0.01 * rng.standard_normal((LENGTH, WIDTH))).astype(np.float32),
+        "gamma": rng.uniform(0.5, 1.5, WIDTH).astype(np.float32),
+        "eps": np.array(1e-6, np.float32),
+        "wq": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32),
+        "wk": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32),
+        "wv": (rng.standard_normal((WIDTH, WIDTH)) / 4).astype(np.float32),
+        "head": (rng.standard_normal((WIDTH, CLASSES)) / 4).astype(np.float32),
+    }
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["table", "bytes"], ["emb"], name="embed"),
+        n("Add", ["emb", "pos"], ["x"], name="add_pos"),
+        n("Mul", ["x", "x"], ["x_sq"], name="rms_square"),
+        n("ReduceMean", ["x_sq"], ["ms"], name="rms_mean", axes=[-1], keepdims=1),
+        n("Add", ["ms", "eps"], ["ms_eps"], name="rms_add_eps"),
+        n("Sqrt", ["ms_eps"], ["rms"], name="rms_sqrt"),
+        n("Reciprocal", ["rms"], ["inv_rms"], name="rms_reciprocal"),
+        n("Mul", ["x", "inv_rms"], ["x_normed"], name="rms_normalize"),
+        n("Mul", ["x_normed", "gamma"], ["h"], name="rms_gamma"),
+        n("MatMul", ["h", "wq"], ["q"], name="q_proj"),
+        n("MatMul", ["h", "wk"], ["k"], name="k_proj"),
+        n("MatMul", ["h", "wv"], ["v"], name="v_proj"),
+        n("Transpose", ["k"], ["k_t"], name="k_transpose", perm=[0, 2, 1]),
+        n("MatMul", ["q", "k_t"], ["scores"], name="scores"),
+        n("Softmax", ["scores"], ["attn"], name="softmax", axis=-1),
+        n("MatMul", ["attn", "v"], ["ctx"], name="context"),
+        n("ReduceMean", ["ctx"], ["pooled"], name="pool", axes=[1], keepdims=0),
+        n("MatMul", ["pooled", "head"], ["logits"], name="classifier"),
+    ]
+    inputs = [helper.make_tensor_value_info("bytes", TensorProto.INT64, ["N", LENGTH])]
+    return build_model(nodes, inputs, ["logits"], inits)
+
+
+def byte_texts(rng: np.random.Generator, count: int) -> np.ndarray:
+    """Lowercase text on one of ten topics (a run of six letters), 3 % rare bytes."""
+    start = 97 + 2 * rng.integers(0, 10, size=(count, 1))
+    data = start + rng.integers(0, 6, size=(count, LENGTH))
+    rare = rng.random((count, LENGTH)) < 0.03
+    data[rare] = rng.integers(128, 256, size=int(rare.sum()))
+    return data.astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def trap(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("trap")
+    path = folder / "trap.onnx"
+    onnx.save(trap_model(), path)
+    rng = np.random.default_rng(1)
+    np.savez(folder / "trap.calib.npz", bytes=byte_texts(rng, 64))
+    np.savez(folder / "trap.eval.npz", bytes=byte_texts(rng, 200))
+    return path
+
+
+def run_both(float_path: Path, quant: onnx.ModelProto, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    x = create_session(onnx.load(float_path)).run(None, feed)[0]
+    y = create_session(quant).run(None, feed)[0]
+    return np.asarray(x, np.float64), np.asarray(y, np.float64)
+
+
+def sqnr_db(x: np.ndarray, y: np.ndarray) -> float:
+    return 10 * math.log10(float((x**2).sum()) / float(((x - y) ** 2).sum()))
+
+
+def quantized_matmul_macs(quant: onnx.ModelProto, float_model: onnx.ModelProto,
+                          feed: dict[str, np.ndarray]) -> tuple[int, int]:
+    """(quantized, total) MACs of the MatMuls, from the written graph and measured shapes:
+    a MatMul counts as quantized when both its inputs come out of a DequantizeLinear."""
+    producers = {o: node for node in quant.graph.node for o in node.output}
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(float_model)
+    matmuls = [node for node in float_model.graph.node if node.op_type == "MatMul"]
+    names = sorted({t for node in matmuls for t in (node.input[0], node.output[0])})
+    for name in names:
+        exposed.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    shapes = dict(zip(names, (a.shape for a in create_session(exposed).run(names, feed))))
+    done = total = 0
+    by_name = {node.name: node for node in quant.graph.node}
+    for node in matmuls:
+        macs = int(np.prod(shapes[node.output[0]])) * shapes[node.input[0]][-1]
+        total += macs
+        written = by_name[node.name]
+        if all(producers.get(t) is not None and producers[t].op_type == "DequantizeLinear"
+               for t in written.input):
+            done += macs
+    return done, total
+
+
+# ------------------------------------------------------------------ defaults and fallback
+
+
+def test_defaults_restore_what_naive_full_quantization_breaks(trap: Path) -> None:
+    feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
+    naive = calibrate(trap, CalibrationConfig(default_exclusions=False))
+    default = calibrate(trap, CalibrationConfig())
+    agreement = {}
+    for name, result in (("naive", naive), ("default", default)):
+        x, y = run_both(trap, result.model, feed)
+        agreement[name] = float(np.mean(x.argmax(1) == y.argmax(1)))
+        assert result.report["evaluation"]["outputs"][0]["top1_agreement"] == pytest.approx(
+            agreement[name])
+        done, total = quantized_matmul_macs(result.model, onnx.load(trap), feed)
+        assert result.report["coverage"]["macs_quantized_fraction"] == pytest.approx(done / total)
+        assert result.report["coverage"]["basis"] == "macs"
+    assert agreement["naive"] < 0.6  # every trap armed: most decisions change
+    assert agreement["default"] >= 0.9  # the defaults keep the traps float...
+    assert default.report["coverage"]["macs_quantized_fraction"] == 1.0  # ...at no compute cost
+    reasons = {n["name"]: n["reason"] for n in default.report["nodes"]}
+    assert "normalization statistic" in reasons["rms_add_eps"]
+    assert "embedding lookup" in reasons["embed"]
+    assert "--no-default-exclusions" in reasons["rms_square"]
+
+
+def test_each_trap_rule_keeps_its_pattern_float(trap: Path) -> None:
+    prepared, _ = prepare_model(onnx.load(trap))
+    plan = plan_quantization(prepared, SelectionRules())
+    naive = plan_quantization(prepared, SelectionRules(default_exclusions=False))
+    reads = {(t.tensor, c) for t in plan.activations for c in t.consumers}
+    planned = {t.tensor for t in plan.activations} | {w.tensor for w in plan.weights}
+    naive_planned = {t.tensor for t in naive.activations} | {w.tensor for w in naive.weights}
+    # Normalization: the statistic, the squares and the normalizer's inputs stay float...
+    assert {"ms", "x_sq", "inv_rms"} <= naive_planned and not {"ms", "x_sq", "inv_rms"} & planned
+    assert ("x", "rms_normalize") not in reads and ("x", "rms_square") not in reads
+    assert "x_normed" in planned  # ...the normalized values do not
+    # Embedding: the table and the looked-up vectors; softmax: the logits (not the MatMul).
+    assert {"table", "emb"} <= naive_planned and not {"table", "emb"} & planned
+    assert "scores" in naive_planned and "scores" not in planned
+    assert {("q", "scores"), ("k_t", "scores")} <= reads
+    assert ("x", "add_pos") in reads or "x" in planned  # other readers still quantize x
+
+
+def test_fallback_keeps_cheap_tensors_float_first(trap: Path, tmp_path: Path) -> None:
+    feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
+    config = CalibrationConfig(default_exclusions=False, target_sqnr=15.0)
+    result = calibrate(trap, config, report_path=tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, report_schema())
+    x, y = run_both(trap, result.model, feed)
+    assert sqnr_db(x, y) >= 15.0
+    assert report["evaluation"]["outputs"][0]["sqnr_db"] == pytest.approx(sqnr_db(x, y), rel=1e-6)
+    fallback = report["fallback"]
+    assert fallback["reached"] and fallback["kept_float"]
+    assert fallback["steps"][0]["kept_float"] == 0 and not fallback["steps"][0]["target_met"]
+    assert fallback["steps"][0]["worst_sqnr_db"] < 15.0  # it did need the fallback
+    # Every tensor kept float is one the naive plan quantized; none costs compute here.
+    kept = {k["tensor"] for k in fallback["kept_float"]}
+    planned = {t["name"] for t in report["tensors"]}
+    assert kept and not kept & planned
+    done, total = quantized_matmul_macs(result.model, onnx.load(trap), feed)
+    assert done == total and report["coverage"]["macs_quantized_fraction"] == 1.0
+    # The report lists every planned tensor's sensitivity, worst first.
+    ratios = [t["noise_ratio"] for t in report["sensitivity"]["tensors"]]
+    assert ratios == sorted(ratios, reverse=True)
+    assert report["sensitivity"]["data"].endswith("trap.eval.npz")
+
+
+def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
+    config = CalibrationConfig(default_exclusions=False, target_sqnr=80.0, min_coverage=60.0)
+    result = calibrate(trap, config)
+    fallback = result.report["fallback"]
+    assert not fallback["reached"] and "NOT reached" in fallback["message"]
+    assert all(s["macs_quantized_fraction"] >= 0.6 for s in fallback["steps"])
+    assert result.report["coverage"]["macs_quantized_fraction"] >= 0.6
+    assert any("NOT reached" in w for w in result.report["warnings"])
+
+
+# ----------------------------------------------------------------------------------- gates
+
+
+def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Path) -> None:
+    out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
+    args = ["calibrate", str(trap), "-o", str(out), "--report", str(rep),
+            "--fail-under-sqnr", "90", "--fail-under-agreement", "50",
+            "--fail-if-coverage-below", "99"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == AccuracyGateError.exit_code == 7, result.output
+    assert out.is_file() and rep.is_file()
+    report = json.loads(rep.read_text())
+    gates = {g["option"]: g for g in report["gates"]}
+    sqnr = report["evaluation"]["outputs"][0]["sqnr_db"]
+    assert gates["fail-under-sqnr"]["value"] == pytest.approx(sqnr, rel=1e-5)
+    assert not gates["fail-under-sqnr"]["passed"]
+    assert gates["fail-under-agreement"]["passed"] and gates["fail-if-coverage-below"]["passed"]
+    assert "fail-under-sqnr" in result.stderr and "fail-under-agreement" not in result.stderr
+
+
+def test_coverage_gate_and_passing_gates(trap: Path, tmp_path: Path) -> None:
+    out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
+    base = ["calibrate", str(trap), "-o", str(out), "--report", str(rep), "--force", "-q"]
+    failing = CliRunner().invoke(main, [*base, "--exclude-nodes", "q_proj",
+                                        "--fail-if-coverage-below", "90"])
+    assert failing.exit_code == 7
+    report = json.loads(rep.read_text())
+    feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
+    done, total = quantized_matmul_macs(onnx.load(out), onnx.load(trap), feed)
+    assert report["gates"][0]["value"] == pytest.approx(100 * done / total, rel=1e-6)
+    assert done < total
+    passing = CliRunner().invoke(main, [*base, "--fail-under-sqnr", "5", "--fail-under-agreement", "80"])
+    assert passing.exit_code == 0, passing.output
+    assert all(g["passed"] for g in json.loads(rep.read_text())["gates"])
+
+
+def test_agreement_options_need_a_classifier_output(tmp_path: Path) -> None:
+    model = SAMPLE_MODELS / "transformer_block.onnx"
+    for option in ("--fail-under-agreement", "--max-agreement-drop"):
+        result = CliRunner().invoke(main, ["calibrate", str(model), "-o", str(tmp_path / "q.onnx"),
+                                           "--report", str(tmp_path / "q.json"), option, "1"])
+        assert result.exit_code == ConfigError.exit_code, result.output
+        assert option.lstrip("-") in result.stderr
+        assert not (tmp_path / "q.onnx").exists()
+
+
+def test_percentages_are_checked() -> None:
+    with pytest.raises(ConfigError, match="max-agreement-drop"):
+        CalibrationConfig(max_agreement_drop=120.0)
+    with pytest.raises(ConfigError, match="sensitivity-samples"):
+        CalibrationConfig(sensitivity_samples=0)
+
+
+# --------------------------------------------------------------------------------- coverage
+
+
+def test_digits_macs_match_the_layer_formulas() -> None:
+    model, _ = prepare_model(onnx.load(SAMPLE_MODELS / "digits_cnn.onnx"))
+    sample = {"image": np.zeros((1, 1, 8, 8), np.float32)}
+    macs = compute_macs(model, sample)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    nodes = [n for n in model.graph.node if n.op_type in ("Conv", "Gemm")]
+    names = [n.output[0] for n in nodes]
+    exposed.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None)
+                                for t in names)
+    outputs = dict(zip(names, create_session(exposed).run(names, sample)))
+    for node in nodes:
+        weight = inits[node.input[1]]
+        per_output = int(np.prod(weight.shape[1:])) if node.op_type == "Conv" else weight.shape[1]
+        assert macs[node.name] == outputs[node.output[0]].size * per_output
+    plan = plan_quantization(model, SelectionRules(exclude_nodes=(nodes[0].name,)))
+    coverage = measure_coverage(model, plan, macs)
+    assert coverage.macs_quantized == sum(macs.values()) - macs[nodes[0].name]
+
+
+def test_unknown_shapes_fall_back_to_counting_nodes() -> None:
+    model, _ = prepare_model(onnx.load(SAMPLE_MODELS / "digits_cnn.onnx"))
+    for value in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            dim.dim_param = "unknown"
+    macs = compute_macs(model, None)
+    assert all(v is None for v in macs.values())
+    coverage = measure_coverage(model, plan_quantization(model, SelectionRules()), macs)
+    assert coverage.basis == "nodes" and coverage.note and "counts nodes" in coverage.note
+    assert coverage.fraction == 1.0 and coverage.compute_nodes == len(macs)
+
+
+# ------------------------------------------------------------------------- search mechanics
+
+
+def _metrics(sqnr: float) -> Comparison:
+    return Comparison(1, (OutputMetrics("y", sqnr, 1.0, 0.0, None, None, None),))
+
+
+def _candidates(count: int) -> list[Candidate]:
+    return [Candidate(TensorSensitivity(f"t{i}", "activation", 10.0, 0.1, None, None), 0.0)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("needed", [0, 1, 3, 6, 13])
+def test_search_finds_the_fewest_tensors_to_keep_float(needed: int, trap: Path) -> None:
+    model, _ = prepare_model(onnx.load(trap))
+    plan = plan_quantization(model, SelectionRules(default_exclusions=False))
+    tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
+    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
+                  for t in tensors]
+    checked: list[int] = []
+
+    def evaluate(quantized: onnx.ModelProto) -> Comparison:
+        kept = len(tensors) - sum(1 for t in plan.activations
+                                  if t.tensor in tensors and _has_q(quantized, t.tensor))
+        checked.append(kept)
+        return _metrics(30.0 if kept >= needed else 10.0)
+
+    result = search_fallback(
+        model=model, plan=plan, candidates=candidates, macs=compute_macs(model, None),
+        target=AccuracyTarget(min_sqnr_db=20.0), floor=0.0,
+        write=lambda p: _marker_model(model, p), evaluate=evaluate,
+    )
+    assert result.reached and len(result.kept) == needed
+    assert len(checked) <= 2 * math.ceil(math.log2(len(tensors) + 1)) + 2
+
+
+def _marker_model(model: onnx.ModelProto, plan: Any) -> onnx.ModelProto:
+    """A stand-in 'QDQ model' recording which activations the plan still quantizes."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.doc_string = json.dumps(sorted(t.tensor for t in plan.activations))
+    return out
+
+
+def _has_q(model: onnx.ModelProto, tensor: str) -> bool:
+    return tensor in json.loads(model.doc_string)
+
+
+def test_restrict_plan_drops_dependent_biases_and_says_why() -> None:
+    model, _ = prepare_model(onnx.load(SAMPLE_MODELS / "digits_cnn.onnx"))
+    plan = plan_quantization(model, SelectionRules())
+    bias = plan.biases[0]
+    restricted = restrict_plan(plan, {bias.input_tensor: "kept float by a test"})
+    assert bias.input_tensor not in {a.tensor for a in restricted.activations}
+    assert all(b.input_tensor != bias.input_tensor for b in restricted.biases)
+    reasons = {d.node: d.reason for d in restricted.nodes}
+    assert "kept float by a test" in reasons[bias.node]
+    assert restrict_plan(plan, {}) is plan
+
+
+def test_coverage_of_an_empty_model_is_complete() -> None:
+    assert Coverage("macs", 0, 0, 0, 0).fraction == 1.0

@@ -1,0 +1,323 @@
+"""Models as converters of many years write them: old opsets, weights in Constant nodes, unfused
+BatchNormalization, Identity chains, dynamic and zero-size shapes, shape inference that cannot
+complete, several inputs and outputs of other types, float16. Each calibrates, and the result
+runs in onnxruntime close to the float model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, float_input, run
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.cli import main
+from qcal.report import report_schema
+
+
+def calibrate_cli(
+    tmp_path: Path, model: onnx.ModelProto, data: Path, *flags: str
+) -> dict[str, Any]:
+    """Run `qcal calibrate` and return the report (validated against the shipped schema)."""
+    onnx.save(model, tmp_path / "model.onnx")
+    result = CliRunner().invoke(
+        main,
+        [
+            "calibrate",
+            str(tmp_path / "model.onnx"),
+            "--data",
+            str(data),
+            "-o",
+            str(tmp_path / "q.onnx"),
+            "--report",
+            str(tmp_path / "q.json"),
+            "--force",
+            *flags,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report: dict[str, Any] = json.loads((tmp_path / "q.json").read_text())
+    jsonschema.validate(report, report_schema())
+    onnx.checker.check_model(onnx.load(tmp_path / "q.onnx"), full_check=True)
+    return {**report, "console": " ".join(result.output.split())}
+
+
+def quantized(tmp_path: Path) -> onnx.ModelProto:
+    return onnx.load(tmp_path / "q.onnx")
+
+
+def npz(path: Path, **arrays: np.ndarray) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def steps(report: dict[str, Any]) -> dict[str, str]:
+    return {s["step"]: s["detail"] for s in report["input_model"]["preparation"]}
+
+
+def worst_sqnr(report: dict[str, Any]) -> float:
+    values = [o["sqnr_db"] for o in report["evaluation"]["outputs"] if o["sqnr_db"] is not None]
+    return min(values)
+
+
+# ------------------------------------------------------------------------------- old opsets
+
+
+def old_exporter_model(opset: int, rng: np.random.Generator) -> onnx.ModelProto:
+    """Constant-node weight behind an Identity chain, Conv + unfused BatchNormalization, Clip
+    with constant bounds, Flatten, Gemm: the shape of many opset-11/12 exports."""
+    weight = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    nodes = [
+        helper.make_node("Constant", [], ["w"], name="w_const", value=weight),
+        helper.make_node("Identity", ["w"], ["w1"], name="id_a"),
+        helper.make_node("Identity", ["w1"], ["w2"], name="id_b"),
+        helper.make_node("Conv", ["x", "w2"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["bn"], name="bn"),
+        helper.make_node("Relu", ["bn"], ["r"], name="relu"),
+        helper.make_node("Identity", ["r"], ["r1"], name="id_c"),
+        helper.make_node("Clip", ["r1", "lo", "hi"], ["cl"], name="clip"),
+        helper.make_node("Flatten", ["cl"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "G", "gb"], ["y"], name="fc", transB=1),
+    ]
+    inits = {
+        "s": rng.uniform(0.5, 2, 4).astype(np.float32),
+        "b": rng.standard_normal(4).astype(np.float32),
+        "m": rng.standard_normal(4).astype(np.float32) * 0.1,
+        "v": rng.uniform(0.5, 2, 4).astype(np.float32),
+        "lo": np.float32(0.0),
+        "hi": np.float32(6.0),
+        "G": (rng.standard_normal((10, 4 * 8 * 8)) * 0.1).astype(np.float32),
+        "gb": rng.standard_normal(10).astype(np.float32),
+    }
+    return build_model(
+        nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits, opset=opset, ir_version=6
+    )
+
+
+@pytest.mark.parametrize("opset", [11, 12])
+def test_old_opset_with_constant_weights_unfused_bn_and_identity_chains(
+    tmp_path: Path, opset: int
+) -> None:
+    rng = np.random.default_rng(opset)
+    model = old_exporter_model(opset, rng)
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, data)
+    done = steps(report)
+    assert done["upgrade-opset"] == f"opset {opset} -> 13"
+    assert "moved 1 Constant node" in done["constants-to-initializers"]
+    assert done["eliminate-identity"] == "removed 3 Identity nodes"
+    assert done["fold-batchnorm"] == "folded 1 BatchNormalization into Conv"
+    q = quantized(tmp_path)
+    ops = [n.op_type for n in q.graph.node]
+    assert "BatchNormalization" not in ops and "Identity" not in ops
+    producers = {o: n for n in q.graph.node for o in n.output}
+    inits = {i.name: i for i in q.graph.initializer}
+    for node in q.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            dq = producers[node.input[1]]
+            assert inits[dq.input[0]].data_type == TensorProto.INT8
+    assert all(d["quantized"] for d in report["nodes"] if d["op_type"] in ("Conv", "Gemm"))
+    assert worst_sqnr(report) > 25
+
+
+# ----------------------------------------------------------------------------- dynamic shapes
+
+
+def fully_convolutional(rng: np.random.Generator) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("MaxPool", ["r"], ["y"], name="pool", kernel_shape=[1, 1]),
+    ]
+    inits = {"W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)}
+    return build_model(nodes, [float_input("x", ["N", 3, "H", "W"])], ["y"], inits)
+
+
+def test_symbolic_batch_and_spatial_dims_with_samples_of_different_sizes(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    sizes = [(8, 8), (5, 7), (8, 8), (8, 8), (16, 4), (1, 1), (8, 8)]
+    for i, (h, w) in enumerate(sizes):
+        npz(folder / f"{i:02d}.npz", x=rng.standard_normal((1, 3, h, w)).astype(np.float32))
+    report = calibrate_cli(tmp_path, fully_convolutional(rng), folder, "--batch-size", "3")
+    assert report["data"]["samples"] == len(sizes)
+    assert report["coverage"]["quantized"] == 3
+    # The ranges are those of every sample, whatever its size: check the input's.
+    values = np.concatenate([np.load(folder / f"{i:02d}.npz")["x"].ravel() for i in range(7)])
+    stats = {t["name"]: t["statistics"] for t in report["tensors"] if t["role"] == "activation"}
+    assert stats["x"]["min"][0] == pytest.approx(values.min()) and stats["x"]["max"][
+        0
+    ] == pytest.approx(values.max())
+    assert worst_sqnr(report) > 25
+
+
+def test_zero_size_tensors_are_skipped_and_an_always_empty_tensor_stays_float(
+    tmp_path: Path,
+) -> None:
+    """A Slice that selects nothing feeds a MatMul: that tensor never has values."""
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+        helper.make_node("Slice", ["x", "start", "end", "axis"], ["none"], name="take_nothing"),
+        helper.make_node("MatMul", ["none", "W"], ["z"], name="mm_empty"),
+    ]
+    inits = {
+        "W": rng.standard_normal((4, 3)).astype(np.float32),
+        "start": np.array([2], np.int64),
+        "end": np.array([2], np.int64),
+        "axis": np.array([1], np.int64),
+    }
+    model = build_model(nodes, [float_input("x", ["N", "K", 4])], ["y", "z"], inits)
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    shapes = [(1, 3, 4), (0, 3, 4), (1, 5, 4), (1, 0, 4)]  # empty batches and empty rows too
+    for i, shape in enumerate(shapes):
+        npz(folder / f"{i}.npz", x=rng.standard_normal(shape).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, folder)
+    decisions = {n["name"]: n for n in report["nodes"]}
+    assert decisions["mm"]["quantized"]
+    # Its weight is still stored quantized; its input, never seen with values, stays float.
+    assert "input 'none' left float: it received no values" in decisions["mm_empty"]["reason"]
+    assert {"none", "z"}.isdisjoint(t["name"] for t in report["tensors"])
+
+
+def test_shape_inference_that_cannot_complete_does_not_stop_calibration(tmp_path: Path) -> None:
+    """onnx cannot infer through onnxruntime's com.microsoft ops; what it cannot type stays
+    float, the rest is quantized, and the report says how far inference got."""
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
+        helper.make_node("MatMul", ["g", "V"], ["y"], name="mm_after"),
+    ]
+    inits = {
+        "W": rng.standard_normal((4, 6)).astype(np.float32),
+        "V": rng.standard_normal((6, 2)).astype(np.float32),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "custom",
+        [float_input("x", ["N", 4])],
+        [float_input("y", ["N", 2])],
+        [numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, data)
+    assert "of 3 intermediate tensors" in steps(report)["infer-shapes"]
+    decisions = {n["name"]: n for n in report["nodes"]}
+    assert decisions["mm"]["quantized"]
+    assert worst_sqnr(report) > 20
+
+
+# ---------------------------------------------------------------------- several inputs/outputs
+
+
+def test_several_inputs_and_outputs_with_int64_and_bool_inputs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["emb"], name="embed"),
+        helper.make_node("MatMul", ["emb", "P"], ["h"], name="proj"),
+        helper.make_node("Cast", ["mask"], ["mf"], name="mask_float", to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mf", "axis"], ["mu"], name="mask_axis"),
+        helper.make_node("Mul", ["h", "mu"], ["hm"], name="apply_mask"),
+        helper.make_node("Add", ["hm", "x"], ["y1"], name="residual"),
+        helper.make_node("Relu", ["y1"], ["y2"], name="relu"),
+        helper.make_node("Where", ["mask", "ids", "ids"], ["y3"], name="keep_ids"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "T"]),
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, ["N", "T"]),
+        float_input("x", ["N", "T", 6]),
+    ]
+    outputs = ["y1", "y2", helper.make_tensor_value_info("y3", TensorProto.INT64, ["N", "T"])]
+    inits = {
+        "E": rng.standard_normal((10, 8)).astype(np.float32),
+        "P": rng.standard_normal((8, 6)).astype(np.float32),
+        "axis": np.array([2], np.int64),
+    }
+    model = build_model(nodes, inputs, outputs, inits)
+    n = 12
+    data = npz(
+        tmp_path / "d.npz",
+        ids=rng.integers(0, 10, (n, 1, 5)).astype(np.int64),
+        mask=rng.random((n, 1, 5)) < 0.7,
+        x=rng.standard_normal((n, 1, 5, 6)).astype(np.float32),
+    )
+    report = calibrate_cli(tmp_path, model, data, "--batch-size", "4")
+    quantized_tensors = {t["name"] for t in report["tensors"]}
+    assert {"ids", "mask", "y3"}.isdisjoint(quantized_tensors)  # never integers or masks
+    assert {"h", "x"} <= quantized_tensors
+    outputs_seen = {o["name"]: o for o in report["evaluation"]["outputs"]}
+    assert set(outputs_seen) == {"y1", "y2", "y3"}
+    assert outputs_seen["y3"]["max_abs_error"] == 0  # integer output passes through untouched
+    assert min(outputs_seen[k]["sqnr_db"] for k in ("y1", "y2")) > 25
+    feeds = dict(np.load(data))
+    sample = {k: v[0] for k, v in feeds.items()}
+    for got, expected in zip(run(quantized(tmp_path), sample), run(model, sample)):
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+
+
+# -------------------------------------------------------------------------------- float16
+
+
+def test_float16_model_is_observed_in_float32_and_the_choice_reported(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["t"], name="mm"),
+        helper.make_node("Relu", ["t"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "V"], ["y"], name="mm_out"),
+    ]
+    model = build_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 3])],
+        {
+            "W": rng.standard_normal((8, 16)).astype(np.float16),
+            "V": (rng.standard_normal((16, 3)) * 0.3).astype(np.float16),
+        },
+    )
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 8)).astype(np.float16))
+    report = calibrate_cli(tmp_path, model, data)
+    done = steps(report)
+    assert done["upgrade-opset"] == "opset 13 -> 19"
+    assert "observed in float32" in done["half-precision"]
+    q = quantized(tmp_path)
+    scales = [i for i in q.graph.initializer if i.name.endswith("_scale")]
+    assert scales and {s.data_type for s in scales} == {TensorProto.FLOAT16}
+    assert worst_sqnr(report) > 20
+
+
+# ------------------------------------------------------------------------------- providers
+
+
+def test_the_report_and_console_say_which_providers_ran(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((4, 3, 8, 8)).astype(np.float32))
+    report = calibrate_cli(
+        tmp_path,
+        fully_convolutional(rng),
+        data,
+        "--provider",
+        "CPUExecutionProvider",
+        "--threads",
+        "1",
+    )
+    assert report["runtime"] == {
+        "providers_requested": ["CPUExecutionProvider"],
+        "providers_used": ["CPUExecutionProvider"],
+        "threads": 1,
+    }
+    assert "3 of 3 nodes quantized" in report["console"]
+    assert "with CPUExecutionProvider" in report["console"]

@@ -1,0 +1,174 @@
+"""Per-tensor sensitivity against independent measurements: the real QDQ model with one tensor
+quantized (written by InsertQDQ, run by onnxruntime) and numpy fake-quant of the tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, run
+from onnx import TensorProto, helper
+
+from qcal.config import CalibrationConfig
+from qcal.pipeline import calibrate
+from qcal.qdq import InsertQDQ
+from qcal.sensitivity import _Models, measure_sensitivity
+
+SAMPLE_MODELS = Path(__file__).resolve().parents[1] / "sample_models"
+
+
+def small_net(seed: int = 0) -> onnx.ModelProto:
+    """x -> MatMul -> Relu -> Mul(scale) -> Add(skip) -> MatMul -> y: a few tensors of each kind."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32),
+        "w2": (rng.standard_normal((16, 4)) / 4).astype(np.float32),
+        "scale": rng.uniform(0.5, 2.0, 16).astype(np.float32),
+        "skip": rng.standard_normal((8, 16)).astype(np.float32),
+    }
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        n("Relu", ["h"], ["r"], name="relu"),
+        n("Mul", ["r", "scale"], ["s"], name="scale_mul"),
+        n("MatMul", ["x", "skip"], ["k"], name="skip_mm"),
+        n("Add", ["s", "k"], ["a"], name="add"),
+        n("MatMul", ["a", "w2"], ["y"], name="fc2"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])
+    return build_model(nodes, [x], ["y"], inits)
+
+
+def batches(data: np.ndarray, size: int = 4) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    for start in range(0, len(data), size):
+        chunk = data[start:start + size]
+        yield {"x": chunk}, len(chunk)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, object]:
+    folder = tmp_path_factory.mktemp("sens")
+    path = folder / "net.onnx"
+    onnx.save(small_net(), path)
+    rng = np.random.default_rng(3)
+    np.savez(folder / "net.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
+    data = rng.standard_normal((12, 8)).astype(np.float32)
+    np.savez(folder / "net.eval.npz", x=data)
+    return path, data, calibrate(path, CalibrationConfig())
+
+
+def _pieces(path: Path) -> tuple[onnx.ModelProto, object, dict, dict]:
+    """Prepared model, plan and parameters as the pipeline computed them."""
+    from qcal import pipeline
+
+    captured: dict[str, object] = {}
+    original = pipeline.measure_sensitivity
+
+    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
+        captured.update(model=model, plan=plan, acts=acts, weights=weights)
+        return original(model, plan, acts, weights, batches, **kwargs)
+
+    pipeline.measure_sensitivity = capture
+    try:
+        calibrate(path, CalibrationConfig(sensitivity=True, sensitivity_samples=2))
+    finally:
+        pipeline.measure_sensitivity = original
+    return captured["model"], captured["plan"], captured["acts"], captured["weights"]  # type: ignore[return-value]
+
+
+def test_each_tensor_alone_matches_the_real_qdq_model(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    result = measure_sensitivity(model, plan, acts, weights, batches(data))
+    assert result.samples == len(data)
+    planned = {t.tensor for t in plan.activations if t.consumers} | {w.tensor for w in plan.weights}
+    assert {s.tensor for s in result.tensors} == planned
+    reference = run(model, {"x": data})[0].astype(np.float64)
+    for s in result.tensors:
+        alone = dataclasses.replace(  # only this tensor's Q/DQ, read by the same consumers
+            plan, biases=(),
+            activations=tuple(a for a in plan.activations if a.tensor == s.tensor),
+            weights=tuple(w for w in plan.weights if w.tensor == s.tensor))
+        quantized = InsertQDQ(alone, acts, weights)(model).model
+        y = run(quantized, {"x": data})[0].astype(np.float64)
+        noise = float(((reference - y) ** 2).sum())
+        if noise == 0.0:
+            assert s.output_sqnr_db is None and s.noise_ratio == 0.0
+            continue
+        expected = 10 * math.log10(float((reference**2).sum()) / noise)
+        assert s.output_sqnr_db == pytest.approx(expected, abs=1e-3), s.tensor
+    ratios = [s.noise_ratio for s in result.tensors]
+    assert ratios == sorted(ratios, reverse=True)  # worst first
+
+
+def test_local_sqnr_is_the_tensor_against_its_fake_quant(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    result = measure_sensitivity(model, plan, acts, weights, batches(data)).by_tensor()
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, None))
+    h = run(exposed, {"x": data})[1].astype(np.float32)  # the scaled Relu output
+    q = acts["s"]
+    codes = np.clip(np.rint(h / q.scale) + q.zero_point, 0 if q.dtype == TensorProto.UINT8 else -128,
+                    255 if q.dtype == TensorProto.UINT8 else 127)
+    faked = ((codes - q.zero_point) * q.scale).astype(np.float64)
+    expected = 10 * math.log10(float((h.astype(np.float64) ** 2).sum())
+                               / float(((h - faked) ** 2).sum()))
+    assert result["s"].local_sqnr_db == pytest.approx(expected, abs=1e-3)
+
+
+def test_unit_minus_one_is_the_float_model_bit_for_bit(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    models = _Models.build(model, plan, acts, weights)
+    float_out = run(model, {"x": data})[0]
+    switched = run(models.switch, {"x": data, models.selector: np.array(-1, np.int64)})[0]
+    np.testing.assert_array_equal(float_out, switched)
+
+
+def test_batches_are_streamed_once(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    consumed = []
+
+    def once() -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        for feed, n in batches(data, 3):
+            consumed.append(n)
+            yield feed, n
+
+    one_pass = measure_sensitivity(model, plan, acts, weights, once())
+    assert sum(consumed) == len(data) and one_pass.samples == len(data)
+    whole = measure_sensitivity(model, plan, acts, weights, batches(data, len(data)))
+    for a, b in zip(one_pass.tensors, whole.tensors):  # batching does not change the sums
+        assert a.tensor == b.tensor
+        assert a.noise_ratio == pytest.approx(b.noise_ratio, rel=1e-9)
+
+
+def test_sensitivity_in_the_report_and_held_out_data(tmp_path: Path) -> None:
+    model = SAMPLE_MODELS / "digits_cnn.onnx"
+    data = np.load(SAMPLE_MODELS / "digits_cnn.calib.npz")["image"][:40]
+    np.savez(tmp_path / "calib.npz", image=data)
+    result = calibrate(model, CalibrationConfig(data=tmp_path / "calib.npz", sensitivity=True,
+                                                eval_data=None, sensitivity_samples=4))
+    report = result.report
+    # digits_cnn.eval.npz sits beside the model: it is the evaluation data.
+    assert report["sensitivity"]["data"].endswith("digits_cnn.eval.npz")
+    assert report["sensitivity"]["samples"] == 4
+    assert report["fallback"] is None and report["data"]["samples"] == 40
+    copy = tmp_path / "digits.onnx"
+    copy.write_bytes(model.read_bytes())
+    held = calibrate(copy, CalibrationConfig(data=tmp_path / "calib.npz", sensitivity=True,
+                                             sensitivity_samples=4))
+    # No evaluation data: the last quarter of the calibration samples is held out.
+    assert held.report["data"]["samples"] == 30
+    assert held.report["evaluation"]["samples"] == 10
+    assert "held out" in held.report["sensitivity"]["data"]
+    names = {t["tensor"] for t in held.report["sensitivity"]["tensors"]}
+    read_quantized = {t["name"] for t in held.report["tensors"] if t["role"] != "bias" and t["consumers"]}
+    assert names == read_quantized  # every tensor something reads through a Q/DQ pair
