@@ -158,9 +158,14 @@ quantized: shapes, indices and masks never are. A node whose op type has no rule
 A tensor read by a quantized node at a quantized input position is quantized for that node
 (whoever produced it, graph inputs included); a quantized node's quantized outputs are
 quantized even when nothing quantized reads them. For onnxruntime's CPU provider, the tensor
-between a Conv, Gemm or MatMul and a Relu or Clip (constant bounds) that is its only reader is
-left float: onnxruntime fuses the activation into the integer kernel, and the Relu/Clip output
-is quantized instead. Constants at quantized inputs are stored pre-quantized as weights.
+between a Conv, Gemm, MatMul, Add or Mul and a Relu or Clip (constant bounds) that is its only
+reader is left float: onnxruntime folds the activation into the QuantizeLinear that follows
+it, and the Relu/Clip output is quantized instead. The outputs of Reshape, Transpose, Flatten,
+Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool and
+Resize (not cubic) take the parameters of their input and are not observed: their values lie in
+its range, and onnxruntime then runs them on the integers. Constants at quantized inputs are
+stored pre-quantized: at a weight input with the weight scheme, elsewhere (Add, Mul, Concat,
+a constant MatMul A) per tensor with the activation scheme, whose type the integer kernels need.
 """
 """The principles behind `OP_RULES`, for the README and `qcal inspect`."""
 
@@ -805,7 +810,7 @@ def _share_roots(shares: Mapping[str, str], readers: Mapping[str, set[str]]) -> 
 def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
     for attribute in node.attribute:
         if attribute.name == name:
-            return attribute.s.decode()
+            return str(attribute.s.decode())
     return default
 
 

@@ -1,6 +1,9 @@
 """Run the float model over calibration batches and feed every observed tensor to its observer.
 
-One onnxruntime session runs a copy of the model whose outputs include every tensor to observe.
+One onnxruntime session runs a copy of the model that outputs what the observers need. Min-max
+observers (all but histograms) need only each batch's extremes: the graph computes them next to
+the tensors (qcal.passes.reduce_min_max), only a few small arrays leave onnxruntime, and the
+tensors are freed as in plain inference. Other observers get whole tensors as extra outputs.
 Each batch's arrays go to the observers and are dropped before the next-but-one batch runs, so
 peak memory depends on the batch size, never on the number of samples. Observer updates of batch
 k run on a worker thread while onnxruntime computes batch k+1 (both release the GIL); batches

@@ -300,9 +300,12 @@ class InsertQDQ:
             if slots is None or slot in slots:
                 if read not in self._quantized_reads and read not in self._quantized_weights:
                     return []
-            elif slot == 2 and producer.op_type in ("Conv", "Gemm"):
-                if read not in self._quantized_biases:  # a float bias keeps the node float
-                    return []
+            elif (
+                slot == 2
+                and producer.op_type in ("Conv", "Gemm")
+                and read not in self._quantized_biases
+            ):
+                return []  # a float bias keeps the node float
         taken = {(id(use.node), use.slot) for use in quantized}
         others = [u for u in rewrite.index.uses.get(tensor, ()) if (id(u.node), u.slot) not in taken]
         if any(use.slot == SUBGRAPH_SLOT for use in others):

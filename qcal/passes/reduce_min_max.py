@@ -16,6 +16,14 @@ frees it as in plain inference):
 
 An empty tensor reduces to min = +inf > max = -inf (ONNX from opset 18, and onnxruntime before),
 which no non-empty tensor gives: :func:`read_min_max` reports it as empty.
+
+A value computed from another reduced value by a chain of Relu, Clip (constant bounds), and Add,
+Sub, Mul or Div with a finite scalar constant (nonzero for the last two, the divisor for Div) is
+not reduced at all: each of these float32 operations is correctly rounded (or exact) and
+monotone, so its extremes are the chain applied to the source's extremes (swapped where it
+decreases), bit for bit, with NaN exactly where the source has NaN (onnxruntime's Relu and Clip
+keep NaN). On PP-OCR models that covers well over half of the observed values (hard-swish's
+clip and division by 6, the scalar scale-and-shift after each activation).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -34,11 +43,51 @@ from qcal.passes._graph import default_opset
 
 __all__ = ["MinMaxLayout", "add_min_max_outputs", "read_min_max", "value_ranks"]
 
+Extreme = np.ndarray | np.floating[Any]  # () per tensor, (C,) per channel
 _AXES_INPUT_OPSET = 18  # ReduceMin/ReduceMax/ReduceSumSquare take `axes` as an input from 18
 _REDUCTIONS = ("ReduceMin", "ReduceMax", "ReduceSumSquare")
 # Values per Concat: onnxruntime's session setup grows quadratically with a node's input count
 # (a 1200-input Concat costs 0.3 s to set up, 25 Concats of 48 inputs 0.06 s).
 _STACK_VALUES = 16
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """``value = source <op> constant`` (``constant <op> source`` when `constant_first`); for
+    Clip, ``constant``/``upper`` are the bounds; Relu has none. `observed`: a value of the
+    layout, else an intermediate that observed values are derived through."""
+
+    value: str
+    source: str
+    op_type: str
+    constant: np.float32 | None
+    upper: np.float32 | None
+    constant_first: bool
+    decreasing: bool
+    observed: bool
+
+    def apply(self, x: np.float32) -> np.float32:
+        """The operation on one float32 number, rounded as onnxruntime's kernel rounds it."""
+        c = self.constant
+        result: Any
+        with np.errstate(all="ignore"):  # inf/NaN extremes go through as in the kernels
+            if self.op_type == "Relu":
+                result = np.maximum(x, np.float32(0.0))
+            elif self.op_type == "Clip":
+                result = x if c is None else np.maximum(x, c)
+                result = result if self.upper is None else np.minimum(result, self.upper)
+            else:
+                assert c is not None
+                a, b = (c, x) if self.constant_first else (x, c)
+                if self.op_type == "Add":
+                    result = a + b
+                elif self.op_type == "Sub":
+                    result = a - b
+                elif self.op_type == "Mul":
+                    result = a * b
+                else:
+                    result = a / b
+        return cast(np.float32, np.float32(result))
 
 
 @dataclass(frozen=True)
@@ -51,11 +100,14 @@ class MinMaxLayout:
         channels: per-channel statistics: value -> (min, max, sum-of-squares output names),
             each of shape (C,).
         axes: value -> its channel axis (None per tensor).
+        derived: per-tensor values whose extremes follow from another value's, in an order
+            where each source comes first.
     """
 
     stacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     channels: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     axes: dict[str, int | None] = field(default_factory=dict)
+    derived: tuple[_Derived, ...] = ()
 
     @property
     def output_names(self) -> list[str]:
@@ -101,9 +153,12 @@ def add_min_max_outputs(
     by_rank: defaultdict[int, list[tuple[str, list[str]]]] = defaultdict(list)
     channels: dict[str, tuple[str, str, str]] = {}
     flat_shape = ""
+    derived = _derivations(graph, {v for v, axis in values.items() if axis is None})
     for value in sorted(values):
         if value not in known:
             raise ModelError(f"tensor {value!r} to reduce is not a value of the main graph")
+        if value in derived:
+            continue
         axis = values[value]
         where = after[position.get(value, -1)]
         if axis is not None:
@@ -120,7 +175,9 @@ def add_min_max_outputs(
         if rank == 0:  # a scalar, or rank unknown: one-element 1-D results instead
             if not flat_shape:
                 flat_shape = names.allocate("qcal_stats_shape")
-                graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), flat_shape))
+                graph.initializer.append(
+                    numpy_helper.from_array(np.array([1], np.int64), flat_shape)
+                )
             reduced = [_reshape(where, names, r, flat_shape) for r in reduced]
             rank = 1
         by_rank[rank].append((value, reduced))
@@ -139,35 +196,125 @@ def add_min_max_outputs(
             graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
             stacks.append((name, tuple(v for v, _ in chunk)))
     for outputs in channels.values():
-        graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs)
+        graph.output.extend(
+            helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs
+        )
     _insert(graph, after)
-    return out, MinMaxLayout(tuple(stacks), channels, dict(values))
+    return out, MinMaxLayout(tuple(stacks), channels, dict(values), tuple(derived.values()))
+
+
+def _derivations(graph: onnx.GraphProto, per_tensor: set[str]) -> dict[str, _Derived]:
+    """Per-tensor values whose extremes follow from another per-tensor value's through a chain
+    of monotone operations (graph order; intermediates that are not values of the layout are
+    kept only where an observed value is derived through them)."""
+    constants = {t.name: t for t in graph.initializer}
+    inputs = {v.name for v in graph.input}
+    found: dict[str, _Derived] = {}
+    for node in graph.node:
+        rule = _monotone(node, constants, inputs)
+        if rule is None or rule.value in found:
+            continue
+        if rule.source not in per_tensor and rule.source not in found:
+            continue
+        observed = rule.value in per_tensor
+        found[rule.value] = _Derived(**{**rule.__dict__, "observed": observed})
+    needed: set[str] = set()
+    for rule in reversed(list(found.values())):
+        if rule.observed or rule.value in needed:
+            needed.add(rule.source)
+    return {v: r for v, r in found.items() if r.observed or v in needed}
+
+
+def _monotone(
+    node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto], inputs: set[str]
+) -> _Derived | None:
+    """The rule when `node` maps one value monotonically and exactly (see the module docstring)."""
+    if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.input:
+        return None
+    value = node.output[0]
+
+    def scalar(name: str) -> np.float32 | None:
+        return None if name in inputs else _scalar(constants.get(name))
+
+    if node.op_type == "Relu" and len(node.input) == 1:
+        return _Derived(value, node.input[0], "Relu", None, None, False, False, False)
+    if node.op_type == "Clip":
+        bounds = [scalar(v) if v else None for v in node.input[1:3]]
+        if any(v and b is None for v, b in zip(node.input[1:3], bounds)):
+            return None  # a bound that is not a finite scalar constant
+        for attribute in node.attribute:  # opset < 11: bounds are attributes
+            if attribute.name in ("min", "max") and np.isfinite(attribute.f):
+                bounds[0 if attribute.name == "min" else 1] = np.float32(attribute.f)
+        bounds += [None] * (2 - len(bounds))
+        return _Derived(value, node.input[0], "Clip", bounds[0], bounds[1], False, False, False)
+    if node.op_type not in ("Add", "Sub", "Mul", "Div") or len(node.input) != 2:
+        return None
+    first, second = scalar(node.input[0]), scalar(node.input[1])
+    if (first is None) == (second is None):
+        return None  # no constant, or two: nothing to derive from
+    constant_first = first is not None
+    constant = first if constant_first else second
+    assert constant is not None
+    if node.op_type in ("Mul", "Div") and constant == 0:
+        return None  # x * 0 is not monotone (and inf * 0 is NaN)
+    if node.op_type == "Div" and constant_first:
+        return None  # c / x is not monotone across 0
+    decreasing = (node.op_type == "Sub" and constant_first) or (
+        node.op_type in ("Mul", "Div") and bool(constant < 0)
+    )
+    source = node.input[1] if constant_first else node.input[0]
+    return _Derived(value, source, node.op_type, constant, None, constant_first, decreasing, False)
+
+
+def _scalar(tensor: onnx.TensorProto | None) -> np.float32 | None:
+    """The value of a finite one-element float32 initializer, else None."""
+    if tensor is None or tensor.data_type != TensorProto.FLOAT:
+        return None
+    if int(np.prod(tensor.dims, dtype=np.int64)) != 1:
+        return None
+    value = numpy_helper.to_array(tensor).reshape(-1)[0]
+    return np.float32(value) if np.isfinite(value) else None
 
 
 def read_min_max(
     reduced: MinMaxLayout, arrays: Mapping[str, np.ndarray]
-) -> Iterator[tuple[str, np.ndarray, np.ndarray] | tuple[str, None, None]]:
-    """(value, min, max) per reduced value from one run's outputs; (value, None, None) when the
-    value was empty in that run. Min and max are NaN where the value (channel) held a NaN."""
+) -> Iterator[tuple[str, Extreme, Extreme] | tuple[str, None, None]]:
+    """(value, min, max) per value of the layout from one run's outputs; (value, None, None)
+    when the value was empty in that run. Min and max are NaN where the value (channel) held a
+    NaN."""
+    per_tensor: dict[str, tuple[Any, Any] | None] = {}
     for name, covered in reduced.stacks:
         stats = np.asarray(arrays[name], dtype=np.float32).reshape(len(covered), 3)
         lows, highs, squares = stats[:, 0], stats[:, 1], stats[:, 2]
         empty = (lows > highs).tolist()
         nan = np.isnan(squares)
-        if nan.any():
-            lows, highs = np.where(nan, np.float32(np.nan), lows), np.where(nan, np.float32(np.nan), highs)
+        if nan.any():  # numpy's min/max give this NaN too
+            lows = np.where(nan, np.float32(np.nan), lows)
+            highs = np.where(nan, np.float32(np.nan), highs)
         for value, lo, hi, is_empty in zip(covered, lows, highs, empty):
-            if is_empty:
-                yield value, None, None
-            else:
-                yield value, lo, hi
+            per_tensor[value] = None if is_empty else (lo, hi)
+    for rule in reduced.derived:
+        source = per_tensor[rule.source]
+        if source is None:
+            per_tensor[rule.value] = None
+            continue
+        lo, hi = rule.apply(source[0]), rule.apply(source[1])
+        per_tensor[rule.value] = (hi, lo) if rule.decreasing else (lo, hi)
+    for value, extremes in per_tensor.items():
+        if value not in reduced.axes:
+            continue  # an intermediate of a derivation
+        if extremes is None:
+            yield value, None, None
+        else:
+            yield value, extremes[0], extremes[1]
     for value, (lo_name, hi_name, sq_name) in reduced.channels.items():
         lo = np.asarray(arrays[lo_name], dtype=np.float32).reshape(-1)
         hi = np.asarray(arrays[hi_name], dtype=np.float32).reshape(-1)
         if lo.size and bool((lo > hi).all()):
             yield value, None, None
             continue
-        nan = np.isnan(np.asarray(arrays[sq_name]).reshape(-1))
+        squares = np.asarray(arrays[sq_name], dtype=np.float32).reshape(-1)
+        nan = np.isnan(squares)
         if nan.any():
             lo, hi = np.where(nan, np.float32(np.nan), lo), np.where(nan, np.float32(np.nan), hi)
         yield value, lo, hi
@@ -185,12 +332,15 @@ def _reduce(
 ) -> str:
     output = names.allocate(f"{value}_{op_type}")
     inputs = [value]
-    attributes: dict[str, object] = {"keepdims": keepdims}
+    attributes: dict[str, Any] = {"keepdims": keepdims}
     if axes is not None and opset >= _AXES_INPUT_OPSET:
         axes_name = names.allocate(f"{value}_{op_type}_axes")
         where.append(
             helper.make_node(
-                "Constant", [], [axes_name], name=names.allocate(f"{axes_name}_Constant"),
+                "Constant",
+                [],
+                [axes_name],
+                name=names.allocate(f"{axes_name}_Constant"),
                 value=numpy_helper.from_array(np.array(axes, np.int64)),
             )
         )
@@ -206,7 +356,9 @@ def _reduce(
 def _reshape(where: list[onnx.NodeProto], names: NameAllocator, value: str, shape: str) -> str:
     output = names.allocate(f"{value}_flat")
     where.append(
-        helper.make_node("Reshape", [value, shape], [output], name=names.allocate(f"{output}_Reshape"))
+        helper.make_node(
+            "Reshape", [value, shape], [output], name=names.allocate(f"{output}_Reshape")
+        )
     )
     return output
 

@@ -1,0 +1,199 @@
+"""Writing models: whole or not at all, inline or with their large tensors in one external file.
+
+A protobuf cannot exceed 2 GiB, so a large model is written as two files: ``<name>`` (the graph,
+small) and ``<name>.data`` beside it, holding every initializer of at least
+`EXTERNAL_TENSOR_MIN_BYTES` of the main graph, in graph order, each at an offset aligned to
+`ALIGNMENT_BYTES` (initializers of If/Loop/Scan bodies stay inline). The layout and names depend only on the model, so the
+same model gives the same two files.
+
+Both files are first written under temporary names beside their targets; `StagedModel.commit`
+renames the data file into place and then writes the model file, so a model file on disk always
+has its data. The tensors' bytes are written one at a time straight from the model being saved,
+which is only read: memory stays at about one copy of the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import onnx
+
+from qcal.errors import OutputError
+from qcal.files import write_atomic
+from qcal.passes._large import light_copy, serialized_size
+
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "EXTERNAL_DATA_THRESHOLD_BYTES",
+    "EXTERNAL_TENSOR_MIN_BYTES",
+    "ExternalFile",
+    "StagedModel",
+    "data_path",
+    "needs_external_data",
+    "stage_model",
+]
+
+EXTERNAL_DATA_THRESHOLD_BYTES = 2**30
+"""Models whose serialized size exceeds this are written with external data (the protobuf
+limit is 2 GiB; the margin leaves room for what onnxruntime and onnx add when they load)."""
+EXTERNAL_TENSOR_MIN_BYTES = 1024
+"""Initializers at least this large go to the external data file; smaller ones stay inline."""
+ALIGNMENT_BYTES = 4096
+"""Offsets of tensors in the data file are multiples of this (onnxruntime can map them)."""
+
+
+@dataclass(frozen=True)
+class ExternalFile:
+    """The external data file written beside a model."""
+
+    path: Path
+    size_bytes: int
+    sha256: str
+
+
+def data_path(path: Path) -> Path:
+    """Where the external data of the model written to `path` goes: ``<path>.data``."""
+    return path.with_name(f"{path.name}.data")
+
+
+def needs_external_data(model: onnx.ModelProto, *, threshold_bytes: int | None = None) -> bool:
+    """Whether `model` is too large to write inline (threshold: `EXTERNAL_DATA_THRESHOLD_BYTES`)."""
+    limit = EXTERNAL_DATA_THRESHOLD_BYTES if threshold_bytes is None else threshold_bytes
+    return serialized_size(model) > limit
+
+
+class StagedModel:
+    """A model written under temporary names beside `path`, until `commit` or `discard`.
+
+    Attributes:
+        model_bytes: the bytes the model file will hold.
+        external: the external data file (final path, size, sha256), None when inline.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        model_bytes: bytes,
+        external: ExternalFile | None,
+        staged_data: Path | None,
+    ) -> None:
+        self.path = path
+        self.model_bytes = model_bytes
+        self.external = external
+        self._staged_data = staged_data
+
+    def commit(self) -> None:
+        """Rename the data file into place, then write the model file (atomically)."""
+        if self.external is not None and self._staged_data is not None:
+            os.replace(self._staged_data, self.external.path)
+            self._staged_data = None
+        try:
+            write_atomic(self.path, self.model_bytes)
+        except BaseException:
+            if self.external is not None:  # a data file without its model is no output
+                self.external.path.unlink(missing_ok=True)
+            raise
+
+    def discard(self) -> None:
+        """Remove what was staged (nothing was written under the final names)."""
+        if self._staged_data is not None:
+            self._staged_data.unlink(missing_ok=True)
+            self._staged_data = None
+
+    def __enter__(self) -> StagedModel:  # noqa: PYI034  (typing.Self needs Python 3.11)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+def stage_model(
+    model: onnx.ModelProto,
+    path: Path,
+    *,
+    external: bool,
+    weights_from: onnx.ModelProto | None = None,
+) -> StagedModel:
+    """Stage `model` for writing to `path`; with `external`, its large tensors go to
+    ``<path>.data`` (written now under a temporary name). `model` is left unchanged.
+
+    `weights_from` supplies the bytes of main-graph initializers that `model` holds without
+    data (a copy made without its weights, see `qcal.passes._large.light_copy`).
+
+    Raises:
+        OutputError: the model is too large to write inline, or its data file cannot be written.
+    """
+    if not external:
+        if serialized_size(model) >= 2**31:
+            raise OutputError(
+                f"output {path}: the model is over 2 GiB; write it with external data"
+            )
+        return StagedModel(path, model.SerializeToString(), None, None)
+    target = data_path(path)
+    fd, staged = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=".tmp", dir=path.resolve().parent
+    )
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            light, size, digest = _write_tensors(model, fh, target.name, weights_from)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(staged, 0o666 & ~_umask())
+        model_bytes = light.SerializeToString()
+    except OSError as err:
+        Path(staged).unlink(missing_ok=True)
+        raise OutputError(
+            f"output {target}: cannot write external data ({err.strerror or err})"
+        ) from None
+    except BaseException:
+        Path(staged).unlink(missing_ok=True)
+        raise
+    return StagedModel(path, model_bytes, ExternalFile(target, size, digest), Path(staged))
+
+
+def _write_tensors(
+    model: onnx.ModelProto,
+    fh: BinaryIO,
+    location: str,
+    weights_from: onnx.ModelProto | None = None,
+) -> tuple[onnx.ModelProto, int, str]:
+    """Write the large initializers' bytes to `fh`; return a copy of `model` referring to them."""
+    light, detached = light_copy(model, min_bytes=EXTERNAL_TENSOR_MIN_BYTES)
+    elsewhere = {} if weights_from is None else {t.name: t for t in weights_from.graph.initializer}
+    digest = hashlib.sha256()
+    offset = 0
+    for tensor, copy in zip(model.graph.initializer, light.graph.initializer):
+        source = tensor
+        if tensor.name not in detached:
+            source = elsewhere.get(tensor.name, tensor)
+            if source is tensor or tensor.HasField("raw_data") or not source.HasField("raw_data"):
+                continue
+        data = source.raw_data  # one tensor's bytes at a time
+        padding = b"\0" * ((-offset) % ALIGNMENT_BYTES)
+        for chunk in (padding, data):
+            fh.write(chunk)
+            digest.update(chunk)
+        offset += len(padding)
+        copy.data_location = onnx.TensorProto.EXTERNAL
+        del copy.external_data[:]
+        for key, value in (
+            ("location", location),
+            ("offset", str(offset)),
+            ("length", str(len(data))),
+        ):
+            entry = copy.external_data.add()
+            entry.key, entry.value = key, value
+        offset += len(data)
+        del data
+    return light, offset, digest.hexdigest()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current

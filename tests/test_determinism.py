@@ -1,0 +1,119 @@
+"""Determinism: the same model, data and options give byte-identical QDQ models and reports
+(timings aside), from run to run, whatever the batch size and the number of onnxruntime threads,
+for the min-max and histogram methods. Moving averages depend on how samples are batched (each
+batch is one update), so only repeated runs and thread counts are checked for them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, float_input
+from click.testing import CliRunner
+from onnx import helper
+
+from qcal.cli import main
+
+# (batch size, onnxruntime threads); the first is repeated to check run-to-run identity.
+RUNS = [(1, 1), (1, 1), (5, 2), (24, 2), (7, 1)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A conv net with a residual Add and a classifier, and 24 samples of data."""
+    folder = tmp_path_factory.mktemp("determinism")
+    rng = np.random.default_rng(11)
+    nodes = [
+        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["s"], name="residual"),
+        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="pool"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "G", "gb"], ["logits"], name="fc", transB=1),
+        helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=1),
+    ]
+    inits = {
+        "W1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+        "B1": (rng.standard_normal(8) * 0.1).astype(np.float32),
+        "W2": (rng.standard_normal((8, 8, 3, 3)) * 0.1).astype(np.float32),
+        "G": (rng.standard_normal((5, 8)) * 0.5).astype(np.float32),
+        "gb": np.zeros(5, np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], inits)
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "d.npz", x=rng.standard_normal((24, 3, 12, 12)).astype(np.float32))
+    return folder / "m.onnx", folder / "d.npz"
+
+
+def calibrate(
+    inputs: tuple[Path, Path], out: Path, method: str, batch: int, threads: int
+) -> tuple[bytes, dict[str, Any]]:
+    model, data = inputs
+    result = CliRunner().invoke(
+        main,
+        [
+            "calibrate",
+            str(model),
+            "--data",
+            str(data),
+            "--method",
+            method,
+            "--batch-size",
+            str(batch),
+            "--threads",
+            str(threads),
+            "-o",
+            str(out / "q.onnx"),
+            "--report",
+            str(out / "q.json"),
+            "-q",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "q.json").read_text())
+    return (out / "q.onnx").read_bytes(), report
+
+
+def comparable(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without timings and without what the runs are meant to differ in."""
+    report = {k: v for k, v in report.items() if k != "timings_seconds"}
+    report["config"] = {
+        k: v for k, v in report["config"].items() if k not in ("batch_size", "threads")
+    }
+    report["data"] = {k: v for k, v in report["data"].items() if k != "batch_size"}
+    report["runtime"] = {k: v for k, v in report["runtime"].items() if k != "threads"}
+    report["output_model"] = {k: v for k, v in report["output_model"].items() if k != "path"}
+    return report
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile", "entropy", "mse"])
+def test_identical_across_runs_batch_sizes_and_threads(
+    inputs: tuple[Path, Path], tmp_path: Path, method: str
+) -> None:
+    results = []
+    for i, (batch, threads) in enumerate(RUNS):
+        out = tmp_path / str(i)
+        out.mkdir()
+        results.append(calibrate(inputs, out, method, batch, threads))
+    first_model, first_report = results[0]
+    for (model, report), (batch, threads) in zip(results[1:], RUNS[1:]):
+        assert model == first_model, (batch, threads)
+        assert comparable(report) == comparable(first_report), (batch, threads)
+    assert first_report["evaluation"]["samples"] == 24
+
+
+def test_moving_average_is_identical_across_runs_and_threads_at_one_batch_size(
+    inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    results = []
+    for i, threads in enumerate([1, 1, 2]):
+        out = tmp_path / str(i)
+        out.mkdir()
+        results.append(calibrate(inputs, out, "moving-average", 4, threads))
+    assert len({model for model, _ in results}) == 1
+    assert all(comparable(r) == comparable(results[0][1]) for _, r in results)
