@@ -53,9 +53,16 @@ class GateResult:
 
 
 def check_gates(
-    config: CalibrationConfig, comparison: Comparison | None, coverage: Coverage
+    config: CalibrationConfig,
+    comparison: Comparison | None,
+    coverage: Coverage,
+    fallback_reached: bool | None = None,
 ) -> list[GateResult]:
-    """Evaluate every gate the config sets, in a fixed order (SQNR, agreement, coverage)."""
+    """Evaluate every gate the config sets, in a fixed order (SQNR, agreement, coverage).
+
+    When any gate is set and the fallback ran without reaching its target above the coverage
+    floor, that is a failed gate too (named after the target's option).
+    """
     results: list[GateResult] = []
     if config.fail_under_sqnr is not None:
         sqnr = None if comparison is None else comparison.worst_sqnr_db
@@ -75,6 +82,11 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   config.fail_if_coverage_below, value,
                                   value >= config.fail_if_coverage_below))
+    if results and fallback_reached is False:
+        option, threshold = (("target-sqnr", config.target_sqnr) if config.target_sqnr is not None
+                             else ("max-agreement-drop", config.max_agreement_drop))
+        results.append(GateResult(option, "fallback target reached above the coverage floor "
+                                  "(1 yes, 0 no)", float(threshold or 0.0), 0.0, False))
     return results
 
 

@@ -231,7 +231,8 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     coverage = measure_coverage(prepared, plan, macs)
-    gates = check_gates(config, comparison, coverage)
+    gates = check_gates(config, comparison, coverage,
+                        None if accuracy.fallback is None else accuracy.fallback.reached)
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.

@@ -8,6 +8,7 @@ the written QDQ model (onnxruntime outputs, MACs from the graph), not read from 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -210,6 +211,10 @@ def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
     assert all(s["macs_quantized_fraction"] >= 0.6 for s in fallback["steps"])
     assert result.report["coverage"]["macs_quantized_fraction"] >= 0.6
     assert any("NOT reached" in w for w in result.report["warnings"])
+    assert result.report["gates"] == []  # no gate asked: a warning, not an error
+    gated = dataclasses.replace(config, fail_if_coverage_below=60.0)
+    with pytest.raises(AccuracyGateError, match="target-sqnr"):
+        calibrate(trap, gated)  # with a gate, a missed target fails it
 
 
 # ----------------------------------------------------------------------------------- gates
