@@ -20,6 +20,9 @@ import numpy as np
 from models import CACHE_DIR, RESULTS_DIR
 
 WORKER = Path(__file__).resolve().parent / "_worker.py"
+
+# SIGTERM ends a benchmark like Ctrl-C does, so that run_child can stop the running job too.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 QCAL_CLI = [sys.executable, "-m", "qcal.cli"]
 
 # onnxruntime's quantize_static settings for every comparison (the x86 CPU layout qcal targets).
@@ -124,20 +127,26 @@ def run_child(
         proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, start_new_session=True)
         killed = None
         polled_peak = 0.0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            elapsed = time.perf_counter() - started
-            rss = _vm_rss_mib(proc.pid)
-            polled_peak = max(polled_peak, rss)
-            if killed is None and elapsed > timeout_s:
-                killed = f"killed: timeout after {timeout_s:.0f} s"
-            elif killed is None and rss > max_rss_mib:
-                killed = f"killed: RSS above {max_rss_mib:.0f} MiB"
-            if killed is not None:
-                _kill_group(proc.pid)
-            time.sleep(0.02)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                elapsed = time.perf_counter() - started
+                rss = _vm_rss_mib(proc.pid)
+                polled_peak = max(polled_peak, rss)
+                if killed is None and elapsed > timeout_s:
+                    killed = f"killed: timeout after {timeout_s:.0f} s"
+                elif killed is None and rss > max_rss_mib:
+                    killed = f"killed: RSS above {max_rss_mib:.0f} MiB"
+                if killed is not None:
+                    _kill_group(proc.pid)
+                time.sleep(0.02)
+        except BaseException:
+            # the child has its own session: stop it with us (Ctrl-C, SIGTERM, errors)
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
         wall = time.perf_counter() - started
     proc.returncode = os.waitstatus_to_exitcode(status)
     payload: dict[str, Any] = {}

@@ -43,6 +43,10 @@ __all__ = ["CollectionSummary", "collect", "expose_tensors"]
 
 Feed = Mapping[str, np.ndarray]
 OnBatch = Callable[[int], None]
+# Whole tensors (histograms) are observed by two threads, each tensor's observer by one of them
+# per batch. numpy leaves the GIL in its counting and reduction loops, and while the observers
+# are the bottleneck onnxruntime has finished the next batch and leaves a core idle.
+_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,13 @@ def _reducible(
     return found
 
 
-def _update_observers(
+def _update_reduced(
     observers: Mapping[str, tuple[str, Observer]],
     reduced: MinMaxLayout,
     names: list[str],
     arrays: list[np.ndarray],
 ) -> None:
-    """Feed each session output to the observer of the tensor it carries (keyed by output)."""
+    """Feed the in-graph extremes of one batch to their min-max observers."""
     outputs = dict(zip(names, arrays))
     for value, lo, hi in read_min_max(reduced, outputs):
         if lo is None or hi is None:
@@ -120,9 +124,34 @@ def _update_observers(
             observer.update_min_max(lo, hi, reduced.axes[value])  # type: ignore[attr-defined]
         except QcalError as err:
             raise type(err)(f"tensor {tensor!r}: {err}") from None
-    for name, array in zip(names, arrays):
-        if name not in observers or name in reduced.axes:
-            continue
+
+
+def _whole_tensor_shares(
+    observers: Mapping[str, tuple[str, Observer]],
+    reduced: MinMaxLayout,
+    names: list[str],
+    arrays: list[np.ndarray],
+) -> list[list[int]]:
+    """Positions of the whole tensors of one batch, split between the workers by size."""
+    shares: list[list[int]] = [[] for _ in range(_WORKERS)]
+    loads = [0] * _WORKERS
+    wanted = [i for i, n in enumerate(names) if n in observers and n not in reduced.axes]
+    for i in sorted(wanted, key=lambda i: -arrays[i].size):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(i)
+        loads[lightest] += arrays[i].size
+    return [share for share in shares if share]
+
+
+def _update_observers(
+    observers: Mapping[str, tuple[str, Observer]],
+    names: list[str],
+    arrays: list[np.ndarray],
+    positions: list[int],
+) -> None:
+    """Feed whole session outputs (at `positions`) to the observers of the tensors they carry."""
+    for position in positions:
+        name, array = names[position], arrays[position]
         tensor, observer = observers[name]
         if array.size == 0:
             # No values: an If branch not taken, a Loop without iterations, an empty batch.
@@ -167,15 +196,19 @@ def collect(
     output_names = reduced.output_names + whole
     samples = batch_count = 0
     # The batch being observed, with its feed and first sample (to name bad inputs on failure).
-    pending: tuple[Future[None], Feed, int, int] | None = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qcal-observe") as pool:
+    pending: tuple[list[Future[None]], Feed, int, int] | None = None
+    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="qcal-observe") as pool:
         try:
             for feed, n in batches:
                 arrays = _run(session, output_names, feed, samples, n)
                 if pending is not None:
                     _wait(*pending)  # keeps at most two batches of activations alive
-                future = pool.submit(_update_observers, by_output, reduced, output_names, arrays)
-                pending = (future, feed, samples, n)
+                futures = [pool.submit(_update_reduced, by_output, reduced, output_names, arrays)]
+                futures += [
+                    pool.submit(_update_observers, by_output, output_names, arrays, share)
+                    for share in _whole_tensor_shares(by_output, reduced, output_names, arrays)
+                ]
+                pending = (futures, feed, samples, n)
                 del arrays
                 samples += n
                 batch_count += 1
@@ -185,7 +218,8 @@ def collect(
                 _wait(*pending)
         except BaseException:
             if pending is not None:
-                pending[0].cancel()
+                for future in pending[0]:
+                    future.cancel()
             raise
     if samples == 0:
         raise DataError("calibration data has no samples")
@@ -211,10 +245,11 @@ def _run(
         ) from None
 
 
-def _wait(future: Future[None], feed: Feed, first: int, n: int) -> None:
+def _wait(futures: list[Future[None]], feed: Feed, first: int, n: int) -> None:
     """The observers' update of one batch; a failure names the inputs holding NaN/inf."""
     try:
-        future.result()
+        for future in futures:
+            future.result()
     except DataError as err:
         bad = find_nonfinite(feed)
         if not bad:
