@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -229,10 +230,12 @@ class HistogramObserver:
                 self._min[0] = lo + np.float32(0.0)  # +0.0 turns -0.0 into +0.0
             if hi > self._max[0]:
                 self._max[0] = hi + np.float32(0.0)
-        keys = flat.view(np.uint32) >> np.uint32(23 - self._bits)
-        if keys.size >= _PENDING_KEYS:
+        if flat.size >= _PENDING_KEYS:
+            keys = _scratch_keys(flat.size)
+            np.right_shift(flat.view(np.uint32), np.uint32(23 - self._bits), out=keys)
             self._absorb(*_count(keys.reshape(1, -1), 0, self._bits))
             return
+        keys = flat.view(np.uint32) >> np.uint32(23 - self._bits)
         if self._pending is None:
             self._pending = np.empty(_PENDING_KEYS, dtype=np.uint32)
         if self._pending_size + keys.size > _PENDING_KEYS:
@@ -447,13 +450,36 @@ def _count(bits_rows: np.ndarray, shift: int, bits: int) -> tuple[np.ndarray, np
 def _count_dense(
     keys: np.ndarray, channels: int, bits: int, *, scan: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    table = np.bincount(keys, minlength=channels * (_GROUPS << bits))
+    wide = keys.astype(np.intp, copy=False)  # what np.bincount counts; may be overwritten below
+    table = np.bincount(wide, minlength=channels * (_GROUPS << bits))
     blocks = table.reshape(channels * _GROUPS, 1 << bits)
     if scan:
         present = np.flatnonzero(blocks.sum(axis=1))
     else:
-        present = np.flatnonzero(np.bincount(keys >> np.uint32(bits), minlength=blocks.shape[0]))
+        wide >>= bits
+        present = np.flatnonzero(np.bincount(wide, minlength=blocks.shape[0]))
     return present, blocks[present]
+
+
+_SCRATCH = threading.local()
+_SCRATCH_LIMIT = 1 << 22  # 32 MiB of intp keys per thread at most
+
+
+def _scratch_keys(size: int) -> np.ndarray:
+    """A reusable intp buffer of `size` for the bin keys of one batch, one per thread.
+
+    Keys are written straight into intp, the type np.bincount counts, and into memory that
+    stays mapped: a fresh array per batch makes the kernel supply (fault in and zero) new pages
+    on every write, which cost 3x the count itself for a 100k-value tensor.
+    """
+    if size > _SCRATCH_LIMIT:
+        return np.empty(size, dtype=np.intp)  # too large to keep between batches
+    buffer: np.ndarray | None = getattr(_SCRATCH, "keys", None)
+    if buffer is None or buffer.size < size:
+        grown = max(size, 2 * (0 if buffer is None else buffer.size))
+        buffer = np.empty(min(grown, _SCRATCH_LIMIT), dtype=np.intp)
+        _SCRATCH.keys = buffer
+    return buffer[:size]
 
 
 def _count_sorted(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
