@@ -16,8 +16,9 @@ MACs per node, for one sample of real data:
 * MatMul: ``prod(Y.shape) * A.shape[-1]``; Gemm: ``prod(Y.shape) * K`` (K = A's inner dim).
 
 Shapes come from shape inference when every one is a number (symbolic dimensions of the graph
-inputs are replaced by those of the first sample); otherwise from one onnxruntime run of the
-float model on the first sample. Nodes whose shapes stay unknown make the whole figure fall back
+inputs are replaced by those of the first sample, then shape inference runs again with the
+sample's input shapes); otherwise from one onnxruntime run of the float model on the first
+sample. Nodes whose shapes stay unknown make the whole figure fall back
 to counting nodes, and the result says so.
 """
 
@@ -115,6 +116,9 @@ def compute_macs(
     needed = sorted({t for n in nodes for t in _shape_tensors(n) if t})
     shapes = _static_shapes(graph, sample)
     missing = [t for t in needed if t not in shapes]
+    if missing and sample is not None:
+        shapes.update(_concrete_shapes(model, sample, missing))
+        missing = [t for t in needed if t not in shapes]
     if missing and run_shapes is not None:
         try:
             shapes.update(run_shapes(missing))
@@ -246,6 +250,37 @@ def _node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
         trans_a = any(a.name == "transA" and a.i for a in node.attribute)
         return math.prod(out) * data[0 if trans_a else 1]
     return None
+
+
+def _concrete_shapes(
+    model: onnx.ModelProto, sample: Mapping[str, np.ndarray], wanted: list[str]
+) -> Shapes:
+    """Shapes of `wanted` from shape inference on a weightless copy whose inputs take the
+    sample's shapes: symbols the model's own inference derived (``unk__12``) become numbers
+    without the cost of an onnxruntime session."""
+    from onnx import shape_inference
+
+    from qcal.passes._large import DETACH_MIN_BYTES, light_copy
+
+    light = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
+    del light.graph.value_info[:]
+    for value in light.graph.input:
+        array = sample.get(value.name)
+        if array is None or not value.type.tensor_type.HasField("shape"):
+            continue
+        shape = value.type.tensor_type.shape
+        del shape.dim[:]
+        for size in array.shape:
+            shape.dim.add().dim_value = int(size)
+    try:
+        inferred = shape_inference.infer_shapes(
+            light, check_type=False, strict_mode=False, data_prop=True
+        )
+    except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
+        logger.info("shape inference with the sample's shapes failed: %s", err)
+        return {}
+    found = _static_shapes(inferred.graph, None)
+    return {t: found[t] for t in wanted if t in found}
 
 
 def shape_probe(

@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model
+from _onnx_testing import build_model, float_input
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -292,6 +292,33 @@ def test_digits_macs_match_the_layer_formulas() -> None:
     plan = plan_quantization(model, SelectionRules(exclude_nodes=(nodes[0].name,)))
     coverage = measure_coverage(model, plan, macs)
     assert coverage.macs_quantized == sum(macs.values()) - macs[nodes[0].name]
+
+
+def test_symbolic_shapes_are_sized_from_the_sample_without_running_the_model() -> None:
+    """Symbols that shape inference derives from the input's (strided convolutions give
+    ``unk__0``) become numbers when it reruns with the sample's input shapes; no onnxruntime
+    probe is needed."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["c1", "w2"], ["y"], name="conv2", strides=[2, 2]),
+    ]
+    initializers = {
+        "w1": rng.standard_normal((4, 2, 3, 3)).astype(np.float32),
+        "w2": rng.standard_normal((5, 4, 2, 2)).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["n", 2, "h", "w"])], ["y"], initializers)
+    model, _ = prepare_model(model)
+    sample = {"x": rng.standard_normal((3, 2, 9, 13)).astype(np.float32)}
+
+    def no_probe(tensors: list[str]) -> dict[str, tuple[int, ...]]:
+        raise AssertionError(f"probe asked for {tensors}")
+
+    macs = compute_macs(model, sample, run_shapes=no_probe)
+    # c1: 3 x 4 x 5 x 7 (floor((9 + 2 - 3) / 2) + 1 = 5, floor((13 + 2 - 3) / 2) + 1 = 7);
+    # y: 3 x 5 x 2 x 3 (floor((5 - 2) / 2) + 1 = 2, floor((7 - 2) / 2) + 1 = 3).
+    assert macs == {"conv1": (3 * 4 * 5 * 7) * (2 * 3 * 3), "conv2": (3 * 5 * 2 * 3) * (4 * 2 * 2)}
 
 
 def test_unknown_shapes_fall_back_to_counting_nodes() -> None:
