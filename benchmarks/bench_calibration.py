@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "args": vars(args),
             "summary": summary,
+            "per_sample": marginal_costs(summary),
             "runs": runs,
         },
     )
@@ -355,6 +356,64 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> None:
         rows,
     )
     _render_growth(summary)
+    _render_marginal(summary)
+
+
+def marginal_costs(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, job): time per extra sample between the smallest and the largest set, and
+    its ratio to float inference's; the intercept is the job's fixed cost (loading, session
+    creation, graph rewriting), which the per-sample figure leaves out."""
+    sizes = sorted({r["samples"] for r in summary})
+    if len(sizes) < 2:
+        return []
+    small, large = sizes[0], sizes[-1]
+    times: dict[tuple[str, str, str], dict[int, float]] = defaultdict(dict)
+    for row in summary:
+        if row["seconds_median"] is not None:
+            times[(row["model"], row["tool"], row["method"])][row["samples"]] = row[
+                "seconds_median"
+            ]
+    rows = []
+    for (model, tool, method), by_n in sorted(times.items()):
+        floor = times.get((model, "float", "-"), {})
+        if small not in by_n or large not in by_n or small not in floor or large not in floor:
+            continue
+        per_sample = (by_n[large] - by_n[small]) / (large - small)
+        float_per_sample = (floor[large] - floor[small]) / (large - small)
+        rows.append(
+            {
+                "model": model,
+                "tool": tool,
+                "method": method,
+                "samples": [small, large],
+                "seconds_per_sample": per_sample,
+                "fixed_seconds": by_n[small] - per_sample * small,
+                "ratio_to_float_per_sample": per_sample / float_per_sample
+                if float_per_sample > 0
+                else None,
+            }
+        )
+    return rows
+
+
+def _render_marginal(summary: list[dict[str, Any]]) -> None:
+    rows = [
+        [
+            row["model"],
+            f"{row['tool']} {row['method']}".strip(" -"),
+            f"{row['seconds_per_sample'] * 1e3:.1f}",
+            _ratio(row["ratio_to_float_per_sample"]),
+            f"{row['fixed_seconds']:.2f}",
+        ]
+        for row in marginal_costs(summary)
+    ]
+    if rows:
+        sizes = sorted({r["samples"] for r in summary})
+        print_table(
+            f"Cost per extra sample, from {sizes[0]} to {sizes[-1]} samples (fixed cost apart)",
+            ["model", "job", "ms/sample", "x float", "fixed s"],
+            rows,
+        )
 
 
 def _method_rank(row: dict[str, Any]) -> int:

@@ -16,13 +16,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 
 from qcal.data import find_nonfinite
 from qcal.errors import DataError, ModelError, QcalError
-from qcal.observers import Observer, PerChannel
+from qcal.histogram import HistogramObserver
+from qcal.observers import Observer, PerChannel, PerTensor
 from qcal.passes._graph import element_types
 from qcal.passes._large import (
     DETACH_MIN_BYTES,
@@ -81,19 +83,24 @@ def expose_tensors(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.Model
 def _reducible(
     model: onnx.ModelProto, observers: Mapping[str, tuple[str, Observer]]
 ) -> dict[str, int | None]:
-    """Outputs whose observers take min/max statistics, with their channel axis (None: per tensor).
+    """Outputs whose extremes onnxruntime computes in the graph, with their channel axis (None:
+    per tensor).
 
-    These observers need only the extremes of each batch, so onnxruntime computes them in the
-    graph and the tensors never leave it. Other observers (histograms), float16 tensors and
-    per-channel tensors of unknown rank get whole arrays.
+    Min-max observers need only the extremes of each batch, so their tensors never leave
+    onnxruntime. Per-tensor histograms get the whole array too, and take its extremes from the
+    graph rather than in a pass of their own. Float16 tensors and per-channel tensors of
+    unknown rank get whole arrays only.
     """
     types = element_types(model.graph)
     ranks = value_ranks(model.graph)
     found: dict[str, int | None] = {}
     for output, (_, observer) in observers.items():
-        if types.get(output) != onnx.TensorProto.FLOAT or not (
-            hasattr(observer, "update_min_max") and hasattr(observer, "channel_axis")
-        ):
+        if types.get(output) != onnx.TensorProto.FLOAT:
+            continue
+        if _takes_extremes(observer):
+            found[output] = None
+            continue
+        if not (hasattr(observer, "update_min_max") and hasattr(observer, "channel_axis")):
             continue
         if not isinstance(getattr(observer, "granularity", None), PerChannel):
             found[output] = None
@@ -108,18 +115,28 @@ def _reducible(
     return found
 
 
+def _takes_extremes(observer: Observer) -> bool:
+    """A whole-array observer that accepts the batch's extremes computed elsewhere."""
+    return isinstance(observer, HistogramObserver) and isinstance(observer.granularity, PerTensor)
+
+
+def _needs_arrays(observer: Observer) -> bool:
+    return not hasattr(observer, "update_min_max")
+
+
+Extremes = dict[str, tuple[Any, Any] | tuple[None, None]]
+
+
 def _update_reduced(
-    observers: Mapping[str, tuple[str, Observer]],
-    reduced: MinMaxLayout,
-    names: list[str],
-    arrays: list[np.ndarray],
+    observers: Mapping[str, tuple[str, Observer]], reduced: MinMaxLayout, extremes: Extremes
 ) -> None:
     """Feed the in-graph extremes of one batch to their min-max observers."""
-    outputs = dict(zip(names, arrays))
-    for value, lo, hi in read_min_max(reduced, outputs):
+    for value, (lo, hi) in extremes.items():
         if lo is None or hi is None:
             continue  # no values in this batch, as for whole arrays below
         tensor, observer = observers[value]
+        if _needs_arrays(observer):
+            continue  # fed with the whole array
         try:
             observer.update_min_max(lo, hi, reduced.axes[value])  # type: ignore[attr-defined]
         except QcalError as err:
@@ -128,14 +145,14 @@ def _update_reduced(
 
 def _whole_tensor_shares(
     observers: Mapping[str, tuple[str, Observer]],
-    reduced: MinMaxLayout,
+    whole: set[str],
     names: list[str],
     arrays: list[np.ndarray],
 ) -> list[list[int]]:
     """Positions of the whole tensors of one batch, split between the workers by size."""
     shares: list[list[int]] = [[] for _ in range(_WORKERS)]
     loads = [0] * _WORKERS
-    wanted = [i for i, n in enumerate(names) if n in observers and n not in reduced.axes]
+    wanted = [i for i, n in enumerate(names) if n in whole]
     for i in sorted(wanted, key=lambda i: -arrays[i].size):
         lightest = loads.index(min(loads))
         shares[lightest].append(i)
@@ -148,6 +165,7 @@ def _update_observers(
     names: list[str],
     arrays: list[np.ndarray],
     positions: list[int],
+    extremes: Extremes,
 ) -> None:
     """Feed whole session outputs (at `positions`) to the observers of the tensors they carry."""
     for position in positions:
@@ -159,7 +177,11 @@ def _update_observers(
         if array.dtype != np.float32:
             array = array.astype(np.float32)
         try:
-            observer.update(array)
+            lo, hi = extremes.get(name, (None, None))
+            if lo is not None and hi is not None and _takes_extremes(observer):
+                observer.update(array, extremes=(lo, hi))  # type: ignore[call-arg]
+            else:
+                observer.update(array)
         except QcalError as err:
             raise type(err)(f"tensor {tensor!r}: {err}") from None
 
@@ -187,7 +209,10 @@ def collect(
         routed.model, _reducible(routed.model, by_output)
     )
     del routed
-    whole = sorted(o for o in by_output if o not in reduced.axes)
+    whole = sorted(
+        o for o, (_, observer) in by_output.items()
+        if o not in reduced.axes or _needs_arrays(observer)
+    )
     session = create_session(
         expose_tensors(calibration_model, whole), providers=providers, threads=threads,
         what="calibration model", node_order=True, weights_from=weights,
@@ -203,10 +228,14 @@ def collect(
                 arrays = _run(session, output_names, feed, samples, n)
                 if pending is not None:
                     _wait(*pending)  # keeps at most two batches of activations alive
-                futures = [pool.submit(_update_reduced, by_output, reduced, output_names, arrays)]
+                extremes: Extremes = {
+                    value: (lo, hi) for value, lo, hi in
+                    read_min_max(reduced, dict(zip(output_names, arrays)))
+                }
+                futures = [pool.submit(_update_reduced, by_output, reduced, extremes)]
                 futures += [
-                    pool.submit(_update_observers, by_output, output_names, arrays, share)
-                    for share in _whole_tensor_shares(by_output, reduced, output_names, arrays)
+                    pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
+                    for share in _whole_tensor_shares(by_output, set(whole), output_names, arrays)
                 ]
                 pending = (futures, feed, samples, n)
                 del arrays

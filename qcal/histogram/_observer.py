@@ -184,8 +184,17 @@ class HistogramObserver:
         pending = 0 if self._pending is None else self._pending.nbytes
         return int(self._groups.nbytes + self._counts.nbytes + extremes + pending)
 
-    def update(self, batch: np.ndarray) -> None:
+    def update(
+        self, batch: np.ndarray, *, extremes: tuple[Any, Any] | None = None
+    ) -> None:
         """Count one batch (any float dtype; counted as float32).
+
+        Args:
+            batch: the values.
+            extremes: the batch's float32 (min, max), exactly as numpy gives them (NaN when a
+                value is NaN), when they were already computed (onnxruntime computes them in
+                the calibration graph); per-tensor observers then skip their own pass over
+                the values. Per-channel observers ignore it.
 
         Raises:
             DataError: NaN or infinite values, a missing axis, or a channel count that differs
@@ -203,7 +212,7 @@ class HistogramObserver:
             logger.debug("ignoring an empty batch of shape %s", x.shape)
             return
         if isinstance(self._granularity, PerTensor):
-            self._update_tensor(x.reshape(-1))
+            self._update_tensor(x.reshape(-1), extremes)
             return
         lo, hi, axis = reduce_min_max(x, self._granularity)
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
@@ -219,8 +228,11 @@ class HistogramObserver:
         rows = np.moveaxis(x, axis, 0).reshape(lo.shape[0], -1)
         self._absorb(*_count(rows.view(np.uint32), 23 - self._bits, self._bits))
 
-    def _update_tensor(self, flat: np.ndarray) -> None:
-        lo, hi = flat.min(), flat.max()
+    def _update_tensor(self, flat: np.ndarray, extremes: tuple[Any, Any] | None) -> None:
+        if extremes is None:
+            lo, hi = flat.min(), flat.max()
+        else:
+            lo, hi = np.float32(extremes[0]), np.float32(extremes[1])
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise DataError(_non_finite_message(flat))
         if self._min is None or self._max is None:
