@@ -10,17 +10,17 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
-    "QcalError",
-    "ConfigError",
-    "ModelError",
-    "DataError",
-    "OutputError",
-    "AccuracyGateError",
-    "EmptyStatisticsError",
-    "CalibrationInterrupted",
-    "EXIT_OK",
     "EXIT_INTERNAL",
+    "EXIT_OK",
     "EXIT_USAGE",
+    "AccuracyGateError",
+    "CalibrationInterrupted",
+    "ConfigError",
+    "DataError",
+    "EmptyStatisticsError",
+    "ModelError",
+    "OutputError",
+    "QcalError",
 ]
 
 EXIT_OK = 0

@@ -271,7 +271,7 @@ def test_sigint_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
 def test_readme_lists_every_exit_code() -> None:
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Exit codes"):]
-    listed = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    listed = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)}
     codes = {errors.EXIT_OK, errors.EXIT_INTERNAL, errors.EXIT_USAGE}
     codes |= {cls.exit_code for cls in vars(errors).values()
               if isinstance(cls, type) and issubclass(cls, errors.QcalError)}
