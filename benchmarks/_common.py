@@ -329,8 +329,16 @@ def work_dir(script: str, *parts: str) -> Path:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    """A rich table when rich is importable, else aligned plain text."""
+    """A rich table when rich is importable, else aligned plain text; a Markdown table when
+    the environment sets QCAL_BENCH_MARKDOWN=1 (for pasting into documents)."""
     rows = [[_cell(v) for v in row] for row in rows]
+    if os.environ.get("QCAL_BENCH_MARKDOWN") == "1":
+        print(f"\n{title}\n")
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "|".join(" --- " for _ in columns) + "|")
+        for row in rows:
+            print("| " + " | ".join(v.replace("|", "/") for v in row) + " |")
+        return
     try:
         from rich.console import Console
         from rich.table import Table
