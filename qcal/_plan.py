@@ -4,6 +4,7 @@ whether it is quantized and which tensors get Q/DQ. Public through `qcal.model`.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from qcal.passes._graph import (
     attribute_graphs,
     graph_element_types,
 )
+from qcal.passes._large import tensor_array
 
 __all__ = [
     "OP_RULES",
@@ -70,6 +72,10 @@ class OpRule:
         bias: input position of a bias stored as int32 (scale = input scale x weight scale).
         fuses_activation: onnxruntime fuses a directly following Relu/Clip into this op, so
             the tensor between them is left float.
+        divides_by_constant: the node divides input 0 by input 1 and is quantized only when
+            input 1 is a positive constant scalar c; its output then takes input 0's parameters
+            with the scale divided by c, and the division is folded into the output's
+            DequantizeLinear (``DQ(q, s, z) / c = DQ(q, s / c, z)``): nothing left to run.
     """
 
     summary: str
@@ -81,6 +87,7 @@ class OpRule:
     )
     bias: int | None = None
     fuses_activation: bool = False
+    divides_by_constant: bool = False
 
 
 def _data_rule(what: str) -> OpRule:
@@ -129,6 +136,11 @@ OP_RULES: Mapping[str, OpRule] = {
         inputs=(0, 1),
         fuses_activation=True,
     ),
+    "Div": OpRule(
+        "input A and the output, only when B is a positive constant scalar c: the output takes "
+        "A's parameters with the scale divided by c, which removes the division",
+        divides_by_constant=True,
+    ),
     "Concat": OpRule("every input and the output", inputs=None),
     "MaxPool": _data_rule("input X (never the Indices output)"),
     "AveragePool": _data_rule("input X"),
@@ -162,8 +174,12 @@ between a Conv, Gemm, MatMul, Add or Mul and a Relu or Clip (constant bounds) th
 reader is left float: onnxruntime folds the activation into the QuantizeLinear that follows
 it, and the Relu/Clip output is quantized instead. The outputs of Reshape, Transpose, Flatten,
 Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool and
-Resize (not cubic) take the parameters of their input and are not observed: their values lie in
-its range, and onnxruntime then runs them on the integers. Constants at quantized inputs are
+Resize (not cubic) take the parameters of their input and are not observed: their values lie
+in its range, and onnxruntime then runs them on the integers (float readers of such an output
+read its DequantizeLinear, which holds the same values). The output of a Div by a positive
+constant scalar c takes its input's parameters with the scale divided by c: the
+DequantizeLinear of the input's codes with that scale is the quotient, and the Div is removed
+(as in the x * relu6(x + 3) / 6 of hard-swish). Constants at quantized inputs are
 stored pre-quantized: at a weight input with the weight scheme, elsewhere (Add, Mul, Concat,
 a constant MatMul A) per tensor with the activation scheme, whose type the integer kernels need.
 """
@@ -216,11 +232,15 @@ class ActivationTarget:
             parameters it takes instead of being observed: its values lie within that tensor's
             range, and with equal parameters onnxruntime runs the operator on the integers,
             without a DequantizeLinear/QuantizeLinear pair around it. None: observed itself.
+        divisor: with `same_as`, the source's scale is divided by this: the tensor is the
+            source divided by a positive constant (a Div, `OpRule.divides_by_constant`, on the
+            way). 1.0 when only data movement lies between them.
     """
 
     tensor: str
     consumers: tuple[str, ...]
     same_as: str | None = None
+    divisor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -342,7 +362,9 @@ def leave_unobserved_float(
         if target.tensor in dropped or (target.consumers and not consumers):
             dropped.add(target.tensor)
             continue
-        activations.append(ActivationTarget(target.tensor, consumers, target.same_as))
+        activations.append(
+            ActivationTarget(target.tensor, consumers, target.same_as, target.divisor)
+        )
     weights = tuple(w for w in plan.weights if w.node not in idle)
     biases = tuple(
         b for b in plan.biases if b.node not in idle and b.input_tensor not in dropped
@@ -471,7 +493,8 @@ class _Found:
     readers: dict[str, set[str]] = field(default_factory=dict)
     weights: dict[str, list[tuple[str, str, int | None]]] = field(default_factory=dict)
     operands: set[tuple[str, str]] = field(default_factory=set)  # (weight, node) not at `weight`
-    shares: dict[str, str] = field(default_factory=dict)  # output -> input of a SAME_SCALE_OPS node
+    # output -> (input, divisor) of a SAME_SCALE_OPS node (1.0) or a Div by a constant
+    shares: dict[str, tuple[str, float]] = field(default_factory=dict)
     biases: list[BiasTarget] = field(default_factory=list)
     decisions: list[NodeDecision] = field(default_factory=list)
 
@@ -509,6 +532,11 @@ class _Planner:
             else:
                 self._skips[node.name] = reason
         self._fused = self._fused_tensors()
+        self._ranks = {
+            v.name: len(v.type.tensor_type.shape.dim)
+            for v in (*graph.input, *graph.value_info, *graph.output)
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+        }
 
     def plan(self) -> QuantPlan:
         found = _Found()
@@ -517,7 +545,8 @@ class _Planner:
         roots = _share_roots(found.shares, readers)
         return QuantPlan(
             activations=tuple(
-                ActivationTarget(t, tuple(sorted(readers[t])), roots.get(t)) for t in sorted(readers)
+                ActivationTarget(t, tuple(sorted(readers[t])), *roots.get(t, (None, 1.0)))
+                for t in sorted(readers)
             ),
             weights=_weight_targets(found.weights, found.operands),
             biases=tuple(sorted(found.biases, key=lambda b: (b.tensor, b.node))),
@@ -561,7 +590,7 @@ class _Planner:
         for tensor, axis in targets.weights:
             found.weights.setdefault(tensor, []).append((node.name, node.op_type, axis))
         found.operands.update((tensor, node.name) for tensor in targets.operands)
-        found.shares.update(_shared_outputs(node, targets))
+        found.shares.update(_shared_outputs(node, targets, self._divisor(node)))
         bias = self._bias(node, rule, targets)
         if bias is not None:
             found.biases.append(bias)
@@ -633,6 +662,22 @@ class _Planner:
                 fused[tensor] = (node.name, activation.name)
         return fused
 
+    def _divisor(self, node: onnx.NodeProto) -> float | None:
+        """The positive finite scalar constant `node` divides by, or None (not such a node)."""
+        rule = self._selected.get(node.name)
+        if rule is None or not rule.divides_by_constant or len(node.input) < 2:
+            return None
+        constant = self._constant(node.input[1])
+        if constant is None or constant.data_type not in FLOAT_TYPES:
+            return None
+        values = tensor_array(constant)
+        if values.size != 1:
+            return None
+        if values.ndim and values.ndim > self._ranks.get(node.input[0], -1):
+            return None  # a divisor of higher (or unknown) rank may broadcast to a new shape
+        value = float(values.reshape(()))
+        return value if math.isfinite(value) and value > 0 else None
+
     def _quantizable(self, tensor: str) -> bool:
         return tensor not in self._rules.exclude_tensors and self._types.get(tensor) in FLOAT_TYPES
 
@@ -642,6 +687,8 @@ class _Planner:
         main = node.input[0] if node.input else ""
         if rule.weight is not None and main and self._types.get(main) not in FLOAT_TYPES:
             return f"input {main!r} is {self._type_name(main)}, not float"
+        if rule.divides_by_constant and self._divisor(node) is None:
+            return "the divisor is not a positive constant scalar"
         for slot, tensor in enumerate(node.input):
             if tensor and _quantized_slot(rule.inputs, slot):
                 self._add_input(node, rule, slot, tensor, found)
@@ -780,10 +827,20 @@ SAME_SCALE_OPS = frozenset(
 )
 
 
-def _shared_outputs(node: onnx.NodeProto, targets: _NodeTargets) -> list[tuple[str, str]]:
-    """(output, input) pairs where `node`'s quantized outputs take its quantized input's
-    parameters (every output of a Split, the first of the others)."""
-    if node.op_type not in SAME_SCALE_OPS or node.domain not in DEFAULT_DOMAINS:
+def _shared_outputs(
+    node: onnx.NodeProto, targets: _NodeTargets, divisor: float | None
+) -> list[tuple[str, tuple[str, float]]]:
+    """(output, (input, divisor)) pairs where `node`'s quantized outputs take its quantized
+    input's parameters (every output of a Split, the first of the others), with the scale
+    divided by `divisor` for a Div by a constant (`divisor` set)."""
+    if node.domain not in DEFAULT_DOMAINS:
+        return []
+    if divisor is not None:
+        source, output = node.input[0], node.output[0]
+        if source in targets.inputs and output in targets.outputs:
+            return [(output, (source, divisor))]
+        return []
+    if node.op_type not in SAME_SCALE_OPS:
         return []
     if node.op_type == "Resize" and _string_attribute(node, "mode", "nearest") == "cubic":
         return []  # cubic interpolation overshoots its inputs
@@ -791,19 +848,23 @@ def _shared_outputs(node: onnx.NodeProto, targets: _NodeTargets) -> list[tuple[s
     outputs = [o for o in node.output[: None if node.op_type == "Split" else 1] if o]
     if source not in targets.inputs or not outputs or not set(outputs) <= set(targets.outputs):
         return []
-    return [(output, source) for output in outputs]
+    return [(output, (source, 1.0)) for output in outputs]
 
 
-def _share_roots(shares: Mapping[str, str], readers: Mapping[str, set[str]]) -> dict[str, str]:
-    """Shared output -> the observed activation at the start of its chain of shares."""
-    roots: dict[str, str] = {}
+def _share_roots(
+    shares: Mapping[str, tuple[str, float]], readers: Mapping[str, set[str]]
+) -> dict[str, tuple[str, float]]:
+    """Shared output -> (the observed activation at the start of its chain of shares, the
+    product of the divisors along the chain)."""
+    roots: dict[str, tuple[str, float]] = {}
     for output in shares:
-        root, seen = shares[output], {output}
+        (root, divisor), seen = shares[output], {output}
         while root in shares and root not in seen:
             seen.add(root)
-            root = shares[root]
+            root, step = shares[root]
+            divisor *= step
         if root in readers and root not in shares:
-            roots[output] = root
+            roots[output] = (root, divisor)
     return roots
 
 

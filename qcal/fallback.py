@@ -1,9 +1,9 @@
 """Automatic float fallback: keep the most harmful tensors in float until an accuracy target holds.
 
 Candidates are the planned tensors whose quantization alone changes the outputs (from
-`qcal.sensitivity`). Each gets a harm, its output noise ratio alone, and a cost, the share of
-compute that would stop running as integer kernels if it were kept float (from
-`qcal.coverage`). They are ranked by ``harm / (cost + 1 %)``: a tensor that costs no compute
+`qcal.sensitivity`). Each gets a harm, its output noise ratio alone (over the logits, for
+softmax outputs), and a cost, the share of compute that would stop running as integer kernels
+if it were kept float (from `qcal.coverage`). They are ranked by ``harm / (cost + 1 %)``: a tensor that costs no compute
 (the input of an elementwise op, a statistic) goes first unless a matmul's harm is much larger,
 so that cheap elementwise tensors are given up before expensive convolutions and matmuls.
 
@@ -97,7 +97,7 @@ class Candidate:
 
     @property
     def score(self) -> float:
-        return self.sensitivity.noise_ratio / (self.compute_lost + _FREE_COST)
+        return self.sensitivity.harm / (self.compute_lost + _FREE_COST)
 
     def reason(self) -> str:
         s = self.sensitivity
@@ -212,7 +212,7 @@ def rank_candidates(
     full = measure_coverage(model, plan, macs).fraction
     found = []
     for s in sensitivity.tensors:
-        if s.noise_ratio <= 0.0:
+        if s.harm <= 0.0:
             continue
         without = measure_coverage(model, restrict_plan(plan, {s.tensor: "-"}), macs).fraction
         found.append(Candidate(s, max(0.0, full - without)))

@@ -45,6 +45,7 @@ from qcal.passes import (
     NameNodes,
     PrepPass,
     UpgradeOpset,
+    _large,
 )
 from qcal.passes._graph import all_graphs, attribute_graphs, check_wiring
 
@@ -96,7 +97,9 @@ class LoadedModel:
 
     Attributes:
         path: the file it was read from.
-        model: the model, external data loaded into memory (from safe paths only).
+        model: the model. Of its external data (from safe paths only), the main graph's
+            initializers of at least 1 MiB stay in their files, referred to by absolute path
+            (see `qcal.passes._large`); the rest is loaded into memory.
         sha256: hex digest of the .onnx file's bytes.
         external_files: the external-data files the weights were read from (resolved, sorted).
     """
@@ -112,8 +115,10 @@ def load_model(path: Path | str) -> LoadedModel:
 
     External data is read only after every reference has been checked: the location must be a
     relative path that, symlinks resolved, stays inside the model's folder and names a regular
-    file holding exactly the tensor's bytes. onnx.checker runs on the file's bytes (or on the
-    path when data is external, which works for models over 2 GB without serializing them).
+    file holding exactly the tensor's bytes. Large weights are not read at all: they stay in
+    their files (a model over 2 GB is then held in memory without its weights). onnx.checker
+    runs on the file's bytes (or on the path when data is external, which works for models over
+    2 GB without serializing them).
 
     Raises:
         ModelError: naming the file (and tensor) when the model is missing, empty, not ONNX,
@@ -129,8 +134,18 @@ def load_model(path: Path | str) -> LoadedModel:
         return LoadedModel(path=path, model=model, sha256=digest)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
     folder = path.parent.resolve()
-    files = sorted({_check_external_reference(path, folder, tensor) for tensor in external})
+    files = sorted({_check_external_reference(path, folder, t)[0] for t in external})
     _run_checker(path, os.fspath(path))
+    # Large weights stay in their files: set aside while the rest is read, then referred to by
+    # absolute path.
+    kept: list[tuple[onnx.TensorProto, tuple[Path, int, int]]] = []
+    for tensor in model.graph.initializer:
+        if _is_external(tensor):
+            span = _check_external_reference(path, folder, tensor)
+            if span[2] >= _large.DETACH_MIN_BYTES:
+                tensor.ClearField("data_location")
+                del tensor.external_data[:]
+                kept.append((tensor, span))
     try:
         onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
     except (OSError, ValueError, onnx.checker.ValidationError) as err:
@@ -140,6 +155,8 @@ def load_model(path: Path | str) -> LoadedModel:
             f"{path}: external data of tensor {tensor.name!r} was not loaded "
             "(sparse tensors with external data are not supported)"
         )
+    for tensor, span in kept:
+        _large.refer_to_file(tensor, *span)
     return LoadedModel(path=path, model=model, sha256=digest, external_files=tuple(files))
 
 
@@ -210,8 +227,11 @@ def _is_external(tensor: onnx.TensorProto) -> bool:
     return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
 
 
-def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto) -> Path:
-    """The file holding `tensor`'s data; refuses an entry that is unsafe, missing or short."""
+def _check_external_reference(
+    path: Path, folder: Path, tensor: onnx.TensorProto
+) -> tuple[Path, int, int]:
+    """The file holding `tensor`'s data, resolved, and the data's offset and length in it;
+    refuses an entry that is unsafe, missing or short."""
     where = f"{path}: external data of tensor {tensor.name!r}"
     entries = {entry.key: entry.value for entry in tensor.external_data}
     location = entries.get("location", "")
@@ -246,7 +266,7 @@ def _check_external_reference(path: Path, folder: Path, tensor: onnx.TensorProto
         raise ModelError(
             f"{where}: {location!r} holds {length} bytes for it, its shape and type need {needed}"
         )
-    return resolved
+    return resolved, offset, length
 
 
 def _non_negative(text: str, where: str, key: str) -> int:

@@ -9,7 +9,8 @@ same model gives the same two files.
 Both files are first written under temporary names beside their targets; `StagedModel.commit`
 renames the data file into place and then writes the model file, so a model file on disk always
 has its data. The tensors' bytes are written one at a time straight from the model being saved,
-which is only read: memory stays at about one copy of the model.
+which is only read, or copied a chunk at a time from the files of tensors kept in files (see
+`qcal.passes._large`): memory stays at about one copy of the model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,7 +27,13 @@ import onnx
 
 from qcal.errors import OutputError
 from qcal.files import write_atomic
-from qcal.passes._large import light_copy, serialized_size
+from qcal.passes._large import (
+    has_external_data,
+    is_external,
+    light_copy,
+    read_external,
+    serialized_size,
+)
 
 __all__ = [
     "ALIGNMENT_BYTES",
@@ -129,9 +137,10 @@ def stage_model(
         OutputError: the model is too large to write inline, or its data file cannot be written.
     """
     if not external:
-        if serialized_size(model) >= 2**31:
+        if serialized_size(model) >= 2**31 or has_external_data(model):
             raise OutputError(
-                f"output {path}: the model is over 2 GiB; write it with external data"
+                f"output {path}: the model is over 2 GiB or has weights in files; "
+                "write it with external data"
             )
         return StagedModel(path, model.SerializeToString(), None, None)
     target = data_path(path)
@@ -168,28 +177,35 @@ def _write_tensors(
     digest = hashlib.sha256()
     offset = 0
     for tensor, copy in zip(model.graph.initializer, light.graph.initializer):
-        source = tensor
-        if tensor.name not in detached:
-            source = elsewhere.get(tensor.name, tensor)
-            if source is tensor or tensor.HasField("raw_data") or not source.HasField("raw_data"):
-                continue
-        data = source.raw_data  # one tensor's bytes at a time
+        if is_external(tensor):
+            chunks: Iterable[bytes] = read_external(tensor)
+        else:
+            source = tensor
+            if tensor.name not in detached:
+                source = elsewhere.get(tensor.name, tensor)
+                if source is tensor or tensor.HasField("raw_data") or not source.HasField("raw_data"):
+                    continue
+            chunks = (source.raw_data,)  # one tensor's bytes at a time
         padding = b"\0" * ((-offset) % ALIGNMENT_BYTES)
-        for chunk in (padding, data):
+        fh.write(padding)
+        digest.update(padding)
+        offset += len(padding)
+        length = 0
+        for chunk in chunks:
             fh.write(chunk)
             digest.update(chunk)
-        offset += len(padding)
+            length += len(chunk)
+        del chunks
         copy.data_location = onnx.TensorProto.EXTERNAL
         del copy.external_data[:]
         for key, value in (
             ("location", location),
             ("offset", str(offset)),
-            ("length", str(len(data))),
+            ("length", str(length)),
         ):
             entry = copy.external_data.add()
             entry.key, entry.value = key, value
-        offset += len(data)
-        del data
+        offset += length
     return light, offset, digest.hexdigest()
 
 

@@ -41,9 +41,10 @@ from qcal.model import (
     plan_quantization,
     prepare_model,
 )
-from qcal.observers import Observer, PerChannel, PerTensor
+from qcal.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.onnx_mapping import OnnxQParams
 from qcal.passes._graph import all_graphs
+from qcal.passes._large import WeightFile, has_external_data, load_external_data, tensor_array
 from qcal.presets import TensorRecipe, build_preset
 from qcal.qdq import InsertQDQ, QuantizedWeight
 from qcal.ranges import RangeChoice, choose_range, new_observer
@@ -152,6 +153,13 @@ def calibrate(
         loaded = load_model(model_path)
         # In place: only the loaded model's path and hash are used from here on.
         prepared, steps = prepare_model(loaded.model, min_opset=config.opset, in_place=True)
+        # A large model is calibrated with its large weights in files (its own external data,
+        # or a temporary file for those in memory): onnxruntime maps them and qcal reads one
+        # at a time, so memory stays close to one copy of the weights.
+        weight_file = WeightFile() if _large_model(prepared) else None
+        if weight_file is not None:
+            prepared = weight_file.offload(prepared)
+            loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
         opset = _default_opset(prepared)
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
@@ -207,6 +215,9 @@ def calibrate(
         act_params = {name: rec.onnx for name, rec in records.items() if rec.role == "activation"}
         result = InsertQDQ(plan, act_params, weights)(prepared)
         quant_model = result.model
+        if weight_file is not None:  # its weight codes go to a file too
+            quant_model = weight_file.offload(quant_model)
+        del result
         records.update(_bias_records(quant_model, plan))
 
     source = eval_source if eval_source is not None else calib
@@ -223,6 +234,7 @@ def calibrate(
         prepared, plan, act_params, weights, config=config, inputs=inputs, source=source,
         macs=macs, evaluate=evaluate, timings=timings, progress=progress,
     )
+    del weights  # the codes live on in the quantized model
     if accuracy.fallback is not None:
         plan, quant_model = accuracy.fallback.plan, accuracy.fallback.model
         comparison = accuracy.fallback.comparison  # on the same data as the evaluation below
@@ -237,7 +249,8 @@ def calibrate(
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.
     external = output is not None and (
-        bool(loaded.external_files) or needs_external_data(quant_model)
+        bool(loaded.external_files) or has_external_data(quant_model)
+        or needs_external_data(quant_model)
     )
     if external:
         assert output is not None
@@ -260,9 +273,17 @@ def calibrate(
         from qcal.report import dump_report
 
         write_atomic(report_path, dump_report(report))
+    if weight_file is not None:  # the caller gets the model whole, as for any model
+        load_external_data(quant_model)
+        weight_file.close()
     if enforce_gates:  # after writing: a failed gate leaves the model and report as evidence
         raise_for_failed(gates, report_path)
     return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
+
+
+def _large_model(model: onnx.ModelProto) -> bool:
+    """Whether `model` is calibrated with its large weights in files (`qcal.passes._large`)."""
+    return has_external_data(model) or needs_external_data(model)
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -313,11 +334,33 @@ def _activation_records(
         if target.tensor in records or source is None or source.choice is None:
             continue  # observed itself, or its source received no values (both stay float)
         summary = {**source.choice.summary, "same_as": source.tensor}
+        if target.divisor == 1.0:
+            records[target.tensor] = dataclasses.replace(
+                source, tensor=target.tensor, consumers=target.consumers,
+                choice=RangeChoice(source.choice.observed, source.choice.stats, summary),
+            )
+            continue
+        # The source divided by a positive constant: its range divided by it, through the
+        # preset's own scheme (whose scale then is the source's divided by it, up to rounding).
+        summary["divided_by"] = target.divisor
+        choice = RangeChoice(
+            _divided(source.choice.observed, target.divisor),
+            _divided(source.choice.stats, target.divisor),
+            summary,
+        )
+        qparams = recipe.qparams(choice.stats)
         records[target.tensor] = dataclasses.replace(
-            source, tensor=target.tensor, consumers=target.consumers,
-            choice=RangeChoice(source.choice.observed, source.choice.stats, summary),
+            source, tensor=target.tensor, consumers=target.consumers, choice=choice,
+            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset),
         )
     return records
+
+
+def _divided(stats: MinMaxStats, divisor: float) -> MinMaxStats:
+    return MinMaxStats(
+        (stats.min / np.float32(divisor)).astype(np.float32),
+        (stats.max / np.float32(divisor)).astype(np.float32),
+    )
 
 
 def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
@@ -337,7 +380,7 @@ def _quantize_weights(
     weight_recipe = recipe
     for target in plan.weights:
         recipe = operand_recipe if target.role == "operand" and operand_recipe else weight_recipe
-        array = onnx.numpy_helper.to_array(initializers[target.tensor])
+        array = tensor_array(initializers[target.tensor])
         array = array.astype(np.float32, copy=False)
         granularity = _weight_granularity(recipe, target.axis, config.per_channel)
         observer = new_observer(recipe, "minmax", granularity, config)
@@ -399,12 +442,16 @@ def _quantize_in_blocks(
     channel = None if qparams.axis is None else qparams.axis % array.ndim
     along = 0 if channel != 0 else 1
     step = max(1, _QUANTIZE_BLOCK_ELEMENTS * array.shape[along] // array.size)
-    blocks = [
-        recipe.quantize(np.take(array, range(start, min(start + step, array.shape[along])),
-                                axis=along), qparams, opset=opset)
-        for start in range(0, array.shape[along], step)
-    ]
-    return np.concatenate(blocks, axis=along)
+    codes: np.ndarray | None = None  # filled in place: a list of blocks would double it
+    for start in range(0, array.shape[along], step):
+        where = tuple(slice(start, start + step) if axis == along else slice(None)
+                      for axis in range(array.ndim))
+        block = recipe.quantize(array[where], qparams, opset=opset)
+        if codes is None:
+            codes = np.empty(array.shape, dtype=block.dtype)
+        codes[where] = block
+    assert codes is not None  # array.size > 0 here
+    return codes
 
 
 def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: bool) -> PerTensor | PerChannel:
@@ -490,11 +537,11 @@ def _improve_accuracy(
     if not config.wants_sensitivity:
         return _Accuracy(None, None)
     with timings.stage("sensitivity"):
-        count = _sensitivity_samples(config, plan, source)
+        count, screen = _sensitivity_samples(config, plan, source)
         sensitivity = measure_sensitivity(
             model, plan, act_params, weights,
             data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
-            providers=config.providers, threads=config.threads,
+            screen_samples=screen, providers=config.providers, threads=config.threads,
             on_batch=_stage_progress(progress, "sensitivity", count),
         )
     if not config.has_fallback_target:
@@ -515,20 +562,27 @@ def _improve_accuracy(
     return _Accuracy(sensitivity, fallback)
 
 
-# Sensitivity runs the model once per planned tensor and sample: by default as many of 32
-# samples as keep that under 2048 runs (at least 2), so large models stay affordable.
-_SENSITIVITY_SAMPLES = 32
-_SENSITIVITY_RUNS = 2048
+# Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few
+# samples (as many of 4 as keep that under 256 runs, at least 1); those that matter
+# (`qcal.sensitivity.SCREEN_FRACTION`, typically a few dozen) are measured on all the
+# sensitivity samples, 16 by default: the figures the fallback ranks by rest on many samples,
+# and a model of hundreds of tensors costs a few hundred runs instead of thousands.
+_SENSITIVITY_SAMPLES = 16
+_SCREEN_SAMPLES = 4
+_SCREEN_RUNS = 256
 
 
-def _sensitivity_samples(config: CalibrationConfig, plan: QuantPlan, source: Any) -> int:
-    wanted = config.sensitivity_samples
-    if wanted is None:
-        units = len({a.tensor for a in plan.activations if a.consumers})
-        units += len({w.tensor for w in plan.weights})
-        wanted = min(_SENSITIVITY_SAMPLES, max(2, _SENSITIVITY_RUNS // max(units, 1)))
+def _sensitivity_samples(
+    config: CalibrationConfig, plan: QuantPlan, source: Any
+) -> tuple[int, int]:
+    """(samples for the relevant tensors, screening samples for every tensor)."""
+    units = len({a.tensor for a in plan.activations if a.consumers})
+    units += len({w.tensor for w in plan.weights})
+    wanted = config.sensitivity_samples or _SENSITIVITY_SAMPLES
     available = source.num_samples()
-    return min(wanted, available) if available else wanted
+    total = min(wanted, available) if available else wanted
+    screen = max(1, min(_SCREEN_SAMPLES, _SCREEN_RUNS // max(units, 1)))
+    return total, min(total, screen)
 
 
 def _planned_records(

@@ -47,7 +47,14 @@ from qcal.passes._graph import (
     default_opset,
     graph_element_types,
 )
-from qcal.passes._large import SERIALIZE_LIMIT_BYTES, light_copy, run_detached, serialized_size
+from qcal.passes._large import (
+    SERIALIZE_LIMIT_BYTES,
+    has_external_data,
+    light_copy,
+    run_detached,
+    serialized_size,
+    tensor_array,
+)
 
 if TYPE_CHECKING:
     from qcal.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
@@ -91,6 +98,20 @@ _INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
     "LeakyRelu": (0,),
     "Softmax": (0,),
 }
+
+# Operators that only move or select values, which onnxruntime's CPU provider runs on the
+# integers when the DequantizeLinear before and the QuantizeLinear after carry the same
+# parameters (it drops the pair; Resize only in "nearest" mode). Their output's
+# DequantizeLinear then holds exactly the float values, so float readers read it too.
+_INTEGER_DATA_OPS = frozenset(
+    {
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather",
+        "DepthToSpace", "MaxPool", "Resize",
+    }
+)
+# Relative tolerance between a folded division's scale and the source scale divided by the
+# constant: float32 rounding of the two ways of computing it.
+_FOLD_SCALE_RTOL = 1e-6
 
 _QDQ_OPSET = 10  # QuantizeLinear/DequantizeLinear exist from opset 10
 _CLIP_INPUTS_OPSET = 11  # Clip takes min/max as inputs (before: attributes)
@@ -165,6 +186,8 @@ class InsertQDQ:
         self._quantized_biases = {(t.tensor, t.node) for t in self._biases}
         # Node inputs as planned, before this pass redirects them to DequantizeLinear outputs.
         self._planned_inputs: dict[str, tuple[str, ...]] = {}
+        # Activation -> (codes, DequantizeLinear output) of the pair written for it.
+        self._pairs: dict[str, tuple[str, str]] = {}
 
     def __call__(self, model: onnx.ModelProto) -> PassResult:
         """Check `model`, rewrite a copy of it and check the result."""
@@ -218,8 +241,12 @@ class InsertQDQ:
         self._planned_inputs = {
             node.name: tuple(node.input) for graph in all_graphs(out.graph) for node in graph.node
         }
+        self._pairs = {}
+        folds = self._folds(scopes)
         for target in self._activations:
-            self._quantize_activation(scopes, target)
+            if target.tensor not in folds:
+                self._quantize_activation(scopes, target)
+        self._fold_divisions(scopes, folds)
         for tensor, targets in _group_by_tensor(self._weights):
             self._quantize_weight(scopes, tensor, targets)
         for bias in self._biases:
@@ -239,6 +266,10 @@ class InsertQDQ:
         if serialized_size(model) > SERIALIZE_LIMIT_BYTES:
             # onnx.checker takes one serialized protobuf, which cannot exceed 2 GiB.
             logger.warning("%s: model over 2 GiB, onnx.checker skipped", self.name)
+            return
+        if has_external_data(model):
+            # onnx.checker looks for external data relative to the current directory.
+            logger.info("%s: weights kept in files, onnx.checker skipped", self.name)
             return
         try:
             onnx.checker.check_model(model)
@@ -282,15 +313,21 @@ class InsertQDQ:
         integer kernel only when the QuantizeLinear is the producer's only reader. So when every
         input of the producer is quantized, float readers (a HardSigmoid, a Div) read the
         DequantizeLinear too, as onnxruntime's own quantizer arranges it. Not for graph outputs
-        or tensors read inside bodies: those keep the float value.
+        or tensors read inside bodies: those keep the float value. Likewise for the output of
+        a data-movement operator whose input is read with the same parameters
+        (`_INTEGER_DATA_OPS`): onnxruntime runs it on the integers only when the QuantizeLinear
+        is its only reader, and the DequantizeLinear gives back exactly the float values.
         """
         producer = rewrite.index.producer.get(tensor)
         if (
             producer is None
             or producer.domain not in DEFAULT_DOMAINS
-            or producer.op_type not in _INTEGER_KERNEL_INPUTS
             or tensor in rewrite.index.graph_outputs
         ):
+            return []
+        if self._integer_data_op(producer, tensor):
+            return self._other_float_reads(rewrite, tensor, quantized)
+        if producer.op_type not in _INTEGER_KERNEL_INPUTS:
             return []
         slots = _INTEGER_KERNEL_INPUTS[producer.op_type]
         for slot, value in enumerate(self._planned_inputs.get(producer.name, producer.input)):
@@ -306,11 +343,121 @@ class InsertQDQ:
                 and read not in self._quantized_biases
             ):
                 return []  # a float bias keeps the node float
+        return self._other_float_reads(rewrite, tensor, quantized)
+
+    @staticmethod
+    def _other_float_reads(rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]) -> list[Use]:
+        """The reads of `tensor` not in `quantized`; none when one is inside a body."""
         taken = {(id(use.node), use.slot) for use in quantized}
         others = [u for u in rewrite.index.uses.get(tensor, ()) if (id(u.node), u.slot) not in taken]
         if any(use.slot == SUBGRAPH_SLOT for use in others):
             return []
         return others
+
+    def _integer_data_op(self, producer: onnx.NodeProto, tensor: str) -> bool:
+        """Whether `producer` moves the values of an input it reads quantized with the
+        parameters of its output `tensor`, so that onnxruntime runs it on the integers."""
+        if producer.op_type not in _INTEGER_DATA_OPS or tensor != producer.output[0]:
+            return False
+        if producer.op_type == "Resize" and _string_attribute(producer, "mode") not in (
+            "", "nearest"  # the default
+        ):
+            return False
+        planned = self._planned_inputs.get(producer.name, tuple(producer.input))
+        source = planned[0] if planned else ""
+        if (source, producer.name) not in self._quantized_reads:
+            return False
+        return _same_qparams(self._activation_qparams[source], self._activation_qparams[tensor])
+
+    # -- divisions folded into a DequantizeLinear scale ----------------------------------------
+
+    def _folds(self, scopes: _Scopes) -> dict[str, tuple[str, onnx.NodeProto]]:
+        """Activation -> (its source, the Div) for the outputs of a Div by a positive constant
+        scalar that reads its input quantized, when the output's parameters are the input's
+        with the scale divided by the constant: ``DQ(q, s, z) / c = DQ(q, s / c, z)``, so the
+        output's DequantizeLinear reads the input's codes and nothing is left to divide."""
+        folds: dict[str, tuple[str, onnx.NodeProto]] = {}
+        for target in self._activations:
+            tensor = target.tensor
+            rewrite = scopes.defined.get(tensor)
+            producer = None if rewrite is None else rewrite.index.producer.get(tensor)
+            if (
+                rewrite is None
+                or producer is None
+                or producer.op_type != "Div"
+                or producer.domain not in DEFAULT_DOMAINS
+                or len(producer.input) != 2
+            ):
+                continue
+            source = self._planned_inputs.get(producer.name, tuple(producer.input))[0]
+            divisor = _positive_scalar(scopes.initializer(producer.input[1]))
+            if (
+                divisor is None
+                or producer.input[1] in rewrite.index.graph_inputs  # may be fed another value
+                or (source, producer.name) not in self._quantized_reads
+                or scopes.defined.get(source) is not rewrite
+                or rewrite.types.get(source) != rewrite.types.get(tensor)
+                or not _divided_qparams(
+                    self._activation_qparams[source], self._activation_qparams[tensor], divisor
+                )
+            ):
+                continue
+            folds[tensor] = (source, producer)
+        return folds
+
+    def _fold_divisions(
+        self, scopes: _Scopes, folds: Mapping[str, tuple[str, onnx.NodeProto]]
+    ) -> None:
+        """Write the folded divisions (`_folds`), sources first."""
+        targets = {t.tensor: t for t in self._activations if t.tensor in folds}
+        pending = dict(folds)
+        while pending:
+            ready = sorted(t for t, (source, _) in pending.items() if source not in pending)
+            if not ready:  # impossible in a graph without cycles
+                raise self._error(f"divisions folded in a cycle: {min(pending)!r}")
+            for tensor in ready:
+                source, division = pending.pop(tensor)
+                self._fold_division(scopes, targets[tensor], source, division)
+
+    def _fold_division(
+        self, scopes: _Scopes, target: ActivationTarget, source: str, division: onnx.NodeProto
+    ) -> None:
+        """One folded division: a DequantizeLinear of `source`'s codes with `target`'s scale,
+        read by every reader of `target` (the Div is then removed), or only by its quantized
+        readers when the Div must stay (a graph output, a read inside a body)."""
+        tensor = target.tensor
+        if source not in self._pairs:  # the source got no pair: a pair of its own
+            self._quantize_activation(scopes, target)
+            return
+        rewrite = scopes.definer(tensor)
+        everything = list(rewrite.index.uses.get(tensor, ()))
+        keeps_division = tensor in rewrite.index.graph_outputs or any(
+            use.slot == SUBGRAPH_SLOT for use in everything
+        )
+        uses = [
+            use
+            for consumer in target.consumers
+            for use in self._uses_by(rewrite, tensor, consumer, "activation")
+        ]
+        if not keeps_division:
+            uses = everything
+        if not uses:
+            return
+        qparams = self._activation_qparams[tensor]
+        float_type = self._float_type(rewrite, tensor, "activation")
+        scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
+        codes, source_dequantized = self._pairs[source]
+        dequantized = rewrite.add_node(
+            "DequantizeLinear", tensor, [codes, scale, zero_point], qparams.axis, after=source
+        )
+        rewrite.redirect(uses, dequantized)
+        self._pairs[tensor] = (codes, dequantized)
+        if keeps_division:
+            return
+        rewrite.remove(division)
+        scopes.drop_if_unused(division.input[1])
+        if not any(source_dequantized in r.reads() for r in scopes.rewrites):
+            rewrite.remove_producer(source_dequantized)
 
     def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
         qparams = self._activation_qparams[tensor]
@@ -326,6 +473,7 @@ class InsertQDQ:
             "DequantizeLinear", tensor, [quantized, scale, zero_point], qparams.axis, after=tensor
         )
         rewrite.redirect(uses, dequantized)
+        self._pairs[tensor] = (quantized, dequantized)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -386,7 +534,7 @@ class InsertQDQ:
             raise self._error(f"bias {bias.tensor!r} of node {bias.node!r} is not an initializer")
         ((rewrite, _),) = scopes.by_graph([bias.node], self._error)
         float_type = self._float_type(rewrite, bias.tensor, "bias")
-        values = numpy_helper.to_array(self._originals.get(bias.tensor, initializer))
+        values = tensor_array(self._originals.get(bias.tensor, initializer))
         values = values.astype(np.float32)
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
@@ -639,6 +787,7 @@ class _Rewrite:
         self._initializers: list[onnx.TensorProto] = []
         self._redirected: set[tuple[int, int]] = set()
         self._dropped: set[str] = set()
+        self._removed: set[int] = set()  # ids of nodes (old or new) left out when written
 
     def is_value(self, name: str) -> bool:
         index = self.index
@@ -753,11 +902,28 @@ class _Rewrite:
 
     def reads(self) -> set[str]:
         """Every value this graph's nodes (new ones included) and outputs read now."""
-        read = {v for node in self.graph.node for v in node.input}
-        for node in (*self._front, *(n for nodes in self._after.values() for n in nodes)):
-            read.update(node.input)
+        read: set[str] = set()
+        for node in (*self.graph.node, *self._new_nodes()):
+            if id(node) not in self._removed:
+                read.update(node.input)
         read.update(v.name for v in self.graph.output)
         return read
+
+    def remove(self, node: onnx.NodeProto) -> None:
+        """Leave `node` (of this graph, or added by this pass) out when the graph is written."""
+        self._removed.add(id(node))
+        self.modified = True
+
+    def remove_producer(self, value: str) -> None:
+        """Leave out the node this pass added that writes `value`."""
+        for node in self._new_nodes():
+            if value in node.output:
+                self.remove(node)
+
+    def _new_nodes(self) -> Iterator[onnx.NodeProto]:
+        yield from self._front
+        for nodes in self._after.values():
+            yield from nodes
 
     def drop(self, tensor: str) -> None:
         """Remove initializer `tensor` when the graph is written."""
@@ -770,6 +936,7 @@ class _Rewrite:
             for position, node in enumerate(self.graph.node):
                 ordered.append(node)
                 ordered.extend(self._after.get(position, ()))
+            ordered = [node for node in ordered if id(node) not in self._removed]
             copies = [onnx.NodeProto() for _ in ordered]
             for copy, node in zip(copies, ordered):
                 copy.CopyFrom(node)
@@ -794,6 +961,53 @@ class _Rewrite:
                 f"cannot clip it on axis {axis}"
             )
         return (channels,) + (1,) * (rank - axis - 1)
+
+
+def _same_qparams(a: OnnxQParams, b: OnnxQParams) -> bool:
+    """Whether two parameter sets quantize alike (same type, scale, zero point, axis, clip)."""
+    return _divided_qparams(a, b, 1.0, rtol=0.0)
+
+
+def _divided_qparams(
+    source: OnnxQParams, divided: OnnxQParams, divisor: float, *, rtol: float = _FOLD_SCALE_RTOL
+) -> bool:
+    """Whether `divided` is `source` for the values divided by `divisor`: per tensor, same type
+    and zero point, scale and clip bounds divided by it (to `rtol`). The codes of a value then
+    are the same under both, so `divided`'s DequantizeLinear can read `source`'s codes."""
+    if source.dtype != divided.dtype or source.axis is not None or divided.axis is not None:
+        return False
+    if not np.array_equal(np.asarray(source.zero_point), np.asarray(divided.zero_point)):
+        return False
+    pairs: list[tuple[np.ndarray, np.ndarray]] = [(source.scale, divided.scale)]
+    for a, b in ((source.clip_min, divided.clip_min), (source.clip_max, divided.clip_max)):
+        if (a is None) != (b is None):
+            return False
+        if a is not None and b is not None:
+            pairs.append((a, b))
+    return all(
+        np.allclose(
+            np.asarray(b, np.float64) * divisor, np.asarray(a, np.float64), rtol=rtol, atol=0.0
+        )
+        for a, b in pairs
+    )
+
+
+def _positive_scalar(constant: onnx.TensorProto | None) -> float | None:
+    """The value of a one-element float constant if it is finite and positive, else None."""
+    if constant is None or constant.data_type not in _FLOAT_TYPES:
+        return None
+    values = tensor_array(constant)
+    if values.size != 1:
+        return None
+    value = float(values.reshape(()))
+    return value if np.isfinite(value) and value > 0 else None
+
+
+def _string_attribute(node: onnx.NodeProto, name: str) -> str:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return str(attribute.s.decode())
+    return ""
 
 
 def _group_by_tensor(

@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from qcal.errors import ConfigError, ModelError
 from qcal.model_file import stage_model
-from qcal.passes._large import serialized_size
+from qcal.passes._large import external_file, is_external, serialized_size
 
 __all__ = ["available_providers", "create_session"]
 
@@ -54,6 +54,9 @@ def create_session(
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
     (onnxruntime's default order may run them much later).
+
+    Initializers kept in files (see `qcal.passes._large`) are mapped by onnxruntime from their
+    files, not copied, and not repacked either: the session holds no second copy of them.
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
@@ -64,9 +67,8 @@ def create_session(
     options = _session_options(threads, node_order=node_order)
     try:
         if weights_from is None and serialized_size(model) < _MAX_INLINE_BYTES:
-            return ort.InferenceSession(
-                model.SerializeToString(), sess_options=options, providers=list(providers)
-            )
+            model_bytes = _mapping_weights(model, options, what)
+            return ort.InferenceSession(model_bytes, sess_options=options, providers=list(providers))
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
             # Not onnx.save_model: it moves the weights out of `model`, which callers still use.
             path = Path(tmp) / "model.onnx"
@@ -79,3 +81,31 @@ def create_session(
             ort.capi.onnxruntime_pybind11_state.NotImplemented) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
+
+
+def _mapping_weights(model: onnx.ModelProto, options: ort.SessionOptions, what: str) -> bytes:
+    """The bytes onnxruntime gets for `model`, with `options` set to map its initializers kept
+    in files (absolute locations, which onnxruntime refuses: it gets them relative to the root
+    of the file system they are on)."""
+    model_bytes: bytes
+    if not any(is_external(t) for t in model.graph.initializer):
+        model_bytes = model.SerializeToString()
+        return model_bytes
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # small: the large tensors are in files
+    roots = set()
+    for tensor in copy.graph.initializer:
+        if is_external(tensor):
+            path = external_file(tensor)[0]
+            roots.add(path.anchor)
+            location = next(e for e in tensor.external_data if e.key == "location")
+            location.value = path.relative_to(path.anchor).as_posix()
+    if len(roots) > 1:
+        raise ModelError(f"{what}: its weights are on several drives ({', '.join(sorted(roots))})")
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", roots.pop()
+    )
+    # Prepacking would keep a repacked copy of every weight besides the mapped file.
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    model_bytes = copy.SerializeToString()
+    return model_bytes

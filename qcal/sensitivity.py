@@ -8,17 +8,33 @@ gives the float model exactly; ``unit = k`` quantizes tensor k alone. For every 
 outputs are computed once and then every unit is run, so only per-unit sums are kept, never
 activations of more than one batch.
 
+Screening (``screen_samples``): that is one model run per tensor and sample, the whole cost of
+sensitivity. Most tensors of a real model barely move the outputs, and their exact figure does
+not change any decision (the fallback ranks by harm, largest first). So every tensor is measured
+on the first ``screen_samples`` samples only; the tensors whose harm there is at least
+``screen_fraction`` of the worst tensor's (and not negligible, below -60 dB) are measured on the
+remaining samples too, with a switch model rebuilt for them alone (fewer ``If`` nodes, so each
+run costs about one float inference). Each tensor's ``samples`` says what it was measured on.
+Local SQNR is always measured on every sample (one run per batch for all tensors together).
+
 Per tensor, with x the float outputs and y the outputs with only that tensor quantized:
 
 * output SQNR = ``10 log10(sum x^2 / sum (x - y)^2)`` per model output, the worst output kept;
   ``noise_ratio`` is its linear form ``sum (x - y)^2 / sum x^2`` (the harm, additive to first
   order over tensors whose errors are independent);
 * top-1 agreement of classifier-like outputs (rank 2), the worst output kept;
-* local SQNR = ``10 log10(sum t^2 / sum (t - fq(t))^2)`` over the tensor itself.
+* local SQNR = ``10 log10(sum t^2 / sum (t - fq(t))^2)`` over the tensor itself;
+* for outputs computed by Softmax or LogSoftmax (through reshapes), the same noise ratio over
+  the logits the softmax reads (``logit_noise_ratio``), and that is the tensor's ``harm``.
+  Probabilities are a poor yardstick for ranking: a small perturbation moves them only where
+  two classes are close, so their noise is a handful of argmax flips, which a few samples
+  estimate badly and which do not add up over tensors; the logits move smoothly with the
+  perturbation.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,14 +50,23 @@ from qcal.model import QuantPlan
 from qcal.names import NameAllocator
 from qcal.onnx_mapping import OnnxQParams
 from qcal.passes._graph import UseIndex, element_types
+from qcal.passes._large import tensor_array
 from qcal.qdq import QuantizedWeight
 from qcal.runtime import create_session
 
 __all__ = ["SensitivityResult", "TensorSensitivity", "measure_sensitivity"]
 
+logger = logging.getLogger(__name__)
+
 Feed = Mapping[str, np.ndarray]
 
 _NATIVE_QDQ_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8})
+
+# Screening keeps measuring a tensor when its harm is at least this share of the worst tensor's
+# (1 %: 20 dB below it; the fallback ranks by harm, so the order below that changes nothing it
+# could reach) and above -60 dB (a millionth of the output energy: harmless whatever the rest).
+SCREEN_FRACTION = 0.01
+_NEGLIGIBLE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,10 @@ class TensorSensitivity:
         noise_ratio: worst output noise energy over signal energy (0.0: unchanged).
         top1_agreement: worst top-1 agreement of classifier-like outputs, None without any.
         local_sqnr_db: SQNR of the tensor against its fake-quant (None: quantized exactly).
+        samples: samples the output figures were measured on (fewer than the result's when
+            screening found the tensor harmless; None: not recorded).
+        logit_noise_ratio: worst noise ratio over the logits of softmax outputs (None: no
+            output is a softmax).
     """
 
     tensor: str
@@ -64,6 +93,13 @@ class TensorSensitivity:
     noise_ratio: float
     top1_agreement: float | None
     local_sqnr_db: float | None
+    samples: int | None = None
+    logit_noise_ratio: float | None = None
+
+    @property
+    def harm(self) -> float:
+        """What screening and the fallback rank by: the logits' noise ratio, else the outputs'."""
+        return self.noise_ratio if self.logit_noise_ratio is None else self.logit_noise_ratio
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -73,6 +109,8 @@ class TensorSensitivity:
             "noise_ratio": _round(self.noise_ratio),
             "top1_agreement": _round(self.top1_agreement),
             "local_sqnr_db": _round(self.local_sqnr_db),
+            "samples": self.samples,
+            "logit_noise_ratio": _round(self.logit_noise_ratio),
         }
 
 
@@ -97,6 +135,8 @@ def measure_sensitivity(
     weights: Mapping[str, QuantizedWeight],
     batches: Iterable[tuple[Feed, int]],
     *,
+    screen_samples: int | None = None,
+    screen_fraction: float = SCREEN_FRACTION,
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
@@ -109,6 +149,9 @@ def measure_sensitivity(
         activations: ONNX parameters per planned activation (as given to InsertQDQ).
         weights: codes and parameters per planned weight (as given to InsertQDQ).
         batches: evaluation batches (feed, samples in it), streamed once.
+        screen_samples: measure every tensor on this many samples only (at least; whole
+            batches), the relevant ones on all (module docstring); None: every tensor on all.
+        screen_fraction: relevance threshold of screening, a fraction of the worst harm.
         providers, threads: onnxruntime settings.
         on_batch: called with the number of samples after each batch.
 
@@ -119,13 +162,16 @@ def measure_sensitivity(
     models = _Models.build(model, plan, activations, weights)
     probe = create_session(models.probe, providers=providers, threads=threads,
                            what="sensitivity probe model")
-    switch = create_session(models.switch, providers=providers, threads=threads,
-                            what="sensitivity model")
-    outputs = [o.name for o in model.graph.output]
+    switch: object | None = create_session(models.switch, providers=providers, threads=threads,
+                                           what="sensitivity model")
+    selector = models.selector
+    outputs = [o.name for o in model.graph.output] + list(models.logits)
     probes = [name for pair in models.probes.values() for name in pair]
     units = models.units
-    noise = {u: _OutputNoise.empty(len(outputs)) for u, _ in units}
+    noise = {u: _OutputNoise.empty(len(outputs), len(model.graph.output)) for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
+    measured = {u: 0 for u, _ in units}
+    active = list(range(len(units)))  # unit indices still run; position = selector value
     samples = 0
     for feed, n in batches:
         values = _run(probe, outputs + probes, feed)
@@ -138,20 +184,42 @@ def measure_sensitivity(
             local[tensor][0] += float(x @ x)
             local[tensor][1] += float(d @ d)
         del probed
-        for k, (tensor, _) in enumerate(units):
-            quantized = _run(switch, outputs, {**feed, models.selector: np.array(k, np.int64)})
+        for k, unit in enumerate(active):
+            tensor = units[unit][0]
+            quantized = _run(switch, outputs, {**feed, selector: np.array(k, np.int64)})
             noise[tensor].add(reference, quantized)
+            measured[tensor] += n
         samples += n
         if on_batch is not None:
             on_batch(n)
+        if screen_samples is not None and samples >= screen_samples and len(active) == len(units):
+            relevant = _relevant(units, noise, screen_fraction)
+            if len(relevant) < len(active):
+                logger.info("sensitivity: %d of %d tensors relevant after %d samples",
+                            len(relevant), len(units), samples)
+                active, switch = relevant, None  # release the large session first
+                if active:
+                    rebuilt, selector = models.switch_for(active)
+                    switch = create_session(rebuilt, providers=providers, threads=threads,
+                                            what="sensitivity model")
+            screen_samples = None
     if samples == 0:
         raise DataError("sensitivity data has no samples")
     found = [
-        noise[tensor].result(tensor, role, local[tensor][0], local[tensor][1])
+        noise[tensor].result(tensor, role, local[tensor][0], local[tensor][1], measured[tensor])
         for tensor, role in units
     ]
-    found.sort(key=lambda s: (-s.noise_ratio, s.tensor))
+    found.sort(key=lambda s: (-s.harm, -s.noise_ratio, s.tensor))
     return SensitivityResult(samples, tuple(found))
+
+
+def _relevant(units: tuple[tuple[str, str], ...], noise: Mapping[str, _OutputNoise],
+              fraction: float) -> list[int]:
+    """Indices of the units whose harm so far passes the screening thresholds."""
+    harms = [noise[tensor].harm() for tensor, _ in units]
+    worst = max(harms, default=0.0)
+    bar = max(fraction * worst, _NEGLIGIBLE)
+    return [k for k, harm in enumerate(harms) if harm > 0.0 and harm >= bar]
 
 
 # ---------------------------------------------------------------------------- accumulation
@@ -164,11 +232,12 @@ class _OutputNoise:
     agree: list[int]
     rows: list[int]
     classifier: list[bool] = field(default_factory=list)
+    real: int = 0  # the first `real` are model outputs, the rest softmax logits
 
     @classmethod
-    def empty(cls, outputs: int) -> _OutputNoise:
+    def empty(cls, outputs: int, real: int) -> _OutputNoise:
         return cls([0.0] * outputs, [0.0] * outputs, [0] * outputs, [0] * outputs,
-                   [True] * outputs)
+                   [True] * outputs, real)
 
     def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
         for i, (x, y) in enumerate(zip(reference, quantized)):
@@ -181,12 +250,20 @@ class _OutputNoise:
                 self.agree[i] += int(np.sum(np.argmax(x, -1) == np.argmax(y, -1)))
                 self.rows[i] += int(np.shape(x)[0])
 
-    def result(self, tensor: str, role: str, local_signal: float,
-               local_noise: float) -> TensorSensitivity:
+    def worst_ratio(self, logits: bool = False) -> float:
+        chosen = slice(self.real, None) if logits else slice(0, self.real)
         ratios = [n / s if s > 0 else (0.0 if n == 0 else math.inf)
-                  for s, n in zip(self.signal, self.noise)]
-        worst = max(ratios, default=0.0)
-        agreements = [a / r for a, r, c in zip(self.agree, self.rows, self.classifier) if c and r]
+                  for s, n in zip(self.signal[chosen], self.noise[chosen])]
+        return max(ratios, default=0.0)
+
+    def harm(self) -> float:
+        return self.worst_ratio(logits=len(self.signal) > self.real)
+
+    def result(self, tensor: str, role: str, local_signal: float,
+               local_noise: float, samples: int | None = None) -> TensorSensitivity:
+        worst = self.worst_ratio()
+        agreements = [a / r for a, r, c in zip(self.agree[:self.real], self.rows[:self.real],
+                                                 self.classifier[:self.real]) if c and r]
         return TensorSensitivity(
             tensor=tensor,
             role=role,
@@ -195,6 +272,9 @@ class _OutputNoise:
             top1_agreement=min(agreements) if agreements else None,
             local_sqnr_db=_db(local_noise / local_signal if local_signal > 0 else
                               (0.0 if local_noise == 0 else math.inf)),
+            samples=samples,
+            logit_noise_ratio=self.worst_ratio(logits=True) if len(self.signal) > self.real
+            else None,
         )
 
 
@@ -232,6 +312,13 @@ class _Models:
     selector: str  # int64 scalar input of the switch model: the unit to quantize
     units: tuple[tuple[str, str], ...]  # (tensor, role); the index is the selector value
     probes: Mapping[str, tuple[str, str]]  # tensor -> (float output, fake-quant output)
+    chains: _Chains
+    consumers: tuple[tuple[str, ...], ...]  # per unit: the nodes reading it quantized
+    logits: tuple[str, ...]  # softmax inputs of softmax outputs, extra outputs of both models
+
+    def switch_for(self, subset: list[int]) -> tuple[onnx.ModelProto, str]:
+        """A switch model for the units `subset` alone; selector value k quantizes subset[k]."""
+        return self.chains.switch_model([(self.units[k][0], self.consumers[k]) for k in subset])
 
     @classmethod
     def build(
@@ -241,6 +328,15 @@ class _Models:
         activations: Mapping[str, OnnxQParams],
         weights: Mapping[str, QuantizedWeight],
     ) -> _Models:
+        logits = _softmax_logits(model)
+        if logits:
+            exposed = onnx.ModelProto()
+            exposed.CopyFrom(model)
+            types = element_types(model.graph)
+            exposed.graph.output.extend(
+                helper.make_tensor_value_info(t, types.get(t, TensorProto.FLOAT), None)
+                for t in logits)
+            model = exposed
         chains = _Chains(model)
         units: list[tuple[str, str, tuple[str, ...]]] = []
         for target in sorted(plan.activations, key=lambda t: t.tensor):
@@ -256,7 +352,27 @@ class _Models:
             units.append((tensor, "weight", tuple(readers[tensor])))
         probe, probes = chains.probe_model()
         switch, selector = chains.switch_model([(t, c) for t, _, c in units])
-        return cls(probe, switch, selector, tuple((t, r) for t, r, _ in units), probes)
+        return cls(probe, switch, selector, tuple((t, r) for t, r, _ in units), probes, chains,
+                   tuple(c for _, _, c in units), tuple(logits))
+
+
+_RESHAPING_OPS = frozenset({"Reshape", "Flatten", "Identity", "Transpose", "Squeeze",
+                            "Unsqueeze"})
+
+
+def _softmax_logits(model: onnx.ModelProto) -> list[str]:
+    """Inputs of the Softmax/LogSoftmax nodes whose result is a model output (up to reshapes)."""
+    index = UseIndex.build(model.graph)
+    outputs = {o.name for o in model.graph.output}
+    found: list[str] = []
+    for output in model.graph.output:
+        node = index.producer.get(output.name)
+        while node is not None and node.op_type in _RESHAPING_OPS and node.input:
+            node = index.producer.get(node.input[0])
+        if (node is not None and node.op_type in ("Softmax", "LogSoftmax") and node.input
+                and node.input[0] not in outputs and node.input[0] not in found):
+            found.append(node.input[0])
+    return found
 
 
 @dataclass
@@ -292,7 +408,7 @@ class _Chains:
         self._chains[tensor] = _Chain(nodes, faked, elem_type)
 
     def add_weight(self, tensor: str, weight: QuantizedWeight) -> None:
-        original = numpy_helper.to_array(self._index.initializers[tensor])
+        original = tensor_array(self._index.initializers[tensor])
         q = weight.onnx
         scale = np.asarray(q.scale, np.float32)
         zero_point = np.asarray(q.zero_point).astype(np.float32)

@@ -241,6 +241,122 @@ def test_sessions_for_models_over_the_protobuf_limit_leave_the_model_untouched(
     assert model.SerializeToString() == before
 
 
+def conv_bn_mlp_with_external_weights(folder: Path) -> Path:
+    """Opset 11 Conv -> BatchNormalization -> Relu -> Flatten -> MatMul -> Add, saved with its
+    tensors of 1 KiB or more in `m.data` (the opset upgrade and the folding read them)."""
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("Conv", ["x", "Wc", "bc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["n"], name="bn"
+        ),
+        helper.make_node("Relu", ["n"], ["r"], name="relu"),
+        helper.make_node("Flatten", ["r"], ["f"], name="flatten"),
+        helper.make_node("MatMul", ["f", "Wm"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "bm"], ["y"], name="add"),
+    ]
+    weights = {
+        "Wc": rng.standard_normal((16, 3, 3, 3)).astype(np.float32) * 0.3,
+        "bc": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "gamma": rng.uniform(0.5, 1.5, 16).astype(np.float32),
+        "beta": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "mean": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "var": rng.uniform(0.5, 1.5, 16).astype(np.float32),
+        "Wm": rng.standard_normal((1024, 32)).astype(np.float32) / 32,
+        "bm": rng.standard_normal(32).astype(np.float32) * 0.1,
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], weights, opset=11)
+    path = folder / "m.onnx"
+    onnx.save_model(
+        model, path, save_as_external_data=True, location="m.data", size_threshold=1024
+    )
+    np.savez(folder / "m.calib.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    return path
+
+
+def assert_same_model(got: onnx.ModelProto, expected: onnx.ModelProto) -> None:
+    """Same graph and initializers; values equal up to float rounding (integer codes off by
+    at most one, where a scale's last bits moved a value across a rounding boundary)."""
+    assert got.graph.node == expected.graph.node
+    assert [t.name for t in got.graph.initializer] == [t.name for t in expected.graph.initializer]
+    for a, b in zip(got.graph.initializer, expected.graph.initializer):
+        x, y = onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b)
+        assert x.dtype == y.dtype and x.shape == y.shape, a.name
+        if np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=1e-5, err_msg=a.name)
+        else:
+            assert np.abs(x.astype(np.int64) - y.astype(np.int64)).max(initial=0) <= 1, a.name
+
+
+def test_weights_kept_in_files_calibrate_to_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large models keep their large weights in files while calibrated (onnxruntime maps them,
+    qcal reads one at a time): the same model calibrated that way, the size of "large"
+    lowered, gives the model calibrated in memory, written and returned. (Up to float rounding:
+    onnxruntime does not repack mapped weights, which changes its summation order.)"""
+    import tempfile
+
+    import qcal.passes._large as large
+    from qcal.config import CalibrationConfig
+    from qcal.pipeline import calibrate as run_calibration
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    model = conv_bn_mlp_with_external_weights(folder)
+
+    def run(name: str) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        out = tmp_path / name
+        out.mkdir()
+        result = run_calibration(
+            model, CalibrationConfig(), output=out / "q.onnx", report_path=out / "q.json"
+        )
+        assert (out / "q.onnx.data").is_file()
+        return onnx.load(out / "q.onnx"), result.model
+
+    in_memory = run("memory")
+    monkeypatch.setattr(large, "DETACH_MIN_BYTES", 1024)  # every tensor of 1 KiB is "large"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mapped: list[bool] = []
+    original = qcal.runtime._mapping_weights
+
+    def spy(model: onnx.ModelProto, *args: Any) -> bytes:
+        mapped.append(large.has_external_data(model))
+        return original(model, *args)
+
+    monkeypatch.setattr(qcal.runtime, "_mapping_weights", spy)
+    in_files = run("files")
+    assert mapped and all(mapped)  # every session of the second run mapped its weights
+    assert list(temp.iterdir()) == []  # the weights moved out of memory went with the run
+    assert not large.has_external_data(in_files[1])  # the caller gets the model whole
+    for got, expected in zip(in_files, in_memory):
+        assert_same_model(got, expected)
+
+
+def test_a_model_keeps_its_large_external_weights_in_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qcal.passes._large as large
+    from qcal.model import load_model
+
+    model = mlp_with_external_weights(tmp_path, [64, 128, 10])
+    monkeypatch.setattr(large, "DETACH_MIN_BYTES", 4 * 128 * 10 + 1)  # W0 is large, W1 not
+    loaded = load_model(model).model
+    w0, w1 = loaded.graph.initializer
+    assert large.is_external(w0) and not large.is_external(w1)
+    assert large.external_file(w0) == ((tmp_path / "weights.bin").resolve(), 0, 4 * 64 * 128)
+    full = onnx.load(model)
+    for stored, kept in zip(full.graph.initializer, loaded.graph.initializer):
+        expected = onnx.numpy_helper.to_array(stored)
+        np.testing.assert_array_equal(large.tensor_array(kept), expected)
+    x = np.random.default_rng(8).standard_normal((3, 64)).astype(np.float32)
+    mapped = qcal.runtime.create_session(loaded).run(None, {"x": x})[0]
+    whole = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(mapped, whole.run(None, {"x": x})[0])
+
+
 # ------------------------------------------------------------------------------- slow test
 
 
@@ -299,10 +415,10 @@ def test_a_model_over_2_gib_calibrates_with_memory_close_to_its_size(tmp_path: P
     x = np.load(folder / "d.npz")["x"][:1]
     assert np.isfinite(session.run(None, {"x": x})[0]).all()
     assert report["evaluation"]["outputs"][0]["sqnr_db"] > 25
-    # Memory: the float model once in Python and once in onnxruntime, plus int8 copies and
-    # working space; never several float copies.
+    # Memory: the float weights once (mapped from their file by onnxruntime; qcal reads one at
+    # a time), their int8 codes once (a quarter of that), and working space.
     print(f"peak RSS {peak_bytes / 2**30:.2f} GiB for {weights_bytes / 2**30:.2f} GiB of weights")
-    assert peak_bytes < 4 * weights_bytes
+    assert peak_bytes < 1.4 * weights_bytes
 
 
 def test_preparation_of_a_model_over_the_limit_works_on_a_copy_without_weights(

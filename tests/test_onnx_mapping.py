@@ -200,7 +200,7 @@ def test_exact_mappings_equal_onnxruntime(config: _Config, seed: int) -> None:
     reference = recipe.fake_quantize(x, qparams)
     codes = recipe.quantize(x, qparams, opset=config.opset)
     compare = ~_near_tie(x, onnx) if config.near_ties_differ else np.ones(x.shape, dtype=bool)
-    assert compare.mean() > 0.7  # the filter leaves most values in
+    assert compare.mean() > 0.5  # the filter leaves most values in (about 85 % expected)
     np.testing.assert_array_equal(y[compare], reference[compare])
     np.testing.assert_array_equal(q[compare], codes[compare])
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from _onnx_testing import build_model, float_input
 from onnx import helper
 
@@ -81,13 +82,14 @@ def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
     x = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
     quantized = _calibrate(model, tmp_path, x)
     ops = _optimized_ops(quantized, tmp_path)
-    # Only the Div and HardSigmoid (no integer kernels) stay float, one pair around each, and
-    # the last Conv, which writes the model's output in float from integer inputs.
+    # Only the HardSigmoid (no integer kernel) stays float, with one pair around it, and the
+    # last Conv, which writes the model's output in float from integer inputs. The Div by 6 is
+    # gone: folded into the scale of the DequantizeLinear that the next Mul reads.
     assert ops["QLinearConv"] == 2 and ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 3
-    assert not {"FusedConv", "Add", "Mul", "Clip", "Relu"} & set(ops), ops
-    assert ops["Div"] == 1 and ops["HardSigmoid"] == 1 and ops["Conv"] == 1
-    # Q: input, Div, HardSigmoid; DQ: Div, HardSigmoid, and the last Conv's three inputs.
-    assert ops["QuantizeLinear"] == 3 and ops["DequantizeLinear"] == 5, ops
+    assert not {"FusedConv", "Add", "Mul", "Clip", "Relu", "Div"} & set(ops), ops
+    assert ops["HardSigmoid"] == 1 and ops["Conv"] == 1
+    # Q: input, HardSigmoid; DQ: HardSigmoid, and the last Conv's three inputs.
+    assert ops["QuantizeLinear"] == 2 and ops["DequantizeLinear"] == 4, ops
     # The max pool runs on the integers: equal parameters on both sides, no pair around it.
     assert ops["MaxPool"] + ops["NhwcMaxPool"] == 1
     reference = _outputs(model, x[:4])
@@ -100,8 +102,11 @@ def test_plan_shares_parameters_across_data_movement() -> None:
     prepared, _ = prepare_model(_hard_swish_block(rng))
     plan = plan_quantization(prepared, SelectionRules())
     targets = {t.tensor: t for t in plan.activations}
-    assert targets["pooled"].same_as == "shifted"
-    assert all(t.same_as is None for name, t in targets.items() if name != "pooled")
+    assert targets["pooled"].same_as == "shifted" and targets["pooled"].divisor == 1.0
+    # The Div by 6 of hard-swish: its output takes the Mul's parameters, scale divided by 6.
+    assert targets["hs"].same_as == "m1" and targets["hs"].divisor == 6.0
+    shared = {"pooled", "hs"}
+    assert all(t.same_as is None for name, t in targets.items() if name not in shared)
     # Clip after Add is left to the QuantizeLinear: the tensor between them is not quantized.
     assert "a1" not in targets and "r6" in targets
     roles = {w.tensor: w.role for w in plan.weights}
@@ -152,3 +157,127 @@ def test_graph_outputs_stay_float(tmp_path: Path) -> None:
     producers = {o: n for n in quantized.graph.node for o in n.output}
     assert producers["y"].op_type == "Add"
     assert all(n.input[0] != "y" for n in quantized.graph.node if n.op_type == "QuantizeLinear")
+
+
+def _division_model(
+    rng: np.random.Generator, divisor: np.ndarray, outputs: tuple[str, ...] = ("y", "e")
+) -> onnx.ModelProto:
+    """conv -> Relu6 -> Div -> conv, and the quotient also read by an Erf (no integer kernel)."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1"),
+        helper.make_node("Clip", ["c1", "zero", "six"], ["r6"], name="relu6"),
+        helper.make_node("Div", ["r6", "divisor"], ["q"], name="div"),
+        helper.make_node("Conv", ["q", "w2", "b2"], ["y"], name="conv2"),
+        helper.make_node("Erf", ["q"], ["e"], name="erf"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((6, 3, 1, 1)).astype(np.float32),
+        "b1": rng.standard_normal(6).astype(np.float32),
+        "w2": rng.standard_normal((4, 6, 1, 1)).astype(np.float32),
+        "b2": rng.standard_normal(4).astype(np.float32),
+        "zero": np.array(0.0, np.float32),
+        "six": np.array(6.0, np.float32),
+        "divisor": divisor,
+    }
+    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], list(outputs), inits)
+
+
+def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    model = _division_model(rng, np.array([6.0], np.float32))
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+    quantized = result.model
+    # The Div is gone: both of its readers read a DequantizeLinear of the Clip's codes.
+    assert "Div" not in {n.op_type for n in quantized.graph.node}
+    producers = {o: n for n in quantized.graph.node for o in n.output}
+    readers = [n for n in quantized.graph.node if n.name in ("conv2", "erf")]
+    for reader in readers:
+        dequantize = producers[reader.input[0]]
+        assert dequantize.op_type == "DequantizeLinear"
+        assert producers[dequantize.input[0]].op_type == "QuantizeLinear"
+        assert producers[producers[dequantize.input[0]].input[0]].output[0] == "r6"
+    records = {t["name"]: t for t in result.report["tensors"] if t["role"] == "activation"}
+    assert records["q"]["range"]["same_as"] == "r6" and records["q"]["range"]["divided_by"] == 6
+    source_scale = records["r6"]["onnx"]["scale"][0]
+    assert records["q"]["onnx"]["scale"][0] == pytest.approx(source_scale / 6, rel=1e-6)
+    assert records["q"]["onnx"]["zero_point"] == records["r6"]["onnx"]["zero_point"]
+    # The conv computes what it computed with the Div left float and its output quantized
+    # (requantizing the quotient of codes with these parameters gives the same codes): the
+    # fold only removes work. The Erf now reads the quantized quotient, as float readers of
+    # integer kernels do: within half a step of it (Erf's slope is at most 2 / sqrt(pi)).
+    kept = calibrate(
+        tmp_path / "m.onnx",
+        CalibrationConfig(data=tmp_path / "calib.npz", exclude_op_types=("Div",)),
+    ).model
+    assert "Div" in {n.op_type for n in kept.graph.node}
+    (y, e), (y_kept, e_kept) = _all_outputs(quantized, x[:4]), _all_outputs(kept, x[:4])
+    assert np.abs(y - y_kept).max() <= 1e-4 * np.abs(y_kept).max()
+    step = records["q"]["onnx"]["scale"][0]
+    assert np.abs(e - e_kept).max() <= 1.13 * step / 2 + 1e-6
+    ops = _optimized_ops(quantized, tmp_path)
+    assert ops["QLinearConv"] == 1 and "Div" not in ops, ops
+
+
+def _all_outputs(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [np.asarray(v) for v in session.run(None, {"x": x})]
+
+
+@pytest.mark.parametrize(
+    ("divisor", "why"),
+    [
+        (np.array(-6.0, np.float32), "not a positive constant scalar"),
+        (np.array(0.0, np.float32), "not a positive constant scalar"),
+        (np.full((1, 6, 1, 1), 6.0, np.float32), "not a positive constant scalar"),
+    ],
+)
+def test_division_by_anything_else_is_not_quantized(divisor: np.ndarray, why: str) -> None:
+    prepared, _ = prepare_model(_division_model(np.random.default_rng(6), divisor))
+    plan = plan_quantization(prepared, SelectionRules())
+    decision = next(d for d in plan.nodes if d.node == "div")
+    assert not decision.quantized and why in decision.reason
+    assert all(t.divisor == 1.0 for t in plan.activations)
+
+
+def test_a_division_writing_a_graph_output_stays(tmp_path: Path) -> None:
+    """The quotient is a graph output: the Div stays for it, the conv reads the folded scale."""
+    rng = np.random.default_rng(7)
+    model = _division_model(rng, np.array(4.0, np.float32), outputs=("y", "e", "q"))
+    quantized = _calibrate(model, tmp_path, rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    producers = {o: n for n in quantized.graph.node for o in n.output}
+    assert producers["q"].op_type == "Div"
+    conv2 = next(n for n in quantized.graph.node if n.name == "conv2")
+    dequantize = producers[conv2.input[0]]
+    assert producers[dequantize.input[0]].input[0] == "r6"  # the Clip's codes
+
+
+def test_data_movement_with_float_readers_runs_on_the_integers(tmp_path: Path) -> None:
+    """conv -> Transpose (also read by an Erf) -> conv: onnxruntime runs the Transpose on the
+    integers, and the Erf reads the Transpose's DequantizeLinear, which holds the same values."""
+    rng = np.random.default_rng(8)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Transpose", ["c"], ["t"], name="transpose", perm=[0, 1, 3, 2]),
+        helper.make_node("Erf", ["t"], ["e"], name="erf"),
+        helper.make_node("Conv", ["t", "w2"], ["y"], name="conv2"),
+    ]
+    inits = {
+        "w": rng.standard_normal((4, 3, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((2, 4, 1, 1)).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y", "e"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    quantized = _calibrate(model, tmp_path, x)
+    erf = next(n for n in quantized.graph.node if n.name == "erf")
+    assert erf.input[0] != "t"  # reads the DequantizeLinear
+    ops = _optimized_ops(quantized, tmp_path)
+    # One QuantizeLinear (the input) and no pair around the Transpose: DequantizeLinear only
+    # of its integer output (onnxruntime gives each reader its own) and of the conv's weight.
+    assert ops["QuantizeLinear"] == 1 and ops["QLinearConv"] == 1, ops
+    assert ops["Transpose"] >= 1 and ops["DequantizeLinear"] == 3, ops
+    reference, got = _all_outputs(model, x[:4]), _all_outputs(quantized, x[:4])
+    for expected, actual in zip(reference, got):
+        assert np.abs(actual - expected).max() < 0.1 * np.abs(expected).max()

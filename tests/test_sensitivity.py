@@ -172,3 +172,73 @@ def test_sensitivity_in_the_report_and_held_out_data(tmp_path: Path) -> None:
     names = {t["tensor"] for t in held.report["sensitivity"]["tensors"]}
     read_quantized = {t["name"] for t in held.report["tensors"] if t["role"] != "bias" and t["consumers"]}
     assert names == read_quantized  # every tensor something reads through a Q/DQ pair
+
+
+def test_screening_measures_harmless_tensors_on_the_first_samples_only(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    full = measure_sensitivity(model, plan, acts, weights, batches(data)).by_tensor()
+    first = measure_sensitivity(model, plan, acts, weights, batches(data[:4])).by_tensor()
+    screened = measure_sensitivity(model, plan, acts, weights, batches(data), screen_samples=4,
+                                   screen_fraction=0.3)
+    assert screened.samples == len(data)
+    worst = max(s.harm for s in first.values())
+    kept = {s.tensor for s in screened.tensors if s.samples == len(data)}
+    dropped = {s.tensor for s in screened.tensors if s.samples == 4}
+    assert kept and dropped and kept | dropped == set(full)
+    for s in screened.tensors:
+        # Screening decides on the first 4 samples; what it keeps is measured on all of them.
+        assert (s.tensor in kept) == (first[s.tensor].harm >= 0.3 * worst), s.tensor
+        reference = full[s.tensor] if s.tensor in kept else first[s.tensor]
+        assert s.noise_ratio == pytest.approx(reference.noise_ratio, rel=1e-9, abs=1e-300)
+        assert s.local_sqnr_db == pytest.approx(full[s.tensor].local_sqnr_db, rel=1e-9)
+
+
+def softmax_net(seed: int = 0) -> onnx.ModelProto:
+    """x -> MatMul -> Add -> Softmax -> p: a classifier whose output is probabilities."""
+    rng = np.random.default_rng(seed)
+    inits = {"w": (3 * rng.standard_normal((8, 10))).astype(np.float32),
+             "b": rng.standard_normal(10).astype(np.float32)}
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "w"], ["m"], name="fc"), n("Add", ["m", "b"], ["logits"], name="bias"),
+             n("Softmax", ["logits"], ["p"], name="softmax", axis=-1)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])
+    return build_model(nodes, [x], ["p"], inits)
+
+
+def test_softmax_outputs_are_also_measured_on_their_logits(tmp_path: Path) -> None:
+    path = tmp_path / "cls.onnx"
+    model = softmax_net()
+    onnx.save(model, path)
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "cls.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
+    data = rng.standard_normal((12, 8)).astype(np.float32)
+    np.savez(tmp_path / "cls.eval.npz", x=data)
+    prepared, plan, acts, weights = _pieces(path)
+    result = measure_sensitivity(prepared, plan, acts, weights, batches(data))
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(prepared)
+    exposed.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10]))
+    p_ref, logits_ref = (a.astype(np.float64) for a in run(exposed, {"x": data}))
+    assert result.tensors
+    for s in result.tensors:
+        alone = dataclasses.replace(
+            plan, biases=(),
+            activations=tuple(a for a in plan.activations if a.tensor == s.tensor),
+            weights=tuple(w for w in plan.weights if w.tensor == s.tensor))
+        p, logits = (a.astype(np.float64) for a in
+                     run(InsertQDQ(alone, acts, weights)(exposed).model, {"x": data}))
+        expected = float(((logits_ref - logits) ** 2).sum() / (logits_ref**2).sum())
+        assert s.logit_noise_ratio == pytest.approx(expected, rel=1e-6), s.tensor
+        assert s.harm == s.logit_noise_ratio
+        assert s.noise_ratio == pytest.approx(
+            float(((p_ref - p) ** 2).sum() / (p_ref**2).sum()), rel=1e-6)
+    harms = [s.harm for s in result.tensors]
+    assert harms == sorted(harms, reverse=True)  # ranked by the logits
+
+
+def test_outputs_without_softmax_have_no_logit_figure(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    for s in measure_sensitivity(model, plan, acts, weights, batches(data)).tensors:
+        assert s.logit_noise_ratio is None and s.harm == s.noise_ratio

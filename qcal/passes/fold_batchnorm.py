@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from qcal.names import NameAllocator
 from qcal.passes._base import StepResult
 from qcal.passes._graph import DEFAULT_DOMAINS, UseIndex
+from qcal.passes._large import tensor_array
 
 __all__ = ["FoldBatchNorm"]
 
@@ -106,11 +107,11 @@ def _fold(
     def values(name: str) -> np.ndarray:
         tensor = index.constant(name)
         assert tensor is not None  # checked by _foldable_conv
-        return numpy_helper.to_array(tensor).astype(np.float64).reshape(-1)
+        return tensor_array(tensor).astype(np.float64).reshape(-1)
 
     weight_tensor = index.constant(conv.input[1])
     assert weight_tensor is not None
-    weight = numpy_helper.to_array(weight_tensor)
+    weight = tensor_array(weight_tensor)
     dtype = weight.dtype
     scale, shift, mean, var = (values(v) for v in bn.input[1:])
     epsilon = _float_attribute(bn, "epsilon", _DEFAULT_EPSILON)
