@@ -531,6 +531,11 @@ def test_rules_table_lists_every_rule() -> None:
         assert f"| {op_type} | {rule.summary} |" in table
 
 
+def test_readme_lists_the_current_rules() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert rules_table() in readme
+
+
 def test_every_rule_quantizes_what_onnx_defines_as_float() -> None:
     """A rule's quantized inputs must be positions the operator types as float (T), so an
     int64 shape or index input can never be listed by mistake."""
