@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ __all__ = [
     "FallbackStep",
     "rank_candidates",
     "restrict_plan",
+    "same_error_groups",
     "search_fallback",
 ]
 
@@ -94,17 +96,24 @@ class Candidate:
 
     sensitivity: TensorSensitivity
     compute_lost: float  # share of compute (0..1) that stops being integer without it
+    together: tuple[str, ...] = ()  # tensors carrying the same error, kept float with it
 
     @property
     def score(self) -> float:
         return self.sensitivity.harm / (self.compute_lost + _FREE_COST)
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return (self.sensitivity.tensor, *self.together)
+
     def reason(self) -> str:
         s = self.sensitivity
         sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
+        with_ = (f"; with {', '.join(repr(t) for t in self.together)} (the same error)"
+                 if self.together else "")
         return (
             f"kept float by the accuracy fallback: quantized alone, output SQNR {sqnr}; "
-            f"costs {100 * self.compute_lost:.2f} % of quantized compute"
+            f"costs {100 * self.compute_lost:.2f} % of quantized compute{with_}"
         )
 
 
@@ -158,18 +167,39 @@ def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
     A weight kept float takes the activations its node reads with it: given a quantized input
     and a float weight, onnxruntime quantizes the weight itself (its WeightBiasQuantization
     optimizer, per tensor), and a float input is only float for every reader (the QDQ writer
-    sends float readers of an integer kernel's output through the pair). Biases whose input or
-    weight goes float stay float. A node left with nothing to quantize is marked not quantized
-    with the reason; a node that still quantizes something gets the reason appended.
+    sends float readers of an integer kernel's output through the pair). Conversely, an
+    activation kept float takes the constant weight of a MatMul reading it: given a float input
+    and a dequantized constant weight, onnxruntime fuses them into MatMulNBits, which quantizes
+    the input on the fly (per block, its own error), so the input would not be float at all.
+    Biases whose input or weight goes float stay float. A node left with nothing to quantize is
+    marked not quantized with the reason; a node that still quantizes something gets the reason
+    appended.
     """
     if not keep_float:
         return plan
     keep = dict(keep_float)
-    float_nodes = {w.node: w.tensor for w in plan.weights if w.tensor in keep_float}
-    for a in plan.activations:
-        node = next((c for c in a.consumers if c in float_nodes), None)
-        if node is not None and a.tensor not in keep:
-            keep[a.tensor] = f"kept float with weight {float_nodes[node]!r} of {node!r}"
+    matmul_weights: dict[str, list[str]] = {}
+    ops = {d.node: d.op_type for d in plan.nodes}
+    for w in plan.weights:
+        if ops.get(w.node) == "MatMul":
+            matmul_weights.setdefault(w.node, []).append(w.tensor)
+    while True:  # each rule may feed the other (a weight's input read by another MatMul)
+        before = len(keep)
+        for a in plan.activations:
+            if a.tensor not in keep:
+                continue
+            for consumer in a.consumers:
+                for weight in matmul_weights.get(consumer, ()):
+                    keep.setdefault(weight, f"kept float with input {a.tensor!r} of MatMul "
+                                            f"{consumer!r} (a float input would be quantized "
+                                            "on the fly by onnxruntime's MatMulNBits)")
+        float_nodes = {w.node: w.tensor for w in plan.weights if w.tensor in keep}
+        for a in plan.activations:
+            node = next((c for c in a.consumers if c in float_nodes), None)
+            if node is not None and a.tensor not in keep:
+                keep[a.tensor] = f"kept float with weight {float_nodes[node]!r} of {node!r}"
+        if len(keep) == before:
+            break
     activations = tuple(a for a in plan.activations if a.tensor not in keep)
     weights = tuple(w for w in plan.weights if w.tensor not in keep and w.node not in float_nodes)
     reads = {(a.tensor, c) for a in activations for c in a.consumers}
@@ -208,16 +238,72 @@ def rank_candidates(
     sensitivity: SensitivityResult,
     macs: Mapping[str, int | None],
 ) -> list[Candidate]:
-    """Tensors whose quantization alone changes the outputs, best to keep float first."""
+    """Tensors whose quantization alone changes the outputs, best to keep float first.
+
+    Tensors that carry one quantization error are one candidate (`same_error_groups`), named by
+    its most harmful member.
+    """
     full = measure_coverage(model, plan, macs).fraction
+    harmful = [s for s in sensitivity.tensors if s.harm > 0.0]
+    groups = same_error_groups(model, harmful)
     found = []
-    for s in sensitivity.tensors:
-        if s.harm <= 0.0:
-            continue
-        without = measure_coverage(model, restrict_plan(plan, {s.tensor: "-"}), macs).fraction
-        found.append(Candidate(s, max(0.0, full - without)))
+    for s in harmful:
+        members = groups.get(s.tensor, [s.tensor])
+        if members[0] != s.tensor:
+            continue  # a group is listed once, under its first (most harmful) member
+        keep = dict.fromkeys(members, "-")
+        without = measure_coverage(model, restrict_plan(plan, keep), macs).fraction
+        found.append(Candidate(s, max(0.0, full - without), tuple(members[1:])))
     found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
     return found
+
+
+# Harms this close count as one error (they agree to 5 or more digits when they are one).
+_SAME_ERROR_TOLERANCE = 1e-3
+
+
+def same_error_groups(
+    model: onnx.ModelProto, sensitivities: Sequence[TensorSensitivity]
+) -> dict[str, list[str]]:
+    """Activations that carry one quantization error: tensor -> its group, most harmful first.
+
+    A tensor computed from another by one node with no other variable input (a scale or shift
+    by a constant, a reshape, a transpose) and quantized on the matching grid re-quantizes
+    values that are already on it: quantizing either alone has the same effect on the outputs,
+    and keeping either float alone changes nothing while the other is quantized. Such pairs
+    (linked by one node, harms equal to `_SAME_ERROR_TOLERANCE`) are joined, transitively.
+    Only tensors in groups of two or more appear.
+    """
+    harm = {s.tensor: s.harm for s in sensitivities if s.role == "activation"}
+    order = {s.tensor: i for i, s in enumerate(sensitivities)}
+    constants = {t.name for t in model.graph.initializer}
+    parent = {t: t for t in harm}
+
+    def root(t: str) -> str:
+        while parent[t] != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    for node in model.graph.node:
+        variable = [t for t in node.input if t and t not in constants]
+        if len(variable) != 1 or variable[0] not in harm:
+            continue
+        source = variable[0]
+        for out in node.output:
+            if out in harm and math.isclose(harm[out], harm[source],
+                                            rel_tol=_SAME_ERROR_TOLERANCE):
+                parent[root(out)] = root(source)
+    members: dict[str, list[str]] = {}
+    for t in harm:
+        members.setdefault(root(t), []).append(t)
+    groups: dict[str, list[str]] = {}
+    for group in members.values():
+        if len(group) > 1:
+            group.sort(key=lambda t: (-harm[t], order[t]))
+            for t in group:
+                groups[t] = group
+    return groups
 
 
 def search_fallback(
@@ -247,7 +333,7 @@ def search_fallback(
     models: dict[int, tuple[QuantPlan, onnx.ModelProto]] = {}
 
     def plan_for(k: int) -> QuantPlan:
-        return restrict_plan(plan, {c.sensitivity.tensor: c.reason() for c in candidates[:k]})
+        return restrict_plan(plan, {t: c.reason() for c in candidates[:k] for t in c.tensors})
 
     def check(k: int) -> FallbackStep:
         if k not in checked:

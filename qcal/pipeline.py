@@ -541,7 +541,8 @@ def _improve_accuracy(
         sensitivity = measure_sensitivity(
             model, plan, act_params, weights,
             data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
-            screen_samples=screen, providers=config.providers, threads=config.threads,
+            screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
+            threads=config.threads,
             on_batch=_stage_progress(progress, "sensitivity", count),
         )
     if not config.has_fallback_target:
@@ -565,11 +566,13 @@ def _improve_accuracy(
 # Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few
 # samples (as many of 4 as keep that under 256 runs, at least 1); those that matter
 # (`qcal.sensitivity.SCREEN_FRACTION`, typically a few dozen) are measured on all the
-# sensitivity samples, 16 by default: the figures the fallback ranks by rest on many samples,
-# and a model of hundreds of tensors costs a few hundred runs instead of thousands.
+# sensitivity samples, 16 by default, within 1024 more runs: the figures the fallback ranks by
+# rest on many samples, and a model of hundreds of tensors costs at most its tensor count plus
+# 1024 runs instead of tensors x samples.
 _SENSITIVITY_SAMPLES = 16
 _SCREEN_SAMPLES = 4
 _SCREEN_RUNS = 256
+_REFINE_RUNS = 1024
 
 
 def _sensitivity_samples(

@@ -268,6 +268,7 @@ def fallback_json(fallback: FallbackResult) -> dict[str, Any]:
             {
                 **c.sensitivity.to_json(),
                 "compute_lost_fraction": float(f"{c.compute_lost:.6g}"),
+                "kept_with": list(c.together),
                 "reason": c.reason(),
             }
             for c in fallback.kept

@@ -14,8 +14,10 @@ not change any decision (the fallback ranks by harm, largest first). So every te
 on the first ``screen_samples`` samples only; the tensors whose harm there is at least
 ``screen_fraction`` of the worst tensor's (and not negligible, below -60 dB) are measured on the
 remaining samples too, with a switch model rebuilt for them alone (fewer ``If`` nodes, so each
-run costs about one float inference). Each tensor's ``samples`` says what it was measured on.
-Local SQNR is always measured on every sample (one run per batch for all tensors together).
+run costs about one float inference), until ``refine_runs`` runs are spent (a model whose harm
+is spread over many tensors measures them on fewer samples instead of costing more). Each
+tensor's ``samples`` says what it was measured on. Local SQNR is always measured on every sample
+(one run per batch for all tensors together).
 
 Per tensor, with x the float outputs and y the outputs with only that tensor quantized:
 
@@ -137,6 +139,7 @@ def measure_sensitivity(
     *,
     screen_samples: int | None = None,
     screen_fraction: float = SCREEN_FRACTION,
+    refine_runs: int | None = None,
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
@@ -152,6 +155,8 @@ def measure_sensitivity(
         screen_samples: measure every tensor on this many samples only (at least; whole
             batches), the relevant ones on all (module docstring); None: every tensor on all.
         screen_fraction: relevance threshold of screening, a fraction of the worst harm.
+        refine_runs: after screening, at most about this many runs (whole batches) for the
+            relevant tensors; None: all samples.
         providers, threads: onnxruntime settings.
         on_batch: called with the number of samples after each batch.
 
@@ -172,6 +177,7 @@ def measure_sensitivity(
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
     active = list(range(len(units)))  # unit indices still run; position = selector value
+    refine_until: int | None = None  # samples after which the relevant tensors stop
     samples = 0
     for feed, n in batches:
         values = _run(probe, outputs + probes, feed)
@@ -192,8 +198,13 @@ def measure_sensitivity(
         samples += n
         if on_batch is not None:
             on_batch(n)
+        if refine_until is not None and samples >= refine_until and active:
+            logger.info("sensitivity: refinement budget spent after %d samples", samples)
+            active, switch = [], None
         if screen_samples is not None and samples >= screen_samples and len(active) == len(units):
             relevant = _relevant(units, noise, screen_fraction)
+            if refine_runs is not None:
+                refine_until = samples + refine_runs // max(len(relevant), 1)
             if len(relevant) < len(active):
                 logger.info("sensitivity: %d of %d tensors relevant after %d samples",
                             len(relevant), len(units), samples)

@@ -395,3 +395,115 @@ def test_restrict_plan_drops_dependent_biases_and_says_why() -> None:
 
 def test_coverage_of_an_empty_model_is_complete() -> None:
     assert Coverage("macs", 0, 0, 0, 0).fraction == 1.0
+
+
+# ------------------------------------------------------------------------- one error, one candidate
+
+
+def _scaled_net() -> onnx.ModelProto:
+    """x -> MatMul -> h -> Mul(2.5) -> s -> MatMul -> y: s is h on a grid 2.5 times as wide."""
+    rng = np.random.default_rng(11)
+    inits = {"w1": rng.standard_normal((8, 16)).astype(np.float32),
+             "c": np.array(2.5, np.float32),
+             "w2": (rng.standard_normal((16, 4)) / 4).astype(np.float32)}
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "w1"], ["h"], name="fc1"), n("Mul", ["h", "c"], ["s"], name="scale"),
+             n("MatMul", ["s", "w2"], ["y"], name="fc2")]
+    return build_model(nodes, [float_input("x", ["N", 8])], ["y"], inits)
+
+
+def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> None:
+    from qcal import pipeline
+    from qcal.fallback import rank_candidates
+    from qcal.qdq import InsertQDQ
+
+    path = tmp_path / "scaled.onnx"
+    onnx.save(_scaled_net(), path)
+    rng = np.random.default_rng(12)
+    np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
+    data = rng.standard_normal((16, 8)).astype(np.float32)
+    np.savez(tmp_path / "scaled.eval.npz", x=data)
+    captured: dict[str, Any] = {}
+    original = pipeline.measure_sensitivity
+
+    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
+        captured["result"] = original(model, plan, acts, weights, batches, **kwargs)
+        captured.update(model=model, plan=plan, acts=acts, weights=weights)
+        return captured["result"]
+
+    pipeline.measure_sensitivity = capture
+    try:
+        calibrate(path, CalibrationConfig(sensitivity=True))
+    finally:
+        pipeline.measure_sensitivity = original
+    model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
+    by_tensor = captured["result"].by_tensor()
+    assert by_tensor["h"].harm > 0 and by_tensor["s"].harm == pytest.approx(by_tensor["h"].harm,
+                                                                              rel=1e-4)
+
+    def output(keep: dict[str, str]) -> np.ndarray:
+        import onnxruntime as ort
+
+        alone = dataclasses.replace(
+            plan, activations=tuple(a for a in plan.activations if a.tensor not in keep))
+        quantized = InsertQDQ(alone, acts, weights)(model).model
+        options = ort.SessionOptions()
+        # The Q/DQ arithmetic as written (onnxruntime's fusions would quantize a float MatMul
+        # input on the fly, a different error).
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(quantized.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        return np.asarray(session.run(None, {"x": data})[0])
+
+    # Why they go together: either one float alone leaves the error of the other.
+    both = output({})
+    np.testing.assert_allclose(output({"s": "-"}), both, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(output({"h": "-"}), both, rtol=1e-5, atol=1e-6)
+    candidates = rank_candidates(model, plan, captured["result"], compute_macs(model, None))
+    grouped = [c for c in candidates if {"h", "s"} & set(c.tensors)]
+    assert len(grouped) == 1 and set(grouped[0].tensors) == {"h", "s"}
+    assert "the same error" in grouped[0].reason()
+
+
+def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from qcal.qdq import InsertQDQ
+
+    path = tmp_path / "scaled.onnx"
+    onnx.save(_scaled_net(), path)
+    rng = np.random.default_rng(13)
+    np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
+    from qcal import pipeline
+
+    captured: dict[str, Any] = {}
+    original = pipeline.measure_sensitivity
+
+    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
+        captured.update(model=model, plan=plan, acts=acts, weights=weights)
+        return original(model, plan, acts, weights, batches, **kwargs)
+
+    pipeline.measure_sensitivity = capture
+    try:
+        calibrate(path, CalibrationConfig(sensitivity=True))
+    finally:
+        pipeline.measure_sensitivity = original
+    model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
+
+    def optimized_ops(p: Any) -> set[str]:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(InsertQDQ(p, acts, weights)(model).model.SerializeToString(),
+                             options, providers=["CPUExecutionProvider"])
+        return {n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node}
+
+    # Why: a float input next to a dequantized constant weight is quantized on the fly.
+    input_only = dataclasses.replace(
+        plan, activations=tuple(a for a in plan.activations if a.tensor != "s"))
+    assert "MatMulNBits" in optimized_ops(input_only)
+    restricted = restrict_plan(plan, {"s": "test"})
+    assert "w2" not in {w.tensor for w in restricted.weights}
+    assert "w1" in {w.tensor for w in restricted.weights}
+    fc2 = next(d for d in restricted.nodes if d.node == "fc2")
+    assert not fc2.quantized and "MatMulNBits" in fc2.reason
+    assert "MatMulNBits" not in optimized_ops(restricted)

@@ -242,3 +242,25 @@ def test_outputs_without_softmax_have_no_logit_figure(calibrated: tuple) -> None
     model, plan, acts, weights = _pieces(path)
     for s in measure_sensitivity(model, plan, acts, weights, batches(data)).tensors:
         assert s.logit_noise_ratio is None and s.harm == s.noise_ratio
+
+
+def test_refinement_stops_when_its_run_budget_is_spent(calibrated: tuple) -> None:
+    path, data, _ = calibrated
+    model, plan, acts, weights = _pieces(path)
+    from qcal import sensitivity
+
+    full = measure_sensitivity(model, plan, acts, weights, batches(data)).by_tensor()
+    first8 = measure_sensitivity(model, plan, acts, weights, batches(data[:8])).by_tensor()
+    relevant = {s.tensor for s in measure_sensitivity(
+        model, plan, acts, weights, batches(data[:4])).tensors
+        if s.harm >= sensitivity._NEGLIGIBLE}
+    assert relevant
+    # Screened on the first batch of 4; the budget pays for one more batch of the relevant ones.
+    capped = measure_sensitivity(model, plan, acts, weights, batches(data), screen_samples=4,
+                                 screen_fraction=0.0, refine_runs=4 * len(relevant))
+    assert capped.samples == len(data)
+    for s in capped.tensors:
+        assert s.samples == (8 if s.tensor in relevant else 4), s.tensor
+        if s.tensor in relevant:
+            assert s.noise_ratio == pytest.approx(first8[s.tensor].noise_ratio, rel=1e-9)
+        assert s.local_sqnr_db == pytest.approx(full[s.tensor].local_sqnr_db, rel=1e-9)
