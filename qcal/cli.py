@@ -298,8 +298,8 @@ _existing = click.Path(exists=False, path_type=Path)
               help="Keep known accuracy traps in float (normalization statistics, ...; see README).")
 @click.option("--sensitivity", is_flag=True, help="Measure every quantized tensor's effect alone.")
 @click.option("--sensitivity-samples", type=int, metavar="N",
-              help="Evaluation samples the sensitivity runs on [default: 32, fewer on large "
-                   "models: at most 2048 runs, at least 2 samples].")
+              help="Evaluation samples the sensitivity runs on [default: 16; every tensor is "
+                   "screened on up to 4 first, harmless ones stop there].")
 @click.option("--target-sqnr", type=float, metavar="DB",
               help="Keep harmful tensors in float until every output's SQNR is at least DB.")
 @click.option("--max-agreement-drop", type=float, metavar="PCT",
