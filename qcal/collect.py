@@ -24,7 +24,7 @@ import onnx
 from qcal.data import find_nonfinite
 from qcal.errors import DataError, ModelError, QcalError
 from qcal.histogram import HistogramObserver
-from qcal.observers import Observer, PerChannel, PerTensor
+from qcal.observers import Observer, PerChannel, PerTensor, PerTensorExtremesFeed
 from qcal.passes._graph import element_types
 from qcal.passes._large import (
     DETACH_MIN_BYTES,
@@ -36,7 +36,8 @@ from qcal.passes.expose_subgraph_tensors import expose_subgraph_tensors
 from qcal.passes.reduce_min_max import (
     MinMaxLayout,
     add_min_max_outputs,
-    read_min_max,
+    read_per_channel,
+    read_per_tensor,
     value_ranks,
 )
 from qcal.runtime import create_session
@@ -127,18 +128,67 @@ def _needs_arrays(observer: Observer) -> bool:
 Extremes = dict[str, tuple[Any, Any] | tuple[None, None]]
 
 
+@dataclass(frozen=True)
+class _ReducedBatch:
+    """One batch's in-graph extremes, as :class:`_ReducedFeed` hands them to the worker."""
+
+    lows: np.ndarray  # per-tensor values fed together
+    highs: np.ndarray
+    present: np.ndarray
+    channels: list[tuple[str, Any, Any]]  # per-channel (value, min, max); None, None: empty
+
+
+class _ReducedFeed:
+    """Feeds the in-graph extremes of each batch to their min-max observers.
+
+    Per-tensor values go to their observers together as arrays (a few array operations per
+    batch instead of a few calls per tensor), per-channel values one by one after them.
+    """
+
+    def __init__(
+        self, observers: Mapping[str, tuple[str, Observer]], reduced: MinMaxLayout
+    ) -> None:
+        self.reduced = reduced
+        values = reduced.per_tensor_values
+        fed = [i for i, v in enumerate(values) if not _needs_arrays(observers[v][1])]
+        self.fed = np.array(fed, dtype=np.int64)
+        self.feed = PerTensorExtremesFeed(
+            [observers[values[i]][1] for i in fed], [observers[values[i]][0] for i in fed]
+        )
+        # Per-tensor histograms take the extremes with their whole arrays.
+        self.extremes_of = [
+            (i, v) for i, v in enumerate(values) if _takes_extremes(observers[v][1])
+        ]
+
+    def read(self, arrays: Mapping[str, np.ndarray]) -> tuple[_ReducedBatch, Extremes]:
+        """One batch's extremes: what :meth:`update` takes, and the whole arrays' extremes."""
+        per_tensor = read_per_tensor(self.reduced, arrays)
+        fed = self.fed
+        batch = _ReducedBatch(
+            per_tensor.lows[fed], per_tensor.highs[fed], ~per_tensor.empty[fed],
+            list(read_per_channel(self.reduced, arrays)),
+        )
+        empty = per_tensor.empty
+        extremes: Extremes = {
+            value: (per_tensor.lows[i], per_tensor.highs[i]) for i, value in self.extremes_of
+            if not empty[i]
+        }
+        return batch, extremes
+
+
 def _update_reduced(
-    observers: Mapping[str, tuple[str, Observer]], reduced: MinMaxLayout, extremes: Extremes
+    observers: Mapping[str, tuple[str, Observer]], feed: _ReducedFeed, batch: _ReducedBatch
 ) -> None:
     """Feed the in-graph extremes of one batch to their min-max observers."""
-    for value, (lo, hi) in extremes.items():
+    feed.feed.update(batch.lows, batch.highs, batch.present)
+    for value, lo, hi in batch.channels:
         if lo is None or hi is None:
             continue  # no values in this batch, as for whole arrays below
         tensor, observer = observers[value]
         if _needs_arrays(observer):
             continue  # fed with the whole array
         try:
-            observer.update_min_max(lo, hi, reduced.axes[value])  # type: ignore[attr-defined]
+            observer.update_min_max(lo, hi, feed.reduced.axes[value])  # type: ignore[attr-defined]
         except QcalError as err:
             raise type(err)(f"tensor {tensor!r}: {err}") from None
 
@@ -219,6 +269,7 @@ def collect(
     )
     del calibration_model
     output_names = reduced.output_names + whole
+    statistics = _ReducedFeed(by_output, reduced)
     samples = batch_count = 0
     # The batch being observed, with its feed and first sample (to name bad inputs on failure).
     pending: tuple[list[Future[None]], Feed, int, int] | None = None
@@ -228,11 +279,8 @@ def collect(
                 arrays = _run(session, output_names, feed, samples, n)
                 if pending is not None:
                     _wait(*pending)  # keeps at most two batches of activations alive
-                extremes: Extremes = {
-                    value: (lo, hi) for value, lo, hi in
-                    read_min_max(reduced, dict(zip(output_names, arrays)))
-                }
-                futures = [pool.submit(_update_reduced, by_output, reduced, extremes)]
+                batch, extremes = statistics.read(dict(zip(output_names, arrays)))
+                futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
                 futures += [
                     pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
                     for share in _whole_tensor_shares(by_output, set(whole), output_names, arrays)
@@ -245,6 +293,7 @@ def collect(
                     on_batch(n)
             if pending is not None:
                 _wait(*pending)
+            statistics.feed.close()
         except BaseException:
             if pending is not None:
                 for future in pending[0]:

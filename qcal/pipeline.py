@@ -11,8 +11,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,8 @@ from qcal.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.errors import ConfigError, DataError, EmptyStatisticsError
 from qcal.evaluate import Comparison, compare_models
 from qcal.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
-from qcal.gates import GateResult, check_gates, raise_for_failed
 from qcal.files import check_output_path, write_atomic
-from qcal.model_file import data_path, needs_external_data, stage_model
+from qcal.gates import GateResult, check_gates, raise_for_failed
 from qcal.model import (
     ActivationTarget,
     LoadedModel,
@@ -41,6 +40,7 @@ from qcal.model import (
     plan_quantization,
     prepare_model,
 )
+from qcal.model_file import data_path, needs_external_data, stage_model
 from qcal.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.onnx_mapping import OnnxQParams
 from qcal.passes._graph import all_graphs

@@ -29,7 +29,7 @@ from qcal.observers import (
     PerChannel,
     PerTensor,
 )
-from qcal.passes.reduce_min_max import add_min_max_outputs
+from qcal.passes.reduce_min_max import add_min_max_outputs, read_per_tensor
 from qcal.pipeline import plan_model
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
@@ -159,6 +159,40 @@ def test_derived_extremes_skip_the_reductions() -> None:
     assert reduced == {"x", "reciprocal", "squared", "zeroed"}
     reductions = [n for n in rewritten.graph.node if n.op_type.startswith("Reduce")]
     assert len(reductions) == 3 * len(reduced)
+
+
+def test_derivations_on_arrays_equal_them_number_by_number() -> None:
+    """All values of a layout at once give each rule's own float32 result, bit for bit."""
+    model = _monotone_chain()
+    _, layout = add_min_max_outputs(model, dict.fromkeys(OBSERVED))
+    assert layout.derived  # chained rules of every kind, an unobserved one in the middle
+    rng = np.random.default_rng(3)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38, 2.0, -5.0], np.float32)
+    for _ in range(40):
+        arrays = {}
+        for name, covered in layout.stacks:
+            stats = rng.choice(specials, (len(covered), 3)).astype(np.float32)
+            stats[rng.random(len(covered)) < 0.2, :2] = [np.inf, -np.inf]  # empty
+            arrays[name] = stats.reshape(-1)
+        found = read_per_tensor(layout, arrays)
+        expected: dict[str, tuple[np.float32, np.float32] | None] = {}
+        for name, covered in layout.stacks:
+            for value, (lo, hi, square) in zip(covered, arrays[name].reshape(-1, 3)):
+                nan = np.float32(np.nan)
+                expected[value] = None if lo > hi else (nan, nan) if np.isnan(square) else (lo, hi)
+        for rule in layout.derived:
+            source = expected[rule.source]
+            if source is None:
+                expected[rule.value] = None
+                continue
+            lo, hi = rule.apply(source[0]), rule.apply(source[1])
+            expected[rule.value] = (hi, lo) if rule.decreasing else (lo, hi)
+        assert found.values == tuple(v for v in expected if v in layout.axes)
+        for value, lo, hi, empty in zip(found.values, found.lows, found.highs, found.empty):
+            want = expected[value]
+            assert empty == (want is None), value
+            if want is not None:
+                assert lo.tobytes() == want[0].tobytes() and hi.tobytes() == want[1].tobytes()
 
 
 def _chain_batches(rng: np.random.Generator) -> list[Feed]:

@@ -335,6 +335,25 @@ def test_entropy_search_matches_a_loop_reference(
     assert fast[best_fast] == pytest.approx(slow.min(), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("bins", "levels", "seed"),
+    [(2048, 128, 0), (2048, 128, 1), (300, 128, 2), (257, 16, 3), (1000, 100, 4), (64, 2, 5),
+     (4096, 8, 6)],
+)
+def test_entropy_group_table_changes_no_bit(bins: int, levels: int, seed: int) -> None:
+    # Terms shared between candidates are looked up, not recomputed: the same float64 numbers.
+    rng = np.random.default_rng(seed)
+    integer = np.floor(rng.exponential(40.0, bins) * (rng.random(bins) < 0.6))
+    fractional = rng.random(bins) * (rng.random(bins) < 0.2)
+    sparse = np.zeros(bins)
+    sparse[rng.integers(0, bins, 3)] = rng.integers(1, 5, 3)
+    for counts in (integer, fractional, sparse, np.zeros(bins)):
+        for eps in (1e-4, 0.0):
+            shared = entropy_divergences(counts, levels, smoothing=eps)
+            direct = entropy_divergences(counts, levels, smoothing=eps, table=False)
+            np.testing.assert_array_equal(shared.view(np.int64), direct.view(np.int64))
+
+
 def test_entropy_divergences_by_hand() -> None:
     # b = [2, 1, 0, 1], 2 levels. i=2: P=[2,2], Q=[2,1]: .5 ln(.5/(2/3)) + .5 ln(.5/(1/3)).
     # i=3: groups {0,1}, {2}: P=[2,1,1], Q=[1.5,1.5,0]; i=4: groups {0,1}, {2,3}:

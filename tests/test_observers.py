@@ -21,6 +21,7 @@ from qcal.observers import (
     OneFlowMovingAverageObserver,
     PerChannel,
     PerTensor,
+    PerTensorExtremesFeed,
     observer_from_dict,
     reduce_min_max,
 )
@@ -354,3 +355,89 @@ def test_stats_validate_shapes() -> None:
         MinMaxStats(np.zeros(3), np.zeros(2))
     stats = MinMaxStats(np.array([1, 2]), np.array([3, 4]), 0)
     assert stats.min.dtype == np.float32 and stats.is_per_channel
+
+
+# ---------------------------------------------------------------------------------------------
+# PerTensorExtremesFeed
+
+
+def _feed_observers(lenient: bool) -> list[Observer]:
+    """Every per-tensor range observer in an irregular order; `lenient`: NaN and infinities
+    reach the statistics, else some observers refuse them."""
+    propagate = DataPolicy("ignore", "propagate", "propagate")
+    strict = propagate if lenient else None
+    return [
+        MinMaxObserver(policy=strict),
+        MovingAverageMinMaxObserver(averaging_constant=0.3, policy=strict),
+        MinMaxObserver(policy=propagate),
+        MindSporeObserver(ema=True, ema_decay=0.9, policy=strict),
+        MovingAverageMinMaxObserver(averaging_constant=0.01, policy=propagate),
+        OneFlowMovingAverageObserver(momentum=0.8, symmetric=False, policy=propagate),
+        MinMaxObserver(policy=propagate if lenient else DataPolicy("ignore", "reject", "reject")),
+        FixedRangeObserver(-1.0, 2.0),
+    ]
+
+
+def _extremes_batches(rng: np.random.Generator, n: int, count: int) -> list[tuple[np.ndarray, ...]]:
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45], np.float32)
+    batches = []
+    for _ in range(count):
+        a = rng.standard_normal(n).astype(np.float32) * 10
+        b = rng.standard_normal(n).astype(np.float32) * 10
+        lows, highs = np.minimum(a, b), np.maximum(a, b)
+        special = rng.random(n) < 0.1
+        lows[special] = rng.choice(specials, int(special.sum()))
+        special = rng.random(n) < 0.1
+        highs[special] = rng.choice(specials, int(special.sum()))
+        batches.append((lows, highs, rng.random(n) > 0.2))
+    return batches
+
+
+def _update_one_by_one(
+    observers: list[Observer], names: list[str], batch: tuple[np.ndarray, ...]
+) -> None:
+    lows, highs, present = batch
+    for name, observer, lo, hi, here in zip(names, observers, lows, highs, present):
+        if here:
+            try:
+                observer.update_min_max(lo, hi)  # type: ignore[attr-defined]
+            except DataError as err:
+                raise DataError(f"tensor {name!r}: {err}") from None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extremes_feed_equals_updating_each_observer(seed: int) -> None:
+    """Same states bit for bit (signed zeros, NaN, infinities, overflow, empty batches)."""
+    rng = np.random.default_rng(seed)
+    fed, reference = _feed_observers(lenient=True), _feed_observers(lenient=True)
+    names = [f"t{i}" for i in range(len(fed))]
+    for observers in (fed, reference):  # a state the feed takes over
+        observers[1].update_min_max(np.float32(-3.0), np.float32(4.0))  # type: ignore[attr-defined]
+    feed = PerTensorExtremesFeed(fed, names)
+    for batch in _extremes_batches(rng, len(names), 12):
+        _update_one_by_one(reference, names, batch)
+        feed.update(*batch)
+    feed.close()
+    for name, got, want in zip(names, fed, reference):
+        assert got.to_dict() == want.to_dict(), name
+        assert type(got._min) is type(want._min), name  # type: ignore[attr-defined]
+        for a, b in ((got.state().min, want.state().min), (got.state().max, want.state().max)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extremes_feed_names_the_first_refusing_tensor(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    fed, reference = _feed_observers(lenient=False), _feed_observers(lenient=False)
+    names = [f"t{i}" for i in range(len(fed))]
+    feed = PerTensorExtremesFeed(fed, names)
+    for batch in _extremes_batches(rng, len(names), 40):
+        try:
+            _update_one_by_one(reference, names, batch)
+        except DataError as err:
+            with pytest.raises(DataError) as raised:
+                feed.update(*batch)
+            assert str(raised.value) == str(err)
+            return
+        feed.update(*batch)
+    pytest.fail("no batch was refused")

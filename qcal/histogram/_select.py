@@ -208,7 +208,11 @@ def entropy_range(
 
 
 def entropy_divergences(
-    counts: np.ndarray, quantized_bins: int = 128, *, smoothing: float = KL_SMOOTHING
+    counts: np.ndarray,
+    quantized_bins: int = 128,
+    *,
+    smoothing: float = KL_SMOOTHING,
+    table: bool = True,
 ) -> np.ndarray:
     """KL(P_i || Q_i) for every candidate ``i = quantized_bins .. len(counts)``.
 
@@ -228,12 +232,15 @@ def entropy_divergences(
       +inf also where ``p_j > 0 = q_j`` (outliers piled on an empty last bin).
 
     Vectorized: all candidates at once from prefix sums of ``b``, ``b log b`` and of empty
-    bins (in chunks that bound memory).
+    bins (in chunks that bound memory); each group's term is computed once for all the
+    candidates that share the group (see :class:`_GroupTable`).
 
     Args:
         counts: non-negative float bin counts, ``len(counts) >= quantized_bins``.
         quantized_bins: number of quantization levels of the candidate Q.
         smoothing: counts put on empty bins.
+        table: share the group terms between candidates; False computes them per candidate
+            (the same numbers, more slowly; kept for checking the table).
 
     Returns:
         float64 array of ``len(counts) - quantized_bins + 1`` divergences.
@@ -252,11 +259,12 @@ def entropy_divergences(
         smoothing=float(smoothing),
     )
     candidates = np.arange(quantized_bins, b.size + 1)
+    groups = _GroupTable.build(prefix, quantized_bins) if table else None
     out = np.empty(candidates.size, dtype=np.float64)
     step = max(1, _KL_CHUNK_ELEMENTS // (quantized_bins + 1))
     for first in range(0, candidates.size, step):
         chunk = candidates[first : first + step]
-        out[first : first + step] = _kl_chunk(prefix, chunk, quantized_bins)
+        out[first : first + step] = _kl_chunk(prefix, chunk, quantized_bins, groups)
     return out
 
 
@@ -269,33 +277,91 @@ class _Prefix:
     smoothing: float
 
 
-def _kl_chunk(prefix: _Prefix, ends: np.ndarray, levels: int) -> np.ndarray:
-    """KL for candidates ``ends`` (each i): closed forms over prefix sums, no loop over bins."""
+@dataclass(frozen=True)
+class _GroupTable:
+    """Per-group terms of :func:`_kl_chunk` for every group a candidate can have.
+
+    The group of bins ``[s, s + w)`` has the same level ``S/N`` and term ``S log(S/N)`` in every
+    candidate it belongs to, and a candidate ``i`` only has groups of width ``floor(i/levels)``
+    or ``ceil(i/levels)``: the (start, width) pairs number ``(B + 1) * (B // levels + 2)``,
+    about 7x fewer than the groups of all candidates (``(B - levels + 1) * levels``), so each
+    logarithm is taken once and the candidates look their terms up. Entry ``s * stride + w``;
+    the values are those :func:`_kl_chunk` computes per candidate, operation for operation.
+    """
+
+    stride: int
+    level: np.ndarray  # S/N (1.0 for a group without non-empty bins)
+    log_level: np.ndarray
+    term: np.ndarray  # S * log(S/N)
+
+    @classmethod
+    def build(cls, prefix: _Prefix, levels: int) -> _GroupTable | None:
+        bins = prefix.b.size
+        stride = bins // levels + 2  # widths 0 .. ceil(bins / levels)
+        if (bins + 1) * stride * 4 > (bins - levels + 1) * levels:
+            return None  # few candidates for many bins: not worth a table
+        starts = np.arange(bins + 1)[:, None]
+        ends = np.minimum(starts + np.arange(stride)[None, :], bins)
+        group_sum = prefix.total[ends] - prefix.total[starts]
+        group_nonzero = prefix.nonzero[ends] - prefix.nonzero[starts]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            level = np.where(group_nonzero > 0, group_sum / group_nonzero, 1.0)
+            log_level = np.log(level)
+            term = group_sum * log_level
+        return cls(stride, level.ravel(), log_level.ravel(), term.ravel())
+
+
+def _kl_chunk(
+    prefix: _Prefix, ends: np.ndarray, levels: int, groups: _GroupTable | None = None
+) -> np.ndarray:
+    """KL for candidates ``ends`` (each i): closed forms over prefix sums, no loop over bins.
+
+    With `groups`, the per-group terms are looked up rather than computed (same values).
+    """
     eps = prefix.smoothing
     # Group g of candidate i covers bins [ceil(g*i/levels), ceil((g+1)*i/levels)).
-    starts = (np.arange(levels + 1)[None, :] * ends[:, None] + levels - 1) // levels
-    group_sum = prefix.total[starts[:, 1:]] - prefix.total[starts[:, :-1]]
-    group_nonzero = prefix.nonzero[starts[:, 1:]] - prefix.nonzero[starts[:, :-1]]
+    if groups is not None:
+        # Integer arithmetic in int32 where it cannot overflow (exact, and half the memory
+        # traffic of int64): the starts, then each group's entry s * stride + width.
+        limit = max(levels * int(ends[-1]) + levels, (int(ends[-1]) + 1) * groups.stride)
+        int_type = np.int32 if limit < 2**31 else np.int64
+        starts = (
+            np.arange(levels + 1, dtype=int_type)[None, :] * ends.astype(int_type)[:, None]
+            + int_type(levels - 1)
+        ) // int_type(levels)
+        keys = starts[:, :-1] * int_type(groups.stride - 1) + starts[:, 1:]
+        terms = groups.term[keys].sum(axis=1)
+        last_level = groups.level[keys[:, -1]]
+        last_log_level = groups.log_level[keys[:, -1]]
+    else:
+        starts = (np.arange(levels + 1)[None, :] * ends[:, None] + levels - 1) // levels
+        group_sum = prefix.total[starts[:, 1:]] - prefix.total[starts[:, :-1]]
+        group_nonzero = prefix.nonzero[starts[:, 1:]] - prefix.nonzero[starts[:, :-1]]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            level = np.where(group_nonzero > 0, group_sum / group_nonzero, 1.0)  # Q per group
+            terms = (group_sum * np.log(level)).sum(axis=1)
+            last_level = level[:, -1]
+            last_log_level = np.log(last_level)
     total = prefix.total[-1]
     kept = prefix.total[ends]  # sum of Q_i before smoothing: b[:i]
     head = ends - 1  # bins j <= i-2 are "head" bins, j = i-1 is the last bin
     last_b = prefix.b[head]
     head_empty = head - prefix.nonzero[head]  # empty bins among j <= i-2: P = Q = 0 there
     with np.errstate(divide="ignore", invalid="ignore"):
-        level = np.where(group_nonzero > 0, group_sum / group_nonzero, 1.0)  # Q value per group
         last_p = last_b + (total - kept)
-        last_q = np.where(last_b > 0, level[:, -1], 0.0)
+        last_q = np.where(last_b > 0, last_level, 0.0)
         # Normalisers of the smoothed P and Q: empty bins carry eps each.
         norm_p = total + eps * (head_empty + (last_p == 0))
         norm_q = kept + eps * (head_empty + (last_q == 0))
         # Non-empty head bins: sum_j b_j [log b_j - log norm_p - log(S_g/N_g) + log norm_q].
-        group_term = (group_sum * np.log(level)).sum(axis=1) - last_b * np.log(level[:, -1])
+        group_term = terms - last_b * last_log_level
         head_mass = prefix.total[head]
+        log_norm_p, log_norm_q = np.log(norm_p), np.log(norm_q)
         full = (
-            prefix.b_log_b[head] - head_mass * (np.log(norm_p) - np.log(norm_q)) - group_term
+            prefix.b_log_b[head] - head_mass * (log_norm_p - log_norm_q) - group_term
         ) / norm_p
         # Empty head bins: p = eps/norm_p, q = eps/norm_q.
-        empty = head_empty * eps / norm_p * (np.log(norm_q) - np.log(norm_p))
+        empty = head_empty * eps / norm_p * (log_norm_q - log_norm_p)
         p = np.where(last_p > 0, last_p, eps) / norm_p
         q = np.where(last_q > 0, last_q, eps) / norm_q
         last = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
