@@ -75,29 +75,6 @@ class _Derived:
     decreasing: bool
     observed: bool
 
-    def apply(self, x: np.float32) -> np.float32:
-        """The operation on one float32 number, rounded as onnxruntime's kernel rounds it."""
-        c = self.constant
-        result: Any
-        with np.errstate(all="ignore"):  # inf/NaN extremes go through as in the kernels
-            if self.op_type == "Relu":
-                result = np.maximum(x, np.float32(0.0))
-            elif self.op_type == "Clip":
-                result = x if c is None else np.maximum(x, c)
-                result = result if self.upper is None else np.minimum(result, self.upper)
-            else:
-                assert c is not None
-                a, b = (c, x) if self.constant_first else (x, c)
-                if self.op_type == "Add":
-                    result = a + b
-                elif self.op_type == "Sub":
-                    result = a - b
-                elif self.op_type == "Mul":
-                    result = a * b
-                else:
-                    result = a / b
-        return cast(np.float32, np.float32(result))
-
 
 @dataclass(frozen=True)
 class MinMaxLayout:
