@@ -204,6 +204,48 @@ def worker_cmd(job: Mapping[str, Any], result_file: Path) -> list[str]:
     return [sys.executable, str(WORKER), json.dumps(dict(job)), str(result_file)]
 
 
+def run_worker(job: Mapping[str, Any], logs: Path, tag: str, args: Any) -> ChildResult:
+    """`job` in a ``_worker.py`` process under the run's limits (``args.timeout``,
+    ``args.max_rss_mib``); logs and result in ``logs/<tag>.*``."""
+    result_file = logs / f"{tag}.result.json"
+    return run_child(
+        worker_cmd(job, result_file),
+        log_stem=logs / tag,
+        timeout_s=args.timeout,
+        max_rss_mib=args.max_rss_mib,
+        result_file=result_file,
+    )
+
+
+def ort_job(model: Any, method: str, calib: Path, output: Path) -> dict[str, Any]:
+    """A ``_worker.py`` job running onnxruntime's ``quantize_static`` (`method`) on `model`."""
+    return {
+        "kind": "ort",
+        "method": method,
+        "model": str(model.path),
+        "input": model.input_name,
+        "data": str(calib),
+        "batch_size": 1,
+        "output": str(output),
+    }
+
+
+def parse_with_quick(
+    parser: Any, argv: list[str] | None, quick: Mapping[str, Any]
+) -> Any:
+    """`parser`'s arguments plus ``--quick``, which replaces the settings listed in `quick`."""
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: " + ", ".join(f"{k}={v}" for k, v in quick.items()),
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in quick.items():
+            setattr(args, key, value)
+    return args
+
+
 def qcal_cli_cmd(
     model: Path,
     data: Path,

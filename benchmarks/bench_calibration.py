@@ -30,13 +30,13 @@ from _common import (
     default_max_rss_mib,
     machine_info,
     median,
+    parse_with_quick,
     print_table,
     qcal_cli_cmd,
     qcal_cli_job,
-    run_child,
+    run_worker,
     split_args,
     work_dir,
-    worker_cmd,
     write_results,
 )
 from models import ALL_MODELS, BenchmarkSetupError, BenchModel, get_models
@@ -107,16 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="kill a job whose RSS passes this (default 80%% of RAM)",
     )
     parser.add_argument("--no-install", action="store_true", help="never pip-install anything")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    return args
+    return parse_with_quick(parser, argv, QUICK)  # type: ignore[no-any-return]
 
 
 def _names(text: str) -> list[str]:
@@ -167,7 +158,6 @@ def build_jobs(model: BenchModel, n: int, args: argparse.Namespace) -> list[dict
 
 def run_job(job: dict[str, Any], args: argparse.Namespace, tag: str) -> ChildResult:
     logs = work_dir("calibration", job["model_name"], "logs")
-    result_file = logs / f"{tag}.result.json"
     if job["kind"] == "qcal" and args.qcal_mode == "cli":
         cmd = qcal_cli_cmd(
             Path(job["model"]),
@@ -179,21 +169,8 @@ def run_job(job: dict[str, Any], args: argparse.Namespace, tag: str) -> ChildRes
             eval_data=Path(job["eval_data"]) if job["eval_data"] else None,
             extra=split_args(args.qcal_args),
         )
-        cli_job = qcal_cli_job(cmd, Path(job["report"]))
-        return run_child(
-            worker_cmd(cli_job, result_file),
-            log_stem=logs / tag,
-            timeout_s=args.timeout,
-            max_rss_mib=args.max_rss_mib,
-            result_file=result_file,
-        )
-    return run_child(
-        worker_cmd(job, result_file),
-        log_stem=logs / tag,
-        timeout_s=args.timeout,
-        max_rss_mib=args.max_rss_mib,
-        result_file=result_file,
-    )
+        return run_worker(qcal_cli_job(cmd, Path(job["report"])), logs, tag, args)
+    return run_worker(job, logs, tag, args)
 
 
 def job_seconds(job: dict[str, Any], result: ChildResult) -> float | None:

@@ -29,14 +29,15 @@ from _common import (
     default_max_rss_mib,
     machine_info,
     optimized_op_counts,
+    ort_job,
+    parse_with_quick,
     print_table,
     qcal_cli_cmd,
     qcal_cli_job,
-    run_child,
+    run_worker,
     split_args,
     summarize_optimized,
     work_dir,
-    worker_cmd,
     write_results,
 )
 from models import ALL_MODELS, BenchmarkSetupError, BenchModel, get_models, iter_samples
@@ -68,16 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--max-rss-mib", type=float, default=default_max_rss_mib())
     parser.add_argument("--no-install", action="store_true")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    return args
+    return parse_with_quick(parser, argv, QUICK)  # type: ignore[no-any-return]
 
 
 def make_variants(model: BenchModel, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -99,13 +91,7 @@ def make_variants(model: BenchModel, args: argparse.Namespace) -> dict[str, dict
             eval_data=eval_data,
             extra=split_args(args.qcal_args),
         )
-        result = run_child(
-            worker_cmd(qcal_cli_job(cmd, report), logs / "qcal.result.json"),
-            log_stem=logs / "qcal",
-            timeout_s=args.timeout,
-            max_rss_mib=args.max_rss_mib,
-            result_file=logs / "qcal.result.json",
-        )
+        result = run_worker(qcal_cli_job(cmd, report), logs, "qcal", args)
     else:
         job = {
             "kind": "qcal",
@@ -118,35 +104,15 @@ def make_variants(model: BenchModel, args: argparse.Namespace) -> dict[str, dict
             "eval_data": str(eval_data),
             "config": json.loads(args.qcal_config),
         }
-        result = run_child(
-            worker_cmd(job, logs / "qcal.result.json"),
-            log_stem=logs / "qcal",
-            timeout_s=args.timeout,
-            max_rss_mib=args.max_rss_mib,
-            result_file=logs / "qcal.result.json",
-        )
+        result = run_worker(job, logs, "qcal", args)
     variants["qcal"] = {
         "path": output,
         "ok": result.ok,
         "error": result.error,
         "calibration": result.to_json(),
     }
-    job = {
-        "kind": "ort",
-        "method": args.ort_method,
-        "model": str(model.path),
-        "input": model.input_name,
-        "data": str(calib),
-        "batch_size": 1,
-        "output": str(out / "ort.onnx"),
-    }
-    result = run_child(
-        worker_cmd(job, logs / "ort.result.json"),
-        log_stem=logs / "ort",
-        timeout_s=args.timeout,
-        max_rss_mib=args.max_rss_mib,
-        result_file=logs / "ort.result.json",
-    )
+    job = ort_job(model, args.ort_method, calib, out / "ort.onnx")
+    result = run_worker(job, logs, "ort", args)
     variants["ort"] = {
         "path": Path(job["output"]),
         "ok": result.ok,

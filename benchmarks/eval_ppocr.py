@@ -38,11 +38,12 @@ from _common import (
     OutputAgreement,
     default_max_rss_mib,
     machine_info,
+    ort_job,
     print_table,
     qcal_cli_cmd,
     run_child,
+    run_worker,
     work_dir,
-    worker_cmd,
     write_results,
 )
 from models import BenchmarkSetupError, BenchModel, character_list, get_models, iter_samples
@@ -362,22 +363,8 @@ def make_variants(
 def _ort_naive(
     model: BenchModel, calib: Path, args: argparse.Namespace, out: Path, logs: Path
 ) -> dict[str, Any]:
-    job = {
-        "kind": "ort",
-        "method": "MinMax",
-        "model": str(model.path),
-        "input": model.input_name,
-        "data": str(calib),
-        "batch_size": 1,
-        "output": str(out / "ort-naive.onnx"),
-    }
-    result = run_child(
-        worker_cmd(job, logs / "ort.result.json"),
-        log_stem=logs / "ort",
-        timeout_s=args.timeout,
-        max_rss_mib=args.max_rss_mib,
-        result_file=logs / "ort.result.json",
-    )
+    job = ort_job(model, "MinMax", calib, out / "ort-naive.onnx")
+    result = run_worker(job, logs, "ort", args)
     return {
         "path": Path(job["output"]),
         "ok": result.ok,

@@ -23,15 +23,8 @@ import onnx
 
 from qcal.data import find_nonfinite
 from qcal.errors import DataError, ModelError, QcalError
-from qcal.histogram import HistogramObserver
-from qcal.observers import Observer, PerChannel, PerTensor, PerTensorExtremesFeed
+from qcal.observers import Observer, PerChannel, PerTensorExtremesFeed
 from qcal.passes._graph import element_types
-from qcal.passes._large import (
-    DETACH_MIN_BYTES,
-    SERIALIZE_LIMIT_BYTES,
-    light_copy,
-    serialized_size,
-)
 from qcal.passes.expose_subgraph_tensors import expose_subgraph_tensors
 from qcal.passes.reduce_min_max import (
     MinMaxLayout,
@@ -118,7 +111,7 @@ def _reducible(
 
 def _takes_extremes(observer: Observer) -> bool:
     """A whole-array observer that accepts the batch's extremes computed elsewhere."""
-    return isinstance(observer, HistogramObserver) and isinstance(observer.granularity, PerTensor)
+    return bool(getattr(observer, "takes_batch_extremes", False))
 
 
 def _needs_arrays(observer: Observer) -> bool:
@@ -227,9 +220,8 @@ def _update_observers(
         if array.dtype != np.float32:
             array = array.astype(np.float32)
         try:
-            lo, hi = extremes.get(name, (None, None))
-            if lo is not None and hi is not None and _takes_extremes(observer):
-                observer.update(array, extremes=(lo, hi))  # type: ignore[call-arg]
+            if name in extremes:  # only observers that take them, only non-empty batches
+                observer.update(array, extremes=extremes[name])  # type: ignore[call-arg]
             else:
                 observer.update(array)
         except QcalError as err:
@@ -247,11 +239,6 @@ def collect(
 ) -> CollectionSummary:
     """Run `model` on every batch and update `observers` (keyed by tensor name) in data order."""
     started = time.perf_counter()
-    # A model too large to serialize is rewritten without its weights (so the copies below stay
-    # small); the session reads them from the model itself.
-    weights = model if serialized_size(model) > SERIALIZE_LIMIT_BYTES else None
-    if weights is not None:
-        model = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
     # Tensors of If/Loop/Scan bodies reach the outputs through routes of their own.
     routed = expose_subgraph_tensors(model, observers)
     by_output = {routed.sources[t]: (t, observer) for t, observer in observers.items()}
@@ -265,7 +252,7 @@ def collect(
     )
     session = create_session(
         expose_tensors(calibration_model, whole), providers=providers, threads=threads,
-        what="calibration model", node_order=True, weights_from=weights,
+        what="calibration model", node_order=True,
     )
     del calibration_model
     output_names = reduced.output_names + whole

@@ -258,9 +258,8 @@ def _concrete_shapes(
     """Shapes of `wanted` from shape inference on a weightless copy whose inputs take the
     sample's shapes: symbols the model's own inference derived (``unk__12``) become numbers
     without the cost of an onnxruntime session."""
-    from onnx import shape_inference
-
     from qcal.passes._large import DETACH_MIN_BYTES, light_copy
+    from qcal.passes.infer_shapes import infer_shapes
 
     light = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
     del light.graph.value_info[:]
@@ -273,9 +272,7 @@ def _concrete_shapes(
         for size in array.shape:
             shape.dim.add().dim_value = int(size)
     try:
-        inferred = shape_inference.infer_shapes(
-            light, check_type=False, strict_mode=False, data_prop=True
-        )
+        inferred = infer_shapes(light, strict=False)
     except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
         logger.info("shape inference with the sample's shapes failed: %s", err)
         return {}

@@ -125,13 +125,9 @@ def stage_model(
     path: Path,
     *,
     external: bool,
-    weights_from: onnx.ModelProto | None = None,
 ) -> StagedModel:
     """Stage `model` for writing to `path`; with `external`, its large tensors go to
     ``<path>.data`` (written now under a temporary name). `model` is left unchanged.
-
-    `weights_from` supplies the bytes of main-graph initializers that `model` holds without
-    data (a copy made without its weights, see `qcal.passes._large.light_copy`).
 
     Raises:
         OutputError: the model is too large to write inline, or its data file cannot be written.
@@ -149,7 +145,7 @@ def stage_model(
     )
     try:
         with os.fdopen(fd, "wb") as fh:
-            light, size, digest = _write_tensors(model, fh, target.name, weights_from)
+            light, size, digest = _write_tensors(model, fh, target.name)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(staged, 0o666 & ~_umask())
@@ -169,23 +165,18 @@ def _write_tensors(
     model: onnx.ModelProto,
     fh: BinaryIO,
     location: str,
-    weights_from: onnx.ModelProto | None = None,
 ) -> tuple[onnx.ModelProto, int, str]:
     """Write the large initializers' bytes to `fh`; return a copy of `model` referring to them."""
     light, detached = light_copy(model, min_bytes=EXTERNAL_TENSOR_MIN_BYTES)
-    elsewhere = {} if weights_from is None else {t.name: t for t in weights_from.graph.initializer}
     digest = hashlib.sha256()
     offset = 0
     for tensor, copy in zip(model.graph.initializer, light.graph.initializer):
         if is_external(tensor):
             chunks: Iterable[bytes] = read_external(tensor)
+        elif tensor.name in detached:
+            chunks = (tensor.raw_data,)  # one tensor's bytes at a time
         else:
-            source = tensor
-            if tensor.name not in detached:
-                source = elsewhere.get(tensor.name, tensor)
-                if source is tensor or tensor.HasField("raw_data") or not source.HasField("raw_data"):
-                    continue
-            chunks = (source.raw_data,)  # one tensor's bytes at a time
+            continue
         padding = b"\0" * ((-offset) % ALIGNMENT_BYTES)
         fh.write(padding)
         digest.update(padding)

@@ -45,12 +45,8 @@ def create_session(
     threads: int = 0,
     what: str = "model",
     node_order: bool = False,
-    weights_from: onnx.ModelProto | None = None,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
-
-    `weights_from` supplies the weights of a `model` copied without them (models over the
-    protobuf limit are worked on that way; onnxruntime then reads the weights from a file).
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
     (onnxruntime's default order may run them much later).
@@ -66,13 +62,13 @@ def create_session(
         )
     options = _session_options(threads, node_order=node_order)
     try:
-        if weights_from is None and serialized_size(model) < _MAX_INLINE_BYTES:
+        if serialized_size(model) < _MAX_INLINE_BYTES:
             model_bytes = _mapping_weights(model, options, what)
             return ort.InferenceSession(model_bytes, sess_options=options, providers=list(providers))
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
             # Not onnx.save_model: it moves the weights out of `model`, which callers still use.
             path = Path(tmp) / "model.onnx"
-            with stage_model(model, path, external=True, weights_from=weights_from) as staged:
+            with stage_model(model, path, external=True) as staged:
                 staged.commit()
             return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except (ort.capi.onnxruntime_pybind11_state.Fail,

@@ -173,6 +173,11 @@ class HistogramObserver:
         return self._granularity
 
     @property
+    def takes_batch_extremes(self) -> bool:
+        """Whether :meth:`update` uses extremes computed elsewhere (per tensor only)."""
+        return isinstance(self._granularity, PerTensor)
+
+    @property
     def mantissa_bits(self) -> int:
         """Mantissa bits per bin key."""
         return self._bits

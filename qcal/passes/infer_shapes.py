@@ -15,7 +15,7 @@ from qcal.passes._base import StepResult
 from qcal.passes._graph import attribute_graphs, element_types
 from qcal.passes._large import run_detached
 
-__all__ = ["InferShapes"]
+__all__ = ["InferShapes", "infer_shapes"]
 
 
 class InferShapes:
@@ -30,11 +30,11 @@ class InferShapes:
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         failure = ""
         try:
-            inferred = _infer(model, strict=True)
+            inferred = infer_shapes(model, strict=True)
         except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
             failure = _first_line(err)
             try:
-                inferred = _infer(model, strict=False)
+                inferred = infer_shapes(model, strict=False)
             except Exception as err2:  # noqa: BLE001  same: an untyped model is still usable
                 detail = f"shape inference could not complete: {_first_line(err2)}"
                 return StepResult(model, False, detail)
@@ -46,7 +46,9 @@ class InferShapes:
         return StepResult(model, True, detail)
 
 
-def _infer(model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
+def infer_shapes(model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
+    """onnx shape inference (with data propagation) on a copy of a model of any size; the copy
+    has no large weights when the model is too large to serialize."""
     def tool(light: onnx.ModelProto) -> onnx.ModelProto:
         return shape_inference.infer_shapes(
             light, check_type=False, strict_mode=strict, data_prop=True
