@@ -35,6 +35,8 @@ import onnx
 from qcal.errors import QcalError
 from qcal.model import QuantPlan
 from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
+from qcal.passes._large import DETACH_MIN_BYTES, light_copy
+from qcal.passes.infer_shapes import infer_shapes
 
 __all__ = [
     "COMPUTE_OPS",
@@ -258,8 +260,6 @@ def _concrete_shapes(
     """Shapes of `wanted` from shape inference on a weightless copy whose inputs take the
     sample's shapes: symbols the model's own inference derived (``unk__12``) become numbers
     without the cost of an onnxruntime session."""
-    from qcal.passes._large import DETACH_MIN_BYTES, light_copy
-    from qcal.passes.infer_shapes import infer_shapes
 
     light = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
     del light.graph.value_info[:]
