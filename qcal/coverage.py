@@ -297,7 +297,7 @@ def shape_probe(
         if not wanted:
             return {}
         session = create_session(expose_tensors(model, wanted), providers=providers,
-                                 threads=threads, what="shape probe")
+                                 threads=threads, what="shape probe", optimize=False)
         try:
             arrays = session.run(wanted, dict(sample))
         except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions

@@ -23,8 +23,12 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
-def _session_options(threads: int, *, node_order: bool = False) -> ort.SessionOptions:
+def _session_options(
+    threads: int, *, node_order: bool = False, optimize: bool = True
+) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if node_order:
         # Nodes run in the order the model lists them (where dependencies allow): a node
         # placed right after a producer runs while its input is still in cache.
@@ -45,11 +49,14 @@ def create_session(
     threads: int = 0,
     what: str = "model",
     node_order: bool = False,
+    optimize: bool = True,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
-    (onnxruntime's default order may run them much later).
+    (onnxruntime's default order may run them much later). Without `optimize`, onnxruntime
+    skips its graph optimizations: the session opens faster and runs slower, which pays for a
+    session that runs once.
 
     Initializers kept in files (see `qcal.passes._large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
@@ -60,7 +67,7 @@ def create_session(
             f"provider: {', '.join(missing)} not available in this onnxruntime "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
-    options = _session_options(threads, node_order=node_order)
+    options = _session_options(threads, node_order=node_order, optimize=optimize)
     try:
         if serialized_size(model) < _MAX_INLINE_BYTES:
             model_bytes = _mapping_weights(model, options, what)
