@@ -25,7 +25,7 @@ as clamping the integers.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -456,7 +456,7 @@ class InsertQDQ:
             return
         rewrite.remove(division)
         scopes.drop_if_unused(division.input[1])
-        if not any(source_dequantized in r.reads() for r in scopes.rewrites):
+        if source_dequantized not in scopes.reads:
             rewrite.remove_producer(source_dequantized)
 
     def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
@@ -678,6 +678,7 @@ class _Scopes:
         self._names, self._opset, self._ranks = names, opset, ranks
         self._types = graph_element_types(graph)
         self.rewrites: list[_Rewrite] = []
+        self.reads = _Reads(self.rewrites)
         self.defined: dict[str, _Rewrite] = {}  # value -> rewrite of the graph defining it
         self._of_node: dict[str, _Rewrite] = {}
         self._twice: set[str] = set()
@@ -688,7 +689,7 @@ class _Scopes:
     def _visit(self, graph: onnx.GraphProto, outer: frozenset[str]) -> _Rewrite:
         rewrite = _Rewrite(
             graph, self._names, opset=self._opset, ranks=self._ranks, types=self._types,
-            outer=outer,
+            reads=self.reads, outer=outer,
         )
         self.rewrites.append(rewrite)
         for node in graph.node:
@@ -739,16 +740,47 @@ class _Scopes:
         self._maybe_unread.append(tensor)
 
     def finish(self) -> None:
-        if self._maybe_unread:
-            read = set()
-            for rewrite in self.rewrites:
-                read |= rewrite.reads()
-            for tensor in self._maybe_unread:
-                if tensor not in read:
-                    self._owner[tensor].drop(tensor)
+        for tensor in self._maybe_unread:
+            if tensor not in self.reads:
+                self._owner[tensor].drop(tensor)
         # Innermost graphs first: writing a graph copies its nodes, bodies included.
         for rewrite in reversed(self.rewrites):
             rewrite.finish()
+
+
+class _Reads:
+    """How many times each value of the graphs of a pass is read now: as an input of a node (one
+    the pass added included, a removed one not) or as a graph output. Counted over every graph
+    when first asked, then kept up to date by the edits (`_Rewrite.add_node`, `redirect` and
+    `remove`), so each question after the first costs a lookup, not a walk of the graphs."""
+
+    def __init__(self, rewrites: Sequence[_Rewrite]) -> None:
+        self._rewrites = rewrites
+        self._count: Counter[str] | None = None
+        self._removed: set[int] = set()  # ids of the nodes removed, in every graph
+
+    def __contains__(self, value: str) -> bool:
+        if self._count is None:
+            self._count = Counter()
+            for rewrite in self._rewrites:
+                rewrite.count_reads(self._count)
+        return self._count[value] > 0
+
+    def added(self, node: onnx.NodeProto) -> None:
+        if self._count is not None:
+            self._count.update(node.input)
+
+    def redirected(self, node: onnx.NodeProto, old: str, new: str) -> None:
+        if self._count is not None and id(node) not in self._removed:
+            self._count[old] -= 1
+            self._count[new] += 1
+
+    def removed(self, node: onnx.NodeProto) -> None:
+        if id(node) in self._removed:
+            return
+        self._removed.add(id(node))
+        if self._count is not None:
+            self._count.subtract(node.input)
 
 
 class _Rewrite:
@@ -767,9 +799,11 @@ class _Rewrite:
         opset: int,
         ranks: Mapping[str, int],
         types: Mapping[str, int],
+        reads: _Reads,
         outer: frozenset[str] = frozenset(),
     ) -> None:
         self.graph, self.names, self.opset, self._ranks = graph, names, opset, ranks
+        self._reads = reads
         self.index = UseIndex.build(graph)
         self.types = types
         self._outer = outer
@@ -784,6 +818,7 @@ class _Rewrite:
         self.modified = False
         self._front: list[onnx.NodeProto] = []
         self._after: defaultdict[int, list[onnx.NodeProto]] = defaultdict(list)
+        self._new_producer: dict[str, onnx.NodeProto] = {}  # output (a fresh name) -> new node
         self._initializers: list[onnx.TensorProto] = []
         self._redirected: set[tuple[int, int]] = set()
         self._dropped: set[str] = set()
@@ -880,6 +915,8 @@ class _Rewrite:
             self._front.append(node)
         else:
             self._after[self._position[id(producer)]].append(node)
+        self._new_producer[output] = node
+        self._reads.added(node)
         self.modified = True
         return output
 
@@ -896,29 +933,30 @@ class _Rewrite:
     def redirect(self, uses: Sequence[Use], value: str) -> None:
         """Make each use read `value` instead of what it read."""
         for use in uses:
+            old = use.node.input[use.slot]
             use.node.input[use.slot] = value
+            self._reads.redirected(use.node, old, value)
             self._redirected.add((id(use.node), use.slot))
         self.modified = True
 
-    def reads(self) -> set[str]:
-        """Every value this graph's nodes (new ones included) and outputs read now."""
-        read: set[str] = set()
+    def count_reads(self, count: Counter[str]) -> None:
+        """Count every read of a value by this graph's nodes (new ones included) and outputs."""
         for node in (*self.graph.node, *self._new_nodes()):
             if id(node) not in self._removed:
-                read.update(node.input)
-        read.update(v.name for v in self.graph.output)
-        return read
+                count.update(node.input)
+        count.update(v.name for v in self.graph.output)
 
     def remove(self, node: onnx.NodeProto) -> None:
         """Leave `node` (of this graph, or added by this pass) out when the graph is written."""
+        self._reads.removed(node)
         self._removed.add(id(node))
         self.modified = True
 
     def remove_producer(self, value: str) -> None:
         """Leave out the node this pass added that writes `value`."""
-        for node in self._new_nodes():
-            if value in node.output:
-                self.remove(node)
+        node = self._new_producer.get(value)
+        if node is not None:
+            self.remove(node)
 
     def _new_nodes(self) -> Iterator[onnx.NodeProto]:
         yield from self._front
