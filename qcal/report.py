@@ -82,12 +82,15 @@ def dump_report(report: Mapping[str, Any]) -> bytes:
 
 
 def _floats(values: np.ndarray) -> list[float]:
-    return [float(v) for v in np.asarray(values, dtype=np.float64).ravel()]
+    return np.asarray(values, dtype=np.float64).ravel().tolist()  # type: ignore[no-any-return]
 
 
 def _ints(values: np.ndarray) -> list[int | float]:
+    array = np.asarray(values).ravel()
+    if array.dtype.kind in "iu":
+        return array.tolist()  # type: ignore[no-any-return]
     # OneFlow keeps its zero point as a float; integral values are written as integers.
-    return [int(v) if float(v).is_integer() else float(v) for v in np.asarray(values).ravel()]
+    return [int(v) if float(v).is_integer() else float(v) for v in array]
 
 
 def _onnx_type_name(dtype: int) -> str:
