@@ -35,10 +35,6 @@ class NameAllocator:
     def __contains__(self, name: object) -> bool:
         return name in self._taken
 
-    def reserve(self, name: str) -> None:
-        """Mark `name` as used without allocating it (for names chosen elsewhere)."""
-        self._taken.add(name)
-
     def allocate(self, base: str) -> str:
         """Return `base` if free, else the first free ``<base>_<k>``; the result is reserved."""
         if not base:

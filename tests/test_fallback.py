@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, float_input
+from _pipeline_testing import calibrate_capturing_sensitivity
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -413,7 +414,6 @@ def _scaled_net() -> onnx.ModelProto:
 
 
 def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> None:
-    from qcal import pipeline
     from qcal.fallback import rank_candidates
     from qcal.qdq import InsertQDQ
 
@@ -423,19 +423,7 @@ def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> N
     np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
     data = rng.standard_normal((16, 8)).astype(np.float32)
     np.savez(tmp_path / "scaled.eval.npz", x=data)
-    captured: dict[str, Any] = {}
-    original = pipeline.measure_sensitivity
-
-    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
-        captured["result"] = original(model, plan, acts, weights, batches, **kwargs)
-        captured.update(model=model, plan=plan, acts=acts, weights=weights)
-        return captured["result"]
-
-    pipeline.measure_sensitivity = capture
-    try:
-        calibrate(path, CalibrationConfig(sensitivity=True))
-    finally:
-        pipeline.measure_sensitivity = original
+    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
     by_tensor = captured["result"].by_tensor()
     assert by_tensor["h"].harm > 0 and by_tensor["s"].harm == pytest.approx(by_tensor["h"].harm,
@@ -474,20 +462,7 @@ def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: P
     onnx.save(_scaled_net(), path)
     rng = np.random.default_rng(13)
     np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
-    from qcal import pipeline
-
-    captured: dict[str, Any] = {}
-    original = pipeline.measure_sensitivity
-
-    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
-        captured.update(model=model, plan=plan, acts=acts, weights=weights)
-        return original(model, plan, acts, weights, batches, **kwargs)
-
-    pipeline.measure_sensitivity = capture
-    try:
-        calibrate(path, CalibrationConfig(sensitivity=True))
-    finally:
-        pipeline.measure_sensitivity = original
+    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
 
     def optimized_ops(p: Any) -> set[str]:

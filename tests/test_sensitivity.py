@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, run
+from _pipeline_testing import calibrate_capturing_sensitivity
 from onnx import TensorProto, helper
 
 from qcal.config import CalibrationConfig
@@ -64,20 +65,9 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarr
 
 def _pieces(path: Path) -> tuple[onnx.ModelProto, object, dict, dict]:
     """Prepared model, plan and parameters as the pipeline computed them."""
-    from qcal import pipeline
-
-    captured: dict[str, object] = {}
-    original = pipeline.measure_sensitivity
-
-    def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
-        captured.update(model=model, plan=plan, acts=acts, weights=weights)
-        return original(model, plan, acts, weights, batches, **kwargs)
-
-    pipeline.measure_sensitivity = capture
-    try:
-        calibrate(path, CalibrationConfig(sensitivity=True, sensitivity_samples=2))
-    finally:
-        pipeline.measure_sensitivity = original
+    captured = calibrate_capturing_sensitivity(
+        path, CalibrationConfig(sensitivity=True, sensitivity_samples=2)
+    )
     return captured["model"], captured["plan"], captured["acts"], captured["weights"]  # type: ignore[return-value]
 
 

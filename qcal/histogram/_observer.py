@@ -307,10 +307,6 @@ class HistogramObserver:
             max=_frozen(self._max),
         )
 
-    def min_max(self) -> MinMaxStats:
-        """The exact extremes seen so far (as a min-max observer would report them)."""
-        return self.state().observed
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable, versioned state.
 
