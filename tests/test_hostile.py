@@ -647,6 +647,22 @@ def test_finite_data_after_a_nan_free_run_names_the_sample_of_the_nan(
 # ------------------------------------------------------------------------------------ SIGINT
 
 
+def _wait_until_calibrating(proc: subprocess.Popen[bytes], cpu_seconds: float = 3.0) -> None:
+    """Wait until `proc` has used `cpu_seconds` of CPU (imports and set-up take about one), so
+    the interrupt lands in calibration however loaded the machine is; without /proc, sleep."""
+    stat = Path(f"/proc/{proc.pid}/stat")
+    if not stat.exists():
+        time.sleep(4)
+        return
+    deadline = time.monotonic() + 120
+    tick = os.sysconf("SC_CLK_TCK")
+    while time.monotonic() < deadline and proc.poll() is None:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        if (int(fields[11]) + int(fields[12])) / tick >= cpu_seconds:  # utime + stime
+            return
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("method", ["minmax", "entropy"])
 def test_sigint_mid_calibration_exits_130_and_leaves_nothing(tmp_path: Path, method: str) -> None:
     folder, out, cwd, system_tmp = (tmp_path / n for n in ("in", "out", "cwd", "tmp"))
@@ -676,10 +692,10 @@ def test_sigint_mid_calibration_exits_130_and_leaves_nothing(tmp_path: Path, met
         cwd=cwd,
         env={**os.environ, "TMPDIR": str(system_tmp)},
     )
-    time.sleep(4)
+    _wait_until_calibrating(proc)
     assert proc.poll() is None, "finished before the interrupt"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "interrupted" in lines[0]
