@@ -456,7 +456,7 @@ class InsertQDQ:
             return
         rewrite.remove(division)
         scopes.drop_if_unused(division.input[1])
-        if source_dequantized not in scopes.reads:
+        if not scopes.is_read(source_dequantized):
             rewrite.remove_producer(source_dequantized)
 
     def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
@@ -678,7 +678,7 @@ class _Scopes:
         self._names, self._opset, self._ranks = names, opset, ranks
         self._types = graph_element_types(graph)
         self.rewrites: list[_Rewrite] = []
-        self.reads = _Reads(self.rewrites)
+        self.reads = _Reads()
         self.defined: dict[str, _Rewrite] = {}  # value -> rewrite of the graph defining it
         self._of_node: dict[str, _Rewrite] = {}
         self._twice: set[str] = set()
@@ -739,9 +739,14 @@ class _Scopes:
         """Drop float initializer `tensor` at the end if nothing reads it any more."""
         self._maybe_unread.append(tensor)
 
+    def is_read(self, value: str) -> bool:
+        """Whether a node (one this pass added included, a removed one not) or a graph output of
+        any graph reads `value` now."""
+        return self.reads.counts(self.rewrites)[value] > 0
+
     def finish(self) -> None:
         for tensor in self._maybe_unread:
-            if tensor not in self.reads:
+            if not self.is_read(tensor):
                 self._owner[tensor].drop(tensor)
         # Innermost graphs first: writing a graph copies its nodes, bodies included.
         for rewrite in reversed(self.rewrites):
@@ -752,19 +757,20 @@ class _Reads:
     """How many times each value of the graphs of a pass is read now: as an input of a node (one
     the pass added included, a removed one not) or as a graph output. Counted over every graph
     when first asked, then kept up to date by the edits (`_Rewrite.add_node`, `redirect` and
-    `remove`), so each question after the first costs a lookup, not a walk of the graphs."""
+    `remove`), so each question after the first costs a lookup, not a walk of the graphs.
+    It holds no reference to the rewrites, which hold it: a cycle would keep their new
+    initializers (the quantized weights) alive after the pass until the garbage collector runs."""
 
-    def __init__(self, rewrites: Sequence[_Rewrite]) -> None:
-        self._rewrites = rewrites
+    def __init__(self) -> None:
         self._count: Counter[str] | None = None
         self._removed: set[int] = set()  # ids of the nodes removed, in every graph
 
-    def __contains__(self, value: str) -> bool:
+    def counts(self, rewrites: Sequence[_Rewrite]) -> Counter[str]:
         if self._count is None:
             self._count = Counter()
-            for rewrite in self._rewrites:
+            for rewrite in rewrites:
                 rewrite.count_reads(self._count)
-        return self._count[value] > 0
+        return self._count
 
     def added(self, node: onnx.NodeProto) -> None:
         if self._count is not None:
