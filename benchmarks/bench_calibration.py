@@ -229,14 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
     summary = summarize(runs)
-    render(summary, args)
+    per_sample = marginal_costs(summary)
+    render(summary, per_sample, args)
     path = write_results(
         "calibration",
         {
             "machine": machine_info(),
             "args": vars(args),
             "summary": summary,
-            "per_sample": marginal_costs(summary),
+            "per_sample": per_sample,
             "runs": runs,
         },
     )
@@ -303,7 +304,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def render(
+    summary: list[dict[str, Any]], per_sample: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
     def key(row: dict[str, Any]) -> tuple[Any, ...]:
         tool_rank = {"float": 0, "qcal": 1, "ort": 2}[row["tool"]]
         method_rank = _method_rank(row)
@@ -333,7 +336,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> None:
         rows,
     )
     _render_growth(summary)
-    _render_marginal(summary)
+    _render_marginal(per_sample)
 
 
 def marginal_costs(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -373,7 +376,11 @@ def marginal_costs(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _render_marginal(summary: list[dict[str, Any]]) -> None:
+def _render_marginal(per_sample: list[dict[str, Any]]) -> None:
+    """The rows of :func:`marginal_costs` as a table."""
+    if not per_sample:
+        return
+    small, large = per_sample[0]["samples"]
     rows = [
         [
             row["model"],
@@ -382,15 +389,13 @@ def _render_marginal(summary: list[dict[str, Any]]) -> None:
             _ratio(row["ratio_to_float_per_sample"]),
             f"{row['fixed_seconds']:.2f}",
         ]
-        for row in marginal_costs(summary)
+        for row in per_sample
     ]
-    if rows:
-        sizes = sorted({r["samples"] for r in summary})
-        print_table(
-            f"Cost per extra sample, from {sizes[0]} to {sizes[-1]} samples (fixed cost apart)",
-            ["model", "job", "ms/sample", "x float", "fixed s"],
-            rows,
-        )
+    print_table(
+        f"Cost per extra sample, from {small} to {large} samples (fixed cost apart)",
+        ["model", "job", "ms/sample", "x float", "fixed s"],
+        rows,
+    )
 
 
 def _method_rank(row: dict[str, Any]) -> int:

@@ -1,9 +1,13 @@
-"""A calibration run that also returns what the pipeline handed to sensitivity measurement."""
+"""Calibration runs on small models: their files and data, and a run that also returns what the
+pipeline handed to sensitivity measurement."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import onnx
 
 from qcal import pipeline
 from qcal.config import CalibrationConfig
@@ -27,3 +31,21 @@ def calibrate_capturing_sensitivity(path: Path, config: CalibrationConfig) -> di
     finally:
         pipeline.measure_sensitivity = original
     return captured
+
+
+def save_with_data(
+    folder: Path, stem: str, model: onnx.ModelProto, seed: int, *, calib: int = 32,
+    evaluate: int = 0, features: int = 8,
+) -> tuple[Path, np.ndarray | None]:
+    """Write `model` as ``<stem>.onnx`` with ``<stem>.calib.npz`` (and ``<stem>.eval.npz`` when
+    `evaluate` rows are asked for) of standard-normal rows for its input ``x``; returns the
+    model's path and the evaluation rows."""
+    path = folder / f"{stem}.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(seed)
+    np.savez(folder / f"{stem}.calib.npz", x=rng.standard_normal((calib, features)).astype(np.float32))
+    if not evaluate:
+        return path, None
+    data = rng.standard_normal((evaluate, features)).astype(np.float32)
+    np.savez(folder / f"{stem}.eval.npz", x=data)
+    return path, data

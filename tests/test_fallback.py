@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, float_input
-from _pipeline_testing import calibrate_capturing_sensitivity
+from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -417,12 +417,8 @@ def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> N
     from qcal.fallback import rank_candidates
     from qcal.qdq import InsertQDQ
 
-    path = tmp_path / "scaled.onnx"
-    onnx.save(_scaled_net(), path)
-    rng = np.random.default_rng(12)
-    np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
-    data = rng.standard_normal((16, 8)).astype(np.float32)
-    np.savez(tmp_path / "scaled.eval.npz", x=data)
+    path, data = save_with_data(tmp_path, "scaled", _scaled_net(), 12, evaluate=16)
+    assert data is not None
     captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
     by_tensor = captured["result"].by_tensor()
@@ -458,10 +454,7 @@ def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: P
 
     from qcal.qdq import InsertQDQ
 
-    path = tmp_path / "scaled.onnx"
-    onnx.save(_scaled_net(), path)
-    rng = np.random.default_rng(13)
-    np.savez(tmp_path / "scaled.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
+    path, _ = save_with_data(tmp_path, "scaled", _scaled_net(), 13)
     captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
 

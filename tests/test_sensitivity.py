@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, run
-from _pipeline_testing import calibrate_capturing_sensitivity
+from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from onnx import TensorProto, helper
 
 from qcal.config import CalibrationConfig
@@ -53,13 +53,7 @@ def batches(data: np.ndarray, size: int = 4) -> Iterator[tuple[dict[str, np.ndar
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, object]:
-    folder = tmp_path_factory.mktemp("sens")
-    path = folder / "net.onnx"
-    onnx.save(small_net(), path)
-    rng = np.random.default_rng(3)
-    np.savez(folder / "net.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
-    data = rng.standard_normal((12, 8)).astype(np.float32)
-    np.savez(folder / "net.eval.npz", x=data)
+    path, data = save_with_data(tmp_path_factory.mktemp("sens"), "net", small_net(), 3, evaluate=12)
     return path, data, calibrate(path, CalibrationConfig())
 
 
@@ -197,13 +191,8 @@ def softmax_net(seed: int = 0) -> onnx.ModelProto:
 
 
 def test_softmax_outputs_are_also_measured_on_their_logits(tmp_path: Path) -> None:
-    path = tmp_path / "cls.onnx"
-    model = softmax_net()
-    onnx.save(model, path)
-    rng = np.random.default_rng(5)
-    np.savez(tmp_path / "cls.calib.npz", x=rng.standard_normal((32, 8)).astype(np.float32))
-    data = rng.standard_normal((12, 8)).astype(np.float32)
-    np.savez(tmp_path / "cls.eval.npz", x=data)
+    path, data = save_with_data(tmp_path, "cls", softmax_net(), 5, evaluate=12)
+    assert data is not None
     prepared, plan, acts, weights = _pieces(path)
     result = measure_sensitivity(prepared, plan, acts, weights, batches(data))
     exposed = onnx.ModelProto()
