@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from qcal.config import CalibrationConfig, TensorOverride
-from qcal.errors import (
+from qcal.numerics.errors import (
     AccuracyGateError,
     CalibrationInterrupted,
     ConfigError,
@@ -13,9 +13,9 @@ from qcal.errors import (
     OutputError,
     QcalError,
 )
-from qcal.evaluate import Comparison, OutputMetrics, compare_models
-from qcal.fakequant import fake_quantize, quantize
-from qcal.histogram import (
+from qcal.accuracy.evaluate import Comparison, OutputMetrics, compare_models
+from qcal.numerics.fakequant import fake_quantize, quantize
+from qcal.numerics.histogram import (
     Histogram,
     HistogramObserver,
     RangeSelection,
@@ -24,7 +24,7 @@ from qcal.histogram import (
     percentile_range,
     select_range,
 )
-from qcal.observers import (
+from qcal.numerics.observers import (
     DataPolicy,
     FixedRangeObserver,
     Granularity,
@@ -38,10 +38,10 @@ from qcal.observers import (
     PerTensor,
     observer_from_dict,
 )
-from qcal.onnx_mapping import OnnxQParams, to_onnx_qparams
-from qcal.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
+from qcal.numerics.onnx_mapping import OnnxQParams, to_onnx_qparams
+from qcal.numerics.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
 from qcal.pipeline import CalibrationResult, calibrate
-from qcal.schemes import (
+from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,

@@ -28,7 +28,7 @@ from rich.table import Table
 
 import qcal
 from qcal.config import METHODS, CalibrationConfig, config_from_mapping, load_config_file
-from qcal.errors import EXIT_INTERNAL, CalibrationInterrupted, ConfigError, QcalError
+from qcal.numerics.errors import EXIT_INTERNAL, CalibrationInterrupted, ConfigError, QcalError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -317,7 +317,7 @@ _existing = click.Path(exists=False, path_type=Path)
 @reports_errors
 def calibrate(**params: Any) -> None:
     """Calibrate MODEL on real data and write a QDQ model and a JSON report."""
-    from qcal.gates import raise_for_failed
+    from qcal.accuracy.gates import raise_for_failed
     from qcal.pipeline import calibrate as run_calibration
     from qcal.pipeline import default_output_paths
 
@@ -351,7 +351,7 @@ def calibrate(**params: Any) -> None:
 @reports_errors
 def inspect(model: Path, as_json: bool, debug: bool, **selection: Any) -> None:
     """Show MODEL's inputs, opset, op counts, and what would be quantized and why not."""
-    from qcal.model import model_inputs
+    from qcal.graph.model import model_inputs
     from qcal.pipeline import plan_model
 
     config = config_from_mapping({k: _list_option(v) if isinstance(v, tuple) else v
@@ -394,7 +394,7 @@ def inspect(model: Path, as_json: bool, debug: bool, **selection: Any) -> None:
 @reports_errors
 def presets(as_json: bool) -> None:
     """List every preset with its parameters and their defaults."""
-    from qcal.presets import PRESETS
+    from qcal.numerics.presets import PRESETS
 
     listing: dict[str, dict[str, Any]] = {
         name: {"description": spec.description, "options": dict(spec.knobs)}
@@ -424,10 +424,10 @@ def compare(float_model: Path, quant_model: Path, data: Path | None, labels: Pat
             limit: int | None, batch_size: int, provider: tuple[str, ...], json_path: Path | None,
             debug: bool) -> None:
     """Compare FLOAT_MODEL and QUANT_MODEL outputs: SQNR, cosine, max error, top-1 agreement."""
-    from qcal import data as data_mod
-    from qcal.evaluate import compare_models
-    from qcal.files import write_atomic
-    from qcal.model import load_model, model_inputs
+    from qcal.accuracy.evaluate import compare_models
+    from qcal.calibration import data as data_mod
+    from qcal.graph.files.atomic import write_atomic
+    from qcal.graph.model import load_model, model_inputs
     from qcal.pipeline import load_labels
 
     if batch_size < 1:

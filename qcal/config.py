@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qcal.errors import ConfigError
+from qcal.numerics.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -19,16 +19,18 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal import data as data_mod
-from qcal.collect import collect
+from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
+from qcal.accuracy.evaluate import Comparison, compare_models
+from qcal.accuracy.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
+from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
+from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
+from qcal.calibration import data as data_mod
+from qcal.calibration.collect import collect
 from qcal.config import CalibrationConfig
-from qcal.coverage import compute_macs, measure_coverage, shape_probe
-from qcal.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.evaluate import Comparison, compare_models
-from qcal.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
-from qcal.files import check_output_path, write_atomic
-from qcal.gates import GateResult, check_gates, raise_for_failed
-from qcal.model import (
+from qcal.graph.files.atomic import check_output_path, write_atomic
+from qcal.graph.files.large import WeightFile, has_external_data, load_external_data, tensor_array
+from qcal.graph.files.save import data_path, needs_external_data, stage_model
+from qcal.graph.model import (
     ActivationTarget,
     LoadedModel,
     PrepStep,
@@ -40,17 +42,15 @@ from qcal.model import (
     plan_quantization,
     prepare_model,
 )
-from qcal.model_file import data_path, needs_external_data, stage_model
-from qcal.observers import MinMaxStats, Observer, PerChannel, PerTensor
-from qcal.onnx_mapping import OnnxQParams
-from qcal.passes._graph import all_graphs
-from qcal.passes._large import WeightFile, has_external_data, load_external_data, tensor_array
-from qcal.presets import TensorRecipe, build_preset
-from qcal.qdq import InsertQDQ, QuantizedWeight
-from qcal.ranges import RangeChoice, choose_range, new_observer
+from qcal.graph.qdq import InsertQDQ, QuantizedWeight
+from qcal.graph.structure import all_graphs
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
+from qcal.numerics.onnx_mapping import OnnxQParams
+from qcal.numerics.presets import TensorRecipe, build_preset
+from qcal.numerics.ranges import RangeChoice, choose_range, new_observer
+from qcal.numerics.schemes import QParams
 from qcal.report import TensorRecord, build_report
-from qcal.schemes import QParams
-from qcal.sensitivity import SensitivityResult, measure_sensitivity
 
 __all__ = [
     "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
@@ -282,7 +282,7 @@ def calibrate(
 
 
 def _large_model(model: onnx.ModelProto) -> bool:
-    """Whether `model` is calibrated with its large weights in files (`qcal.passes._large`)."""
+    """Whether `model` is calibrated with its large weights in files (`qcal.graph.files.large`)."""
     return has_external_data(model) or needs_external_data(model)
 
 
@@ -565,7 +565,7 @@ def _improve_accuracy(
 
 # Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few
 # samples (as many of 4 as keep that under 256 runs, at least 1); those that matter
-# (`qcal.sensitivity.SCREEN_FRACTION`, typically a few dozen) are measured on all the
+# (`qcal.accuracy.sensitivity.SCREEN_FRACTION`, typically a few dozen) are measured on all the
 # sensitivity samples, 16 by default, within 1024 more runs: the figures the fallback ranks by
 # rest on many samples, and a model of hundreds of tensors costs at most its tensor count plus
 # 1024 runs instead of tensors x samples.

@@ -20,18 +20,18 @@ import onnx
 import onnxruntime
 
 import qcal
+from qcal.accuracy.coverage import Coverage
+from qcal.accuracy.evaluate import Comparison
+from qcal.accuracy.fallback import FallbackResult
+from qcal.accuracy.gates import GateResult
+from qcal.accuracy.sensitivity import SensitivityResult
 from qcal.config import CalibrationConfig
-from qcal.coverage import Coverage
-from qcal.evaluate import Comparison
-from qcal.fallback import FallbackResult
-from qcal.gates import GateResult
-from qcal.model import LoadedModel, PrepStep, QuantPlan
-from qcal.model_file import ExternalFile
-from qcal.onnx_mapping import OnnxQParams
-from qcal.presets import Preset
-from qcal.ranges import RangeChoice
-from qcal.schemes import QParams
-from qcal.sensitivity import SensitivityResult
+from qcal.graph.files.save import ExternalFile
+from qcal.graph.model import LoadedModel, PrepStep, QuantPlan
+from qcal.numerics.onnx_mapping import OnnxQParams
+from qcal.numerics.presets import Preset
+from qcal.numerics.ranges import RangeChoice
+from qcal.numerics.schemes import QParams
 
 __all__ = ["SCHEMA_VERSION", "TensorRecord", "build_report", "dump_report", "report_schema"]
 

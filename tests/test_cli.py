@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from qcal import errors
 from qcal.cli import main
+from qcal.numerics import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
@@ -289,7 +289,7 @@ def test_inspect(tmp_path: Path) -> None:
 
 
 def test_presets_lists_every_preset() -> None:
-    from qcal.presets import PRESETS
+    from qcal.numerics.presets import PRESETS
 
     result = run("presets")
     assert result.exit_code == 0

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from qcal.collect import collect
-from qcal.observers import MinMaxObserver, PerTensor
+from qcal.calibration.collect import collect
+from qcal.numerics.observers import MinMaxObserver, PerTensor
 
 
 def _relu_model() -> onnx.ModelProto:
@@ -82,7 +82,7 @@ def test_collect_equals_direct_reduction() -> None:
 def test_non_finite_activation_names_the_tensor(tmp_path: Path) -> None:
     import pytest
 
-    from qcal.errors import DataError
+    from qcal.numerics.errors import DataError
 
     observer = MinMaxObserver(PerTensor())
     bad = {"x": np.array([[np.nan] * 256], np.float32)}

@@ -15,12 +15,13 @@ import pytest
 from _onnx_testing import build_model, float_input
 from onnx import helper
 
-from qcal import data as data_mod
-from qcal.collect import collect, expose_tensors
+from qcal.calibration import data as data_mod
+from qcal.calibration.collect import collect, expose_tensors
+from qcal.calibration.reduce_min_max import add_min_max_outputs, read_per_tensor
 from qcal.config import CalibrationConfig
-from qcal.errors import DataError
-from qcal.model import model_inputs
-from qcal.observers import (
+from qcal.graph.model import model_inputs
+from qcal.numerics.errors import DataError
+from qcal.numerics.observers import (
     DataPolicy,
     Granularity,
     MindSporeObserver,
@@ -30,7 +31,6 @@ from qcal.observers import (
     PerChannel,
     PerTensor,
 )
-from qcal.passes.reduce_min_max import add_min_max_outputs, read_per_tensor
 from qcal.pipeline import plan_model
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from qcal.config import CalibrationConfig, config_from_mapping, load_config_file
-from qcal.errors import ConfigError
+from qcal.numerics.errors import ConfigError
 
 
 def test_flag_names_with_dashes_or_underscores_are_the_same_key() -> None:

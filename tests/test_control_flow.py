@@ -18,9 +18,9 @@ from _onnx_testing import build_model, float_input, run
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.calibration.expose_subgraph_tensors import expose_subgraph_tensors
 from qcal.cli import main
 from qcal.config import CalibrationConfig
-from qcal.passes.expose_subgraph_tensors import expose_subgraph_tensors
 from qcal.pipeline import CalibrationResult, calibrate
 
 

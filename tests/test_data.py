@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from qcal.data import (
+from qcal.calibration.data import (
     SYNTHETIC_FREE_DIM,
     SYNTHETIC_INT_HIGH,
     DataSource,
@@ -25,8 +25,8 @@ from qcal.data import (
     open_data,
     validate_data,
 )
-from qcal.errors import ConfigError, DataError
-from qcal.model import InputSpec
+from qcal.graph.model import InputSpec
+from qcal.numerics.errors import ConfigError, DataError
 
 MODEL = "model.onnx"
 

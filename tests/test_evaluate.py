@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from qcal.evaluate import compare_models
+from qcal.accuracy.evaluate import compare_models
 
 
 def _scale_model(factor: float) -> onnx.ModelProto:

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcal.errors import ConfigError, DataError
-from qcal.observers import MinMaxStats, PerChannel, PerTensor
-from qcal.onnx_mapping import degenerate_mask
-from qcal.presets import TensorRecipe, build_preset
-from qcal.schemes import QParams, TFScheme, TorchScheme, compute_qparams
+from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.observers import MinMaxStats, PerChannel, PerTensor
+from qcal.numerics.onnx_mapping import degenerate_mask
+from qcal.numerics.presets import TensorRecipe, build_preset
+from qcal.numerics.schemes import QParams, TFScheme, TorchScheme, compute_qparams
 
 f32 = np.float32
 

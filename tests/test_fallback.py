@@ -23,17 +23,17 @@ from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage
+from qcal.accuracy.evaluate import Comparison, OutputMetrics
+from qcal.accuracy.fallback import AccuracyTarget, Candidate, restrict_plan, search_fallback
+from qcal.accuracy.sensitivity import TensorSensitivity
+from qcal.calibration.runtime import create_session
 from qcal.cli import main
 from qcal.config import CalibrationConfig
-from qcal.coverage import Coverage, compute_macs, measure_coverage
-from qcal.errors import AccuracyGateError, ConfigError
-from qcal.evaluate import Comparison, OutputMetrics
-from qcal.fallback import AccuracyTarget, Candidate, restrict_plan, search_fallback
-from qcal.model import SelectionRules, plan_quantization, prepare_model
+from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
+from qcal.numerics.errors import AccuracyGateError, ConfigError
 from qcal.pipeline import calibrate
 from qcal.report import report_schema
-from qcal.runtime import create_session
-from qcal.sensitivity import TensorSensitivity
 
 SAMPLE_MODELS = Path(__file__).resolve().parents[1] / "sample_models"
 VOCAB, LENGTH, WIDTH, CLASSES = 256, 12, 16, 10
@@ -414,8 +414,8 @@ def _scaled_net() -> onnx.ModelProto:
 
 
 def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> None:
-    from qcal.fallback import rank_candidates
-    from qcal.qdq import InsertQDQ
+    from qcal.accuracy.fallback import rank_candidates
+    from qcal.graph.qdq import InsertQDQ
 
     path, data = save_with_data(tmp_path, "scaled", _scaled_net(), 12, evaluate=16)
     assert data is not None
@@ -452,7 +452,7 @@ def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> N
 def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: Path) -> None:
     import onnxruntime as ort
 
-    from qcal.qdq import InsertQDQ
+    from qcal.graph.qdq import InsertQDQ
 
     path, _ = save_with_data(tmp_path, "scaled", _scaled_net(), 13)
     captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))

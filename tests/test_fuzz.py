@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
-from qcal import errors
 from qcal.cli import main
+from qcal.numerics import errors
 
 ERROR_BOUND = 0.3  # relative RMS error: about 10.5 dB of SQNR, for at most 7 quantized layers
 DOCUMENTED_ERRORS = {

@@ -17,10 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qcal.errors import EmptyStatisticsError
-from qcal.observers import Granularity, MindSporeObserver, MinMaxStats, PerChannel, PerTensor
-from qcal.presets import TensorRecipe, build_preset
-from qcal.schemes import QParams
+from qcal.numerics.errors import EmptyStatisticsError
+from qcal.numerics.observers import (
+    Granularity,
+    MindSporeObserver,
+    MinMaxStats,
+    PerChannel,
+    PerTensor,
+)
+from qcal.numerics.presets import TensorRecipe, build_preset
+from qcal.numerics.schemes import QParams
 
 GOLDEN_DIR = Path(os.environ.get("QCAL_GOLDEN_DIR", Path(__file__).parent / "golden"))
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qcal.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.histogram import (
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.histogram import (
     Histogram,
     HistogramObserver,
     RangeSelection,
@@ -24,8 +24,8 @@ from qcal.histogram import (
     percentile_range,
     select_range,
 )
-from qcal.observers import MinMaxStats, PerChannel, PerTensor
-from qcal.presets import build_preset
+from qcal.numerics.observers import MinMaxStats, PerChannel, PerTensor
+from qcal.numerics.presets import build_preset
 
 BITS = 8  # the observer's default resolution
 
@@ -559,8 +559,8 @@ def test_constant_and_zero_data_keep_the_observed_range() -> None:
 
 def test_entropy_ignores_the_relu_spike_at_zero() -> None:
     """Half the values of a ReLU output are exactly 0; they must not drag the threshold down."""
-    from qcal.histogram import HistogramObserver, entropy_range
-    from qcal.observers import PerTensor
+    from qcal.numerics.histogram import HistogramObserver, entropy_range
+    from qcal.numerics.observers import PerTensor
 
     rng = np.random.default_rng(11)
     relu = np.maximum(rng.standard_normal(200_000).astype(np.float32), 0)

@@ -26,8 +26,8 @@ from _onnx_testing import build_model, float_input
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal import errors
 from qcal.cli import main
+from qcal.numerics import errors
 
 CONFIG = errors.ConfigError.exit_code
 MODEL = errors.ModelError.exit_code

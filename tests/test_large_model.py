@@ -4,7 +4,7 @@
 The slow test builds a model of over 2 GiB (two large MatMul weights, written straight to an
 external file, never whole in memory) and calibrates it in a subprocess, measuring its peak
 memory. The fast tests check the same output path on small models, with the size at which
-output goes external (`qcal.model_file.EXTERNAL_DATA_THRESHOLD_BYTES`) lowered.
+output goes external (`qcal.graph.files.save.EXTERNAL_DATA_THRESHOLD_BYTES`) lowered.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from _onnx_testing import build_model, float_input
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-import qcal.model_file
-import qcal.runtime
-from qcal import errors
+import qcal.calibration.runtime
+import qcal.graph.files.save
 from qcal.cli import main
+from qcal.numerics import errors
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -138,7 +138,7 @@ def test_a_model_with_external_data_is_written_with_external_data(
     for tensor in codes:
         entries = {e.key: e.value for e in tensor.external_data}
         assert entries["location"] == "q.onnx.data"
-        assert int(entries["offset"]) % qcal.model_file.ALIGNMENT_BYTES == 0
+        assert int(entries["offset"]) % qcal.graph.files.save.ALIGNMENT_BYTES == 0
     onnx.checker.check_model(str(out / "q.onnx"), full_check=True)
     session = ort.InferenceSession(str(out / "q.onnx"), providers=["CPUExecutionProvider"])
     x = np.load(data)["x"]
@@ -179,7 +179,7 @@ def test_a_large_inline_model_goes_external_above_the_threshold(
     args = ["--data", tmp_path / "d.npz", "--report", tmp_path / "q.json", "-q"]
     result = calibrate(tmp_path / "m.onnx", "-o", tmp_path / "inline.onnx", *args)
     assert result.exit_code == 0 and not (tmp_path / "inline.onnx.data").exists()
-    monkeypatch.setattr(qcal.model_file, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(qcal.graph.files.save, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
     result = calibrate(tmp_path / "m.onnx", "-o", tmp_path / "external.onnx", *args, "--force")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "external.onnx.data").is_file()
@@ -213,7 +213,7 @@ def test_a_failed_write_leaves_neither_file(
     def disk_full(path: Path, data: bytes) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(qcal.model_file, "write_atomic", disk_full)
+    monkeypatch.setattr(qcal.graph.files.save, "write_atomic", disk_full)
     result = calibrate(
         model, "--data", data, "-o", out / "q.onnx", "--report", out / "q.json", "-q"
     )
@@ -233,8 +233,8 @@ def test_sessions_for_models_over_the_protobuf_limit_leave_the_model_untouched(
         {"W": rng.standard_normal((32, 64)).astype(np.float32)},
     )
     before = model.SerializeToString()
-    monkeypatch.setattr(qcal.runtime, "_MAX_INLINE_BYTES", 100)  # take the large-model path
-    session = qcal.runtime.create_session(model)
+    monkeypatch.setattr(qcal.calibration.runtime, "_MAX_INLINE_BYTES", 100)  # take the large-model path
+    session = qcal.calibration.runtime.create_session(model)
     x = rng.standard_normal((2, 32)).astype(np.float32)
     weight = onnx.numpy_helper.to_array(model.graph.initializer[0])
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ weight, rtol=1e-5, atol=1e-5)
@@ -297,8 +297,8 @@ def test_weights_kept_in_files_calibrate_to_the_same_model(
     onnxruntime does not repack mapped weights, which changes its summation order.)"""
     import tempfile
 
-    import qcal.passes._large as large
     from qcal.config import CalibrationConfig
+    from qcal.graph.files import large
     from qcal.pipeline import calibrate as run_calibration
 
     folder = tmp_path / "in"
@@ -320,13 +320,13 @@ def test_weights_kept_in_files_calibrate_to_the_same_model(
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     mapped: list[bool] = []
-    original = qcal.runtime._mapping_weights
+    original = qcal.calibration.runtime._mapping_weights
 
     def spy(model: onnx.ModelProto, *args: Any) -> bytes:
         mapped.append(large.has_external_data(model))
         return original(model, *args)
 
-    monkeypatch.setattr(qcal.runtime, "_mapping_weights", spy)
+    monkeypatch.setattr(qcal.calibration.runtime, "_mapping_weights", spy)
     in_files = run("files")
     assert mapped and all(mapped)  # every session of the second run mapped its weights
     assert list(temp.iterdir()) == []  # the weights moved out of memory went with the run
@@ -338,8 +338,8 @@ def test_weights_kept_in_files_calibrate_to_the_same_model(
 def test_a_model_keeps_its_large_external_weights_in_their_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qcal.passes._large as large
-    from qcal.model import load_model
+    from qcal.graph.files import large
+    from qcal.graph.model import load_model
 
     model = mlp_with_external_weights(tmp_path, [64, 128, 10])
     monkeypatch.setattr(large, "DETACH_MIN_BYTES", 4 * 128 * 10 + 1)  # W0 is large, W1 not
@@ -352,7 +352,7 @@ def test_a_model_keeps_its_large_external_weights_in_their_files(
         expected = onnx.numpy_helper.to_array(stored)
         np.testing.assert_array_equal(large.tensor_array(kept), expected)
     x = np.random.default_rng(8).standard_normal((3, 64)).astype(np.float32)
-    mapped = qcal.runtime.create_session(loaded).run(None, {"x": x})[0]
+    mapped = qcal.calibration.runtime.create_session(loaded).run(None, {"x": x})[0]
     whole = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(mapped, whole.run(None, {"x": x})[0])
 
@@ -426,8 +426,8 @@ def test_preparation_of_a_model_over_the_limit_works_on_a_copy_without_weights(
 ) -> None:
     """Opset conversion and shape inference see the model without its large weights (so it
     serializes), and the converted model gets them back, byte for byte."""
-    import qcal.passes._large as large
-    from qcal.model import prepare_model
+    from qcal.graph.files import large
+    from qcal.graph.model import prepare_model
 
     rng = np.random.default_rng(5)
     nodes = [
@@ -465,8 +465,8 @@ def test_weights_quantized_in_blocks_equal_weights_quantized_whole(
 ) -> None:
     """Large weights are quantized a block at a time (bounded temporaries): same codes."""
     import qcal.pipeline
-    from qcal.observers import MinMaxObserver, PerChannel, PerTensor
-    from qcal.presets import build_preset
+    from qcal.numerics.observers import MinMaxObserver, PerChannel, PerTensor
+    from qcal.numerics.presets import build_preset
 
     recipe = build_preset(preset).weight
     array = np.random.default_rng(6).standard_normal((6, 7, 5)).astype(np.float32) * 3

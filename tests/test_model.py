@@ -11,8 +11,7 @@ import pytest
 from _onnx_testing import build_model, conv_bn_relu, float_input
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import ConfigError, ModelError
-from qcal.model import (
+from qcal.graph.model import (
     OP_RULES,
     ActivationTarget,
     BiasTarget,
@@ -26,6 +25,7 @@ from qcal.model import (
     prepare_model,
     rules_table,
 )
+from qcal.numerics.errors import ConfigError, ModelError
 
 # ------------------------------------------------------------------------------------ loading
 

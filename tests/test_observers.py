@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcal.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.observers import (
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.observers import (
     DataPolicy,
     FixedRangeObserver,
     MindSporeObserver,

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from qcal.errors import ConfigError
-from qcal.observers import MinMaxStats
-from qcal.onnx_mapping import OnnxQParams, to_onnx_qparams
-from qcal.presets import TensorRecipe, build_preset
-from qcal.schemes import QParams, TorchScheme, compute_qparams
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.observers import MinMaxStats
+from qcal.numerics.onnx_mapping import OnnxQParams, to_onnx_qparams
+from qcal.numerics.presets import TensorRecipe, build_preset
+from qcal.numerics.schemes import QParams, TorchScheme, compute_qparams
 
 f32 = np.float32
 _NUMPY_TYPES = {TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8, TensorProto.INT16: np.int16}

@@ -10,18 +10,18 @@ import pytest
 from _onnx_testing import build_model, conv_bn_relu, float_input, run
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import ConfigError, ModelError
-from qcal.model import prepare_model
-from qcal.passes import (
+from qcal.graph.files import large as _large
+from qcal.graph.model import prepare_model
+from qcal.graph.passes import (
     ConstantsToInitializers,
     EliminateIdentity,
     FoldBatchNorm,
     InferShapes,
     NameNodes,
     UpgradeOpset,
-    _large,
 )
-from qcal.passes import upgrade_opset as upgrade_module
+from qcal.graph.passes import upgrade_opset as upgrade_module
+from qcal.numerics.errors import ConfigError, ModelError
 
 
 def _feed(rng: np.random.Generator, shape: tuple[int, ...] = (2, 3, 8, 8)) -> dict[str, np.ndarray]:

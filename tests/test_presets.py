@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from qcal.errors import ConfigError
-from qcal.observers import (
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.observers import (
     FixedRangeObserver,
     MindSporeObserver,
     MinMaxObserver,
@@ -18,8 +18,8 @@ from qcal.observers import (
     PerChannel,
     PerTensor,
 )
-from qcal.presets import METHODS, PRESETS, build_preset
-from qcal.schemes import (
+from qcal.numerics.presets import METHODS, PRESETS, build_preset
+from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,

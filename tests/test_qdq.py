@@ -17,11 +17,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import ModelError
-from qcal.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
-from qcal.names import NameAllocator
-from qcal.onnx_mapping import OnnxQParams
-from qcal.qdq import InsertQDQ, PassResult, QuantizedWeight
+from qcal.graph.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
+from qcal.graph.names import NameAllocator
+from qcal.graph.qdq import InsertQDQ, PassResult, QuantizedWeight
+from qcal.numerics.errors import ModelError
+from qcal.numerics.onnx_mapping import OnnxQParams
 
 RANGES: dict[int, tuple[int, int, type[np.integer]]] = {
     TensorProto.INT8: (-128, 127, np.int8),

@@ -15,7 +15,7 @@ from _onnx_testing import build_model, float_input
 from onnx import helper
 
 from qcal.config import CalibrationConfig
-from qcal.model import SelectionRules, plan_quantization, prepare_model
+from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
 from qcal.pipeline import calibrate
 
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcal.errors import ConfigError, DataError
-from qcal.observers import MinMaxStats
-from qcal.presets import PRESETS, build_preset
-from qcal.schemes import (
+from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.observers import MinMaxStats
+from qcal.numerics.presets import PRESETS, build_preset
+from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,

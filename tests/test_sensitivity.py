@@ -15,10 +15,10 @@ from _onnx_testing import build_model, run
 from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from onnx import TensorProto, helper
 
+from qcal.accuracy.sensitivity import _Models, measure_sensitivity
 from qcal.config import CalibrationConfig
+from qcal.graph.qdq import InsertQDQ
 from qcal.pipeline import calibrate
-from qcal.qdq import InsertQDQ
-from qcal.sensitivity import _Models, measure_sensitivity
 
 SAMPLE_MODELS = Path(__file__).resolve().parents[1] / "sample_models"
 
@@ -226,7 +226,7 @@ def test_outputs_without_softmax_have_no_logit_figure(calibrated: tuple) -> None
 def test_refinement_stops_when_its_run_budget_is_spent(calibrated: tuple) -> None:
     path, data, _ = calibrated
     model, plan, acts, weights = _pieces(path)
-    from qcal import sensitivity
+    from qcal.accuracy import sensitivity
 
     full = measure_sensitivity(model, plan, acts, weights, batches(data)).by_tensor()
     first8 = measure_sensitivity(model, plan, acts, weights, batches(data[:8])).by_tensor()

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from qcal.errors import QcalError
-from qcal.model import QuantPlan
-from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
-from qcal.passes._large import DETACH_MIN_BYTES, light_copy
-from qcal.passes.infer_shapes import infer_shapes
+from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
+from qcal.graph.model import QuantPlan
+from qcal.graph.passes.infer_shapes import infer_shapes
+from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
+from qcal.numerics.errors import QcalError
 
 __all__ = [
     "COMPUTE_OPS",
@@ -288,8 +288,8 @@ def shape_probe(
     threads: int = 0,
 ) -> ShapeProbe:
     """A `ShapeProbe` that runs `model` once on `sample` with the asked tensors as outputs."""
-    from qcal.collect import expose_tensors
-    from qcal.runtime import create_session
+    from qcal.calibration.collect import expose_tensors
+    from qcal.calibration.runtime import create_session
 
     def probe(tensors: list[str]) -> Shapes:
         known = element_types(model.graph)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from qcal.errors import DataError
-from qcal.runtime import create_session
+from qcal.calibration.runtime import create_session
+from qcal.numerics.errors import DataError
 
 __all__ = ["Comparison", "OutputMetrics", "compare_models", "is_classifier_like"]
 

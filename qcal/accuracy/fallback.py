@@ -1,9 +1,9 @@
 """Automatic float fallback: keep the most harmful tensors in float until an accuracy target holds.
 
 Candidates are the planned tensors whose quantization alone changes the outputs (from
-`qcal.sensitivity`). Each gets a harm, its output noise ratio alone (over the logits, for
+`qcal.accuracy.sensitivity`). Each gets a harm, its output noise ratio alone (over the logits, for
 softmax outputs), and a cost, the share of compute that would stop running as integer kernels
-if it were kept float (from `qcal.coverage`). They are ranked by ``harm / (cost + 1 %)``: a tensor that costs no compute
+if it were kept float (from `qcal.accuracy.coverage`). They are ranked by ``harm / (cost + 1 %)``: a tensor that costs no compute
 (the input of an elementwise op, a statistic) goes first unless a matmul's harm is much larger,
 so that cheap elementwise tensors are given up before expensive convolutions and matmuls.
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import onnx
 
-from qcal.coverage import Coverage, measure_coverage
-from qcal.evaluate import Comparison
-from qcal.model import NodeDecision, QuantPlan
-from qcal.sensitivity import SensitivityResult, TensorSensitivity
+from qcal.accuracy.coverage import Coverage, measure_coverage
+from qcal.accuracy.evaluate import Comparison
+from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
+from qcal.graph.model import NodeDecision, QuantPlan
 
 __all__ = [
     "AccuracyTarget",
@@ -323,7 +323,7 @@ def search_fallback(
         model: the prepared float model.
         plan: the full plan.
         candidates: ranked by `rank_candidates`.
-        macs: MACs per compute node (`qcal.coverage.compute_macs`).
+        macs: MACs per compute node (`qcal.accuracy.coverage.compute_macs`).
         target: what the QDQ model must reach.
         floor: lowest acceptable quantized share of compute (0..1).
         write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).

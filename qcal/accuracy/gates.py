@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qcal.accuracy.coverage import Coverage
+from qcal.accuracy.evaluate import Comparison
+from qcal.accuracy.fallback import worst_agreement
 from qcal.config import CalibrationConfig
-from qcal.coverage import Coverage
-from qcal.errors import AccuracyGateError
-from qcal.evaluate import Comparison
-from qcal.fallback import worst_agreement
+from qcal.numerics.errors import AccuracyGateError
 
 __all__ = ["GateResult", "check_gates", "raise_for_failed"]
 

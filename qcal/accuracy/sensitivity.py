@@ -46,15 +46,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import DataError, ModelError
-from qcal.evaluate import is_classifier_like
-from qcal.model import QuantPlan
-from qcal.names import NameAllocator
-from qcal.onnx_mapping import OnnxQParams
-from qcal.passes._graph import UseIndex, element_types
-from qcal.passes._large import tensor_array
-from qcal.qdq import QuantizedWeight
-from qcal.runtime import create_session
+from qcal.accuracy.evaluate import is_classifier_like
+from qcal.calibration.runtime import create_session
+from qcal.graph.files.large import tensor_array
+from qcal.graph.model import QuantPlan
+from qcal.graph.names import NameAllocator
+from qcal.graph.qdq import QuantizedWeight
+from qcal.graph.structure import UseIndex, element_types
+from qcal.numerics.errors import DataError, ModelError
+from qcal.numerics.onnx_mapping import OnnxQParams
 
 __all__ = ["SensitivityResult", "TensorSensitivity", "measure_sensitivity"]
 

@@ -2,7 +2,7 @@
 
 One onnxruntime session runs a copy of the model that outputs what the observers need. Min-max
 observers (all but histograms) need only each batch's extremes: the graph computes them next to
-the tensors (qcal.passes.reduce_min_max), only a few small arrays leave onnxruntime, and the
+the tensors (qcal.calibration.reduce_min_max), only a few small arrays leave onnxruntime, and the
 tensors are freed as in plain inference. Other observers get whole tensors as extra outputs.
 Each batch's arrays go to the observers and are dropped before the next-but-one batch runs, so
 peak memory depends on the batch size, never on the number of samples. Observer updates of batch
@@ -21,19 +21,19 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal.data import find_nonfinite
-from qcal.errors import DataError, ModelError, QcalError
-from qcal.observers import Observer, PerChannel, PerTensorExtremesFeed
-from qcal.passes._graph import element_types
-from qcal.passes.expose_subgraph_tensors import expose_subgraph_tensors
-from qcal.passes.reduce_min_max import (
+from qcal.calibration.data import find_nonfinite
+from qcal.calibration.expose_subgraph_tensors import expose_subgraph_tensors
+from qcal.calibration.reduce_min_max import (
     MinMaxLayout,
     add_min_max_outputs,
     read_per_channel,
     read_per_tensor,
     value_ranks,
 )
-from qcal.runtime import create_session
+from qcal.calibration.runtime import create_session
+from qcal.graph.structure import element_types
+from qcal.numerics.errors import DataError, ModelError, QcalError
+from qcal.numerics.observers import Observer, PerChannel, PerTensorExtremesFeed
 
 __all__ = ["CollectionSummary", "collect", "expose_tensors"]
 

@@ -44,10 +44,10 @@ import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped, unused-ignore]
 from onnx import numpy_helper
 
-from qcal.errors import ConfigError, DataError
+from qcal.numerics.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from qcal.model import InputSpec
+    from qcal.graph.model import InputSpec
 
 __all__ = [
     "SYNTHETIC_FREE_DIM",

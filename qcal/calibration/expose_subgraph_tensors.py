@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qcal.errors import ModelError
-from qcal.names import NameAllocator
-from qcal.passes._graph import DEFAULT_DOMAINS, attribute_graphs, graph_element_types
+from qcal.graph.names import NameAllocator
+from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs, graph_element_types
+from qcal.numerics.errors import ModelError
 
 __all__ = ["ExposedTensors", "expose_subgraph_tensors"]
 

@@ -38,9 +38,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import ModelError
-from qcal.names import NameAllocator
-from qcal.passes._graph import default_opset
+from qcal.graph.names import NameAllocator
+from qcal.graph.structure import default_opset
+from qcal.numerics.errors import ModelError
 
 __all__ = [
     "MinMaxLayout",

@@ -9,9 +9,9 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from qcal.errors import ConfigError, ModelError
-from qcal.model_file import stage_model
-from qcal.passes._large import external_file, is_external, serialized_size
+from qcal.graph.files.large import external_file, is_external, serialized_size
+from qcal.graph.files.save import stage_model
+from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = ["available_providers", "create_session"]
 
@@ -58,7 +58,7 @@ def create_session(
     skips its graph optimizations: the session opens faster and runs slower, which pays for a
     session that runs once.
 
-    Initializers kept in files (see `qcal.passes._large`) are mapped by onnxruntime from their
+    Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]

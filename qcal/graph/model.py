@@ -3,8 +3,8 @@ what to quantize.
 
 * `load_model` reads an ONNX file, checks every external-data reference stays inside the
   model's folder before any of it is read, runs onnx.checker and hashes the file.
-* `prepare_model` runs the preparation passes of `qcal.passes` on a copy and reports each step.
-* `plan_quantization` (in `qcal._plan`, public here) applies the per-operator rules of
+* `prepare_model` runs the preparation passes of `qcal.graph.passes` on a copy and reports each step.
+* `plan_quantization` (in `qcal.graph.plan`, public here) applies the per-operator rules of
   `OP_RULES` and the user's selection to decide, for every node, whether it is quantized and
   which tensors get Q/DQ.
 """
@@ -22,7 +22,17 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
-from qcal._plan import (
+from qcal.graph.files import large as _large
+from qcal.graph.passes import (
+    ConstantsToInitializers,
+    EliminateIdentity,
+    FoldBatchNorm,
+    InferShapes,
+    NameNodes,
+    PrepPass,
+    UpgradeOpset,
+)
+from qcal.graph.plan import (
     OP_RULES,
     OP_RULES_DOC,
     ActivationTarget,
@@ -36,18 +46,8 @@ from qcal._plan import (
     plan_quantization,
     rules_table,
 )
-from qcal.errors import ModelError, QcalError
-from qcal.passes import (
-    ConstantsToInitializers,
-    EliminateIdentity,
-    FoldBatchNorm,
-    InferShapes,
-    NameNodes,
-    PrepPass,
-    UpgradeOpset,
-    _large,
-)
-from qcal.passes._graph import all_graphs, attribute_graphs, check_wiring
+from qcal.graph.structure import all_graphs, attribute_graphs, check_wiring
+from qcal.numerics.errors import ModelError, QcalError
 
 __all__ = [
     "OP_RULES",
@@ -99,7 +99,7 @@ class LoadedModel:
         path: the file it was read from.
         model: the model. Of its external data (from safe paths only), the main graph's
             initializers of at least 1 MiB stay in their files, referred to by absolute path
-            (see `qcal.passes._large`); the rest is loaded into memory.
+            (see `qcal.graph.files.large`); the rest is loaded into memory.
         sha256: hex digest of the .onnx file's bytes.
         external_files: the external-data files the weights were read from (resolved, sorted).
     """

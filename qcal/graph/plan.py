@@ -1,5 +1,5 @@
 """The quantization plan: per-operator rules and the user's selection decide, for every node,
-whether it is quantized and which tensors get Q/DQ. Public through `qcal.model`."""
+whether it is quantized and which tensors get Q/DQ. Public through `qcal.graph.model`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from qcal._traps import Traps, find_traps
-from qcal.errors import ConfigError, ModelError
-from qcal.passes._graph import (
+from qcal.graph.files.large import tensor_array
+from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     UseIndex,
     attribute_graphs,
     graph_element_types,
 )
-from qcal.passes._large import tensor_array
+from qcal.graph.traps import Traps, find_traps
+from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = [
     "OP_RULES",

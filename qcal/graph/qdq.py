@@ -34,9 +34,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.errors import ModelError
-from qcal.names import NameAllocator
-from qcal.passes._graph import (
+from qcal.graph.files.large import (
+    SERIALIZE_LIMIT_BYTES,
+    has_external_data,
+    light_copy,
+    run_detached,
+    serialized_size,
+    tensor_array,
+)
+from qcal.graph.names import NameAllocator
+from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     SUBGRAPH_SLOT,
     Use,
@@ -47,18 +54,11 @@ from qcal.passes._graph import (
     default_opset,
     graph_element_types,
 )
-from qcal.passes._large import (
-    SERIALIZE_LIMIT_BYTES,
-    has_external_data,
-    light_copy,
-    run_detached,
-    serialized_size,
-    tensor_array,
-)
+from qcal.numerics.errors import ModelError
 
 if TYPE_CHECKING:
-    from qcal.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
-    from qcal.onnx_mapping import OnnxQParams
+    from qcal.graph.model import ActivationTarget, BiasTarget, QuantPlan, WeightTarget
+    from qcal.numerics.onnx_mapping import OnnxQParams
 
 __all__ = ["InsertQDQ", "PassResult", "QuantizedWeight"]
 

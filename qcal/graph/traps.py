@@ -1,5 +1,5 @@
 """Default exclusions: the graph patterns where quantizing a tensor costs much accuracy for no
-compute, found before any data is seen. Used by the planner (`qcal._plan`) unless
+compute, found before any data is seen. Used by the planner (`qcal.graph.plan`) unless
 `SelectionRules.default_exclusions` is off (`--no-default-exclusions`).
 
 1. Normalization statistics. A normalization divides (or multiplies) a tensor by a statistic
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex
 
 __all__ = ["TRAP_RULES_DOC", "Traps", "find_traps"]
 

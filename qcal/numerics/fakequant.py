@@ -2,7 +2,7 @@
 
 Each function follows one API's formula and float32 operation order from SEMANTICS.md:
 PyTorch §1.4, TensorFlow §2.4, OneFlow §3.2, MindSpore §4.4/§4.5 and Horizon §5.4. Parameters come
-from :func:`qcal.schemes.compute_qparams`; nothing here computes a scale.
+from :func:`qcal.numerics.schemes.compute_qparams`; nothing here computes a scale.
 
 :func:`quantize` gives the integer codes of the ONNX QDQ representation (used to pre-quantize
 weights): the API's own codes, re-expressed against the ONNX zero point.
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from qcal.errors import DataError
-from qcal.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams, degenerate_mask
-from qcal.schemes import (
+from qcal.numerics.errors import DataError
+from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams, degenerate_mask
+from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,

@@ -1,7 +1,7 @@
 """Observers: turn calibration batches into min/max statistics.
 
 An observer only accumulates statistics; it knows nothing about integer types, scales or zero
-points (those belong to :mod:`qcal.schemes`). Each observer follows one API's range-tracking
+points (those belong to :mod:`qcal.numerics.schemes`). Each observer follows one API's range-tracking
 convention of SEMANTICS.md:
 
 * :class:`MinMaxObserver`: running extreme over all batches (§1.2 ``MinMaxObserver``; also the
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from qcal.errors import ConfigError, DataError, EmptyStatisticsError, QcalError
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError, QcalError
 
 __all__ = [
     "DataPolicy",
@@ -919,8 +919,8 @@ _FROM_DICT: Mapping[str, Callable[[Mapping[str, Any]], Observer]] = {
 
 
 def _histogram_from_dict(data: Mapping[str, Any]) -> Observer:
-    # qcal.histogram builds on this module, so it is imported only when a histogram is loaded.
-    from qcal.histogram import HistogramObserver
+    # qcal.numerics.histogram builds on this module, so it is imported only when a histogram is loaded.
+    from qcal.numerics.histogram import HistogramObserver
 
     return HistogramObserver.from_dict(data)
 

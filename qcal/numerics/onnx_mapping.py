@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from qcal.errors import ConfigError
-from qcal.schemes import (
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,
@@ -233,7 +233,7 @@ def to_onnx_qparams(qparams: QParams, scheme: Scheme, *, opset: int = DEFAULT_OP
     """ONNX QuantizeLinear parameters for ``qparams`` computed with ``scheme`` (§7).
 
     Args:
-        qparams: parameters from :func:`qcal.schemes.compute_qparams`.
+        qparams: parameters from :func:`qcal.numerics.schemes.compute_qparams`.
         scheme: the scheme they were computed with.
         opset: the opset the QDQ model will use. int4/uint4/int16/uint16 are chosen only when it
             is at least 21; otherwise narrower ranges use int8/uint8 with clip bounds.

@@ -4,7 +4,7 @@ A preset is data: a description, its knobs (API names, defaults and checks) and 
 that turns resolved knobs into two :class:`TensorRecipe` objects, one for activations and one for
 weights (SEMANTICS.md §8). A recipe holds the scheme, the observers the API offers and the axes
 on which it allows per-channel parameters; it computes parameters, fake-quantizes and maps to
-ONNX by calling :mod:`qcal.schemes`, :mod:`qcal.fakequant` and :mod:`qcal.onnx_mapping`.
+ONNX by calling :mod:`qcal.numerics.schemes`, :mod:`qcal.numerics.fakequant` and :mod:`qcal.numerics.onnx_mapping`.
 
 Observer methods: ``"minmax"`` is the running extreme over all calibration data (0-forcing, if the
 API has it, happens when parameters are computed); ``"moving-average"`` is the API's EMA
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from qcal import fakequant
-from qcal.errors import ConfigError
-from qcal.observers import (
+from qcal.numerics import fakequant
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.observers import (
     DataPolicy,
     FixedRangeObserver,
     Granularity,
@@ -38,8 +38,8 @@ from qcal.observers import (
     OneFlowMovingAverageObserver,
     PerChannel,
 )
-from qcal.onnx_mapping import DEFAULT_OPSET, OnnxQParams, to_onnx_qparams
-from qcal.schemes import (
+from qcal.numerics.onnx_mapping import DEFAULT_OPSET, OnnxQParams, to_onnx_qparams
+from qcal.numerics.schemes import (
     TORCH_EPS,
     HorizonScheme,
     LearnedScaleScheme,
@@ -77,7 +77,7 @@ class TensorRecipe:
     """How one role (activations or weights) is observed, parameterised and fake-quantized.
 
     Attributes:
-        scheme: the scheme of :mod:`qcal.schemes` the API uses for this role.
+        scheme: the scheme of :mod:`qcal.numerics.schemes` the API uses for this role.
         per_channel_axes: "any", the axes the API allows per channel (OneFlow: (0,)), or ().
         ch_axis: the API's default channel axis for this role, or None when it is per tensor.
         observers: method name -> observer factory (not part of equality).

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from qcal.config import HISTOGRAM_METHODS, CalibrationConfig
-from qcal.errors import DataError
-from qcal.histogram import HistogramObserver, select_range
-from qcal.observers import Granularity, MinMaxStats, Observer
-from qcal.presets import TensorRecipe
+from qcal.numerics.errors import DataError
+from qcal.numerics.histogram import HistogramObserver, select_range
+from qcal.numerics.observers import Granularity, MinMaxStats, Observer
+from qcal.numerics.presets import TensorRecipe
 
 __all__ = ["RangeChoice", "choose_range", "new_observer"]
 

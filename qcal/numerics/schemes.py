@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from qcal.errors import ConfigError, DataError
-from qcal.observers import MinMaxStats
+from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.observers import MinMaxStats
 
 __all__ = [
     "TORCH_EPS",

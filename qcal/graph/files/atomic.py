@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from qcal.errors import OutputError
+from qcal.numerics.errors import OutputError
 
 __all__ = ["check_output_path", "sha256_of_file", "write_atomic"]
 

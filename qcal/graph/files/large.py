@@ -8,8 +8,8 @@ afterwards, so memory stays close to one copy of the weights.
 A large model is calibrated with the bytes of its large main-graph initializers in files, not
 in memory: such a tensor has ``data_location`` EXTERNAL and an absolute ``location`` (its
 offset and length as usual). The files are the model's own external data (see
-`qcal.model.load_model`) or a `WeightFile` written while calibrating. onnxruntime maps them
-(`qcal.runtime.create_session`), the output writer copies them (`qcal.model_file`), and
+`qcal.graph.model.load_model`) or a `WeightFile` written while calibrating. onnxruntime maps them
+(`qcal.calibration.runtime.create_session`), the output writer copies them (`qcal.graph.files.save`), and
 `tensor_array` reads one when its values are needed. Nothing else reads them: the model held
 in memory stays small, and each weight is in memory at most once.
 """
@@ -27,7 +27,7 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor  # type: ignore[import-untyped]
 from google.protobuf.message import EncodeError, Message  # type: ignore[import-untyped]
 
-from qcal.errors import ModelError, OutputError
+from qcal.numerics.errors import ModelError, OutputError
 
 __all__ = [
     "SERIALIZE_LIMIT_BYTES",

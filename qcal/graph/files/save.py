@@ -10,7 +10,7 @@ Both files are first written under temporary names beside their targets; `Staged
 renames the data file into place and then writes the model file, so a model file on disk always
 has its data. The tensors' bytes are written one at a time straight from the model being saved,
 which is only read, or copied a chunk at a time from the files of tensors kept in files (see
-`qcal.passes._large`): memory stays at about one copy of the model.
+`qcal.graph.files.large`): memory stays at about one copy of the model.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import BinaryIO
 
 import onnx
 
-from qcal.errors import OutputError
-from qcal.files import write_atomic
-from qcal.passes._large import (
+from qcal.graph.files.atomic import write_atomic
+from qcal.graph.files.large import (
     has_external_data,
     is_external,
     light_copy,
     read_external,
     serialized_size,
 )
+from qcal.numerics.errors import OutputError
 
 __all__ = [
     "ALIGNMENT_BYTES",

@@ -32,7 +32,7 @@ class PrepPass(Protocol):
     """A graph rewrite with one job.
 
     A pass may rewrite the model it is given in place (the caller owns that copy). It checks what
-    it relies on and raises `qcal.errors.ModelError` when the model cannot be prepared.
+    it relies on and raises `qcal.numerics.errors.ModelError` when the model cannot be prepared.
     """
 
     name: ClassVar[str]

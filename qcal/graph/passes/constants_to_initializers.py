@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qcal.passes._base import StepResult
-from qcal.passes._graph import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
 
 __all__ = ["ConstantsToInitializers"]
 

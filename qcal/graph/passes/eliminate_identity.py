@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import onnx
 
-from qcal.passes._base import StepResult
-from qcal.passes._graph import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
 
 __all__ = ["EliminateIdentity"]
 

@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qcal.names import NameAllocator
-from qcal.passes._base import StepResult
-from qcal.passes._graph import DEFAULT_DOMAINS, UseIndex
-from qcal.passes._large import tensor_array
+from qcal.graph.files.large import tensor_array
+from qcal.graph.names import NameAllocator
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
 
 __all__ = ["FoldBatchNorm"]
 

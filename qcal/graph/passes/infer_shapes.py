@@ -11,9 +11,9 @@ from typing import ClassVar
 import onnx
 from onnx import shape_inference
 
-from qcal.passes._base import StepResult
-from qcal.passes._graph import attribute_graphs, element_types
-from qcal.passes._large import run_detached
+from qcal.graph.files.large import run_detached
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import attribute_graphs, element_types
 
 __all__ = ["InferShapes", "infer_shapes"]
 

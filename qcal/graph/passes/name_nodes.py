@@ -7,9 +7,9 @@ from typing import ClassVar
 
 import onnx
 
-from qcal.names import NameAllocator
-from qcal.passes._base import StepResult
-from qcal.passes._graph import attribute_graphs
+from qcal.graph.names import NameAllocator
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import attribute_graphs
 
 __all__ = ["NameNodes"]
 

@@ -9,10 +9,10 @@ from typing import ClassVar
 import onnx
 from onnx import version_converter
 
-from qcal.errors import ConfigError, ModelError
-from qcal.passes._base import StepResult
-from qcal.passes._graph import DEFAULT_DOMAINS, attribute_graphs, default_opset
-from qcal.passes._large import run_detached
+from qcal.graph.files.large import run_detached
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs, default_opset
+from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = ["UpgradeOpset"]
 

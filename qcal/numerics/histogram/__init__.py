@@ -16,9 +16,13 @@ observed extremes, so no value moves by more than its bin's width.
 
 from __future__ import annotations
 
-from qcal.histogram._distribution import Distribution, abs_distribution, signed_distribution
-from qcal.histogram._observer import DEFAULT_MANTISSA_BITS, Histogram, HistogramObserver
-from qcal.histogram._select import (
+from qcal.numerics.histogram._distribution import (
+    Distribution,
+    abs_distribution,
+    signed_distribution,
+)
+from qcal.numerics.histogram._observer import DEFAULT_MANTISSA_BITS, Histogram, HistogramObserver
+from qcal.numerics.histogram._select import (
     RANGE_METHODS,
     QuantRecipe,
     RangeSelection,

@@ -22,8 +22,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from qcal.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.observers import Granularity, MinMaxStats, Observer, PerChannel, PerTensor, reduce_min_max
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.observers import (
+    Granularity,
+    MinMaxStats,
+    Observer,
+    PerChannel,
+    PerTensor,
+    reduce_min_max,
+)
 
 __all__ = ["DEFAULT_MANTISSA_BITS", "Histogram", "HistogramObserver"]
 
@@ -122,7 +129,7 @@ class Histogram:
 
 
 class HistogramObserver:
-    """Streaming histogram observer; satisfies :class:`qcal.observers.Observer`.
+    """Streaming histogram observer; satisfies :class:`qcal.numerics.observers.Observer`.
 
     Each batch is counted and dropped: memory is bounded by the bin count. NaN and infinities are
     refused (a histogram has no bin for them); empty batches are ignored. The state is

@@ -1,7 +1,7 @@
 """Range selection from a histogram: percentile, entropy (KL divergence) and mse.
 
-Each method is a pure function of a :class:`~qcal.histogram.Histogram` that returns a
-:class:`RangeSelection`; its ``stats`` is a :class:`~qcal.observers.MinMaxStats` that goes through
+Each method is a pure function of a :class:`~qcal.numerics.histogram.Histogram` that returns a
+:class:`RangeSelection`; its ``stats`` is a :class:`~qcal.numerics.observers.MinMaxStats` that goes through
 the preset's ``compute_qparams`` like a min-max range, so every preset works with every method.
 Work is vectorized over candidates and bins; only channels are looped over.
 """
@@ -15,10 +15,14 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from qcal.errors import ConfigError
-from qcal.histogram._distribution import Distribution, abs_distribution, signed_distribution
-from qcal.histogram._observer import Histogram
-from qcal.observers import MinMaxStats
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.histogram._distribution import (
+    Distribution,
+    abs_distribution,
+    signed_distribution,
+)
+from qcal.numerics.histogram._observer import Histogram
+from qcal.numerics.observers import MinMaxStats
 
 __all__ = [
     "KL_SMOOTHING",
@@ -46,7 +50,7 @@ _KL_CHUNK_ELEMENTS = 1 << 20
 
 
 class QuantRecipe(Protocol):
-    """What mse needs from a preset's tensor recipe (``qcal.presets.TensorRecipe`` has it)."""
+    """What mse needs from a preset's tensor recipe (``qcal.numerics.presets.TensorRecipe`` has it)."""
 
     def qparams(self, stats: MinMaxStats) -> Any:
         """Quantization parameters for a range (per channel for (C,) statistics)."""
@@ -113,7 +117,7 @@ def percentile_range(
       each side.
 
     Quantiles are read from the piecewise-linear model of the histogram (see
-    ``qcal.histogram._distribution``): the result lies inside the fixed bin of the order
+    ``qcal.numerics.histogram._distribution``): the result lies inside the fixed bin of the order
     statistic of rank ``ceil(p * n / 100)``, within 2**-mantissa_bits of it relatively.
 
     Raises:
