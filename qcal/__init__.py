@@ -1,6 +1,6 @@
 """qcal: post-training calibration of ONNX models into QDQ models."""
 
-__version__ = "0.1.0"
+from qcal._version import __version__
 
 from qcal.config import CalibrationConfig, TensorOverride
 from qcal.numerics.errors import (

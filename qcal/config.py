@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qcal.numerics.errors import ConfigError
+from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,8 +32,6 @@ __all__ = [
     "load_config_file",
 ]
 
-METHODS = ("minmax", "moving-average", "percentile", "entropy", "mse")
-HISTOGRAM_METHODS = frozenset({"percentile", "entropy", "mse"})
 
 # uint8 asymmetric activations with int8 symmetric per-channel weights (PyTorch's x86 default) is
 # the layout onnxruntime's CPU kernels are fastest on, and its QDQ mapping is exact.
@@ -146,6 +145,9 @@ class CalibrationConfig:
     def method_for(self, tensor: str) -> str:
         override = self.tensors.get(tensor)
         return override.method if override and override.method else self.method
+
+    def histogram_settings(self) -> HistogramSettings:
+        return HistogramSettings(self.percentile, self.bins, self.quantized_bins)
 
     def percentile_for(self, tensor: str) -> float:
         override = self.tensors.get(tensor)

@@ -22,7 +22,7 @@ import onnx
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
-from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
+from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
@@ -243,7 +243,7 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     coverage = measure_coverage(prepared, plan, macs)
-    gates = check_gates(config, comparison, coverage,
+    gates = check_gates(_gates(config), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached)
 
     # Large models (or inputs with external data) are written with external data,
@@ -297,6 +297,13 @@ def _stage_progress(progress: Progress | None, stage: str, total: int | None) ->
     return lambda n: progress(stage, n, total)
 
 
+def _gates(config: CalibrationConfig) -> Gates:
+    target = (("target-sqnr", config.target_sqnr) if config.target_sqnr is not None
+              else ("max-agreement-drop", config.max_agreement_drop or 0.0))
+    return Gates(config.fail_under_sqnr, config.fail_under_agreement,
+                 config.fail_if_coverage_below, target)
+
+
 def _check_overrides(config: CalibrationConfig, plan: QuantPlan) -> None:
     known = {t.tensor for t in plan.activations}
     for name, override in sorted(config.tensors.items()):
@@ -305,7 +312,7 @@ def _check_overrides(config: CalibrationConfig, plan: QuantPlan) -> None:
 
 
 def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor: str) -> Observer:
-    return new_observer(recipe, config.method_for(tensor), PerTensor(), config)
+    return new_observer(recipe, config.method_for(tensor), PerTensor())
 
 
 def _activation_records(
@@ -318,7 +325,8 @@ def _activation_records(
             continue  # takes the parameters of `target.same_as`, below
         method = config.method_for(target.tensor)
         try:
-            choice = choose_range(observers[target.tensor], recipe, method, config,
+            choice = choose_range(observers[target.tensor], recipe, method,
+                                  config.histogram_settings(),
                                   percentile=config.percentile_for(target.tensor))
         except EmptyStatisticsError:
             continue  # received no values: the caller leaves it float
@@ -383,10 +391,10 @@ def _quantize_weights(
         array = tensor_array(initializers[target.tensor])
         array = array.astype(np.float32, copy=False)
         granularity = _weight_granularity(recipe, target.axis, config.per_channel)
-        observer = new_observer(recipe, "minmax", granularity, config)
+        observer = new_observer(recipe, "minmax", granularity)
         try:
             observer.update(array)
-            choice = choose_range(observer, recipe, "minmax", config)
+            choice = choose_range(observer, recipe, "minmax", config.histogram_settings())
         except DataError as err:
             raise type(err)(f"weight {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)

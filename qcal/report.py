@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-import qcal
+from qcal._version import __version__
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import FallbackResult
@@ -194,7 +194,7 @@ def build_report(
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": {
-            "qcal": qcal.__version__,
+            "qcal": __version__,
             "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__,
             "numpy": np.__version__,

@@ -13,10 +13,20 @@ from dataclasses import dataclass
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import worst_agreement
-from qcal.config import CalibrationConfig
 from qcal.numerics.errors import AccuracyGateError
 
-__all__ = ["GateResult", "check_gates", "raise_for_failed"]
+__all__ = ["GateResult", "Gates", "check_gates", "raise_for_failed"]
+
+
+@dataclass(frozen=True)
+class Gates:
+    """The thresholds a run must meet (None: that gate is off), and the fallback's own target
+    (its option name and threshold), which counts as a gate when the fallback misses it."""
+
+    fail_under_sqnr: float | None = None
+    fail_under_agreement: float | None = None
+    fail_if_coverage_below: float | None = None
+    fallback_target: tuple[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,40 +63,39 @@ class GateResult:
 
 
 def check_gates(
-    config: CalibrationConfig,
+    gates: Gates,
     comparison: Comparison | None,
     coverage: Coverage,
     fallback_reached: bool | None = None,
 ) -> list[GateResult]:
-    """Evaluate every gate the config sets, in a fixed order (SQNR, agreement, coverage).
+    """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage).
 
     When any gate is set and the fallback ran without reaching its target above the coverage
     floor, that is a failed gate too (named after the target's option).
     """
     results: list[GateResult] = []
-    if config.fail_under_sqnr is not None:
+    if gates.fail_under_sqnr is not None:
         sqnr = None if comparison is None else comparison.worst_sqnr_db
-        passed = comparison is not None and (sqnr is None or sqnr >= config.fail_under_sqnr)
+        passed = comparison is not None and (sqnr is None or sqnr >= gates.fail_under_sqnr)
         results.append(GateResult("fail-under-sqnr", "worst output SQNR (dB)",
-                                  config.fail_under_sqnr, sqnr, passed))
-    if config.fail_under_agreement is not None:
+                                  gates.fail_under_sqnr, sqnr, passed))
+    if gates.fail_under_agreement is not None:
         agreement = None if comparison is None else worst_agreement(comparison)
         value = None if agreement is None else 100.0 * agreement
-        passed = value is not None and value >= config.fail_under_agreement
+        passed = value is not None and value >= gates.fail_under_agreement
         results.append(GateResult("fail-under-agreement", "worst top-1 agreement (%)",
-                                  config.fail_under_agreement, value, passed))
-    if config.fail_if_coverage_below is not None:
+                                  gates.fail_under_agreement, value, passed))
+    if gates.fail_if_coverage_below is not None:
         value = 100.0 * coverage.fraction
         measure = ("quantized share of compute MACs (%)" if coverage.basis == "macs"
                    else "quantized share of compute nodes (%)")
         results.append(GateResult("fail-if-coverage-below", measure,
-                                  config.fail_if_coverage_below, value,
-                                  value >= config.fail_if_coverage_below))
+                                  gates.fail_if_coverage_below, value,
+                                  value >= gates.fail_if_coverage_below))
     if results and fallback_reached is False:
-        option, threshold = (("target-sqnr", config.target_sqnr) if config.target_sqnr is not None
-                             else ("max-agreement-drop", config.max_agreement_drop))
+        option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         results.append(GateResult(option, "fallback target reached above the coverage floor "
-                                  "(1 yes, 0 no)", float(threshold or 0.0), 0.0, False))
+                                  "(1 yes, 0 no)", float(threshold), 0.0, False))
     return results
 
 

@@ -13,13 +13,32 @@ from typing import Any
 
 import numpy as np
 
-from qcal.config import HISTOGRAM_METHODS, CalibrationConfig
 from qcal.numerics.errors import DataError
 from qcal.numerics.histogram import HistogramObserver, select_range
 from qcal.numerics.observers import Granularity, MinMaxStats, Observer
 from qcal.numerics.presets import TensorRecipe
 
-__all__ = ["RangeChoice", "choose_range", "new_observer"]
+__all__ = [
+    "HISTOGRAM_METHODS",
+    "METHODS",
+    "HistogramSettings",
+    "RangeChoice",
+    "choose_range",
+    "new_observer",
+]
+
+# Every range method; the histogram ones choose a range from a streaming histogram.
+METHODS = ("minmax", "moving-average", "percentile", "entropy", "mse")
+HISTOGRAM_METHODS = frozenset({"percentile", "entropy", "mse"})
+
+
+@dataclass(frozen=True)
+class HistogramSettings:
+    """How the histogram methods choose a range (the run's options of the same names)."""
+
+    percentile: float
+    bins: int
+    quantized_bins: int
 
 
 @dataclass(frozen=True)
@@ -29,28 +48,26 @@ class RangeChoice:
     summary: dict[str, Any] = field(default_factory=dict)   # method details for the report
 
 
-def new_observer(
-    recipe: TensorRecipe, method: str, granularity: Granularity, config: CalibrationConfig
-) -> Observer:
+def new_observer(recipe: TensorRecipe, method: str, granularity: Granularity) -> Observer:
     if method in HISTOGRAM_METHODS:
         return HistogramObserver(granularity)
     return recipe.observer(method, granularity)
 
 
 def choose_range(
-    observer: Observer, recipe: TensorRecipe, method: str, config: CalibrationConfig,
+    observer: Observer, recipe: TensorRecipe, method: str, settings: HistogramSettings,
     *, percentile: float | None = None,
 ) -> RangeChoice:
     """The range for `method`; a non-finite range (infinite values in the data) is refused.
 
-    `percentile` overrides `config.percentile` (a per-tensor setting).
+    `percentile` overrides `settings.percentile` (a per-tensor setting).
     """
     if method in HISTOGRAM_METHODS:
         selection = select_range(
             observer.state(), method, recipe,
-            percentile=config.percentile if percentile is None else percentile,
+            percentile=settings.percentile if percentile is None else percentile,
             symmetric_percentile=bool(getattr(recipe.scheme, "symmetric", True)),
-            bins=config.bins, quantized_bins=config.quantized_bins,
+            bins=settings.bins, quantized_bins=settings.quantized_bins,
         )
         choice = RangeChoice(selection.observed, selection.stats, dict(selection.summary))
     else:
