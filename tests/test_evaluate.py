@@ -51,3 +51,73 @@ def test_sign_flip_breaks_agreement() -> None:
     data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
     out = compare_models(_scale_model(1.0), _scale_model(-1.0), (({"x": d}, 2) for d in data)).outputs[0]
     assert out.top1_agreement == 0.0 and out.cosine == pytest.approx(-1.0)
+
+
+def _unary_model(op: str, *, output: str = "y", rank: int = 2) -> onnx.ModelProto:
+    shape = ["N", 5] if rank == 2 else ["N", 5, 1]
+    nodes = [helper.make_node(op, ["x"], ["t"], name="op")]
+    nodes.append(helper.make_node("Reshape", ["t", "shape"], [output], name="reshape"))
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, shape)],
+        initializer=[helper.make_tensor("shape", TensorProto.INT64, [rank],
+                                        [0, 5] if rank == 2 else [0, 5, 1])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_non_finite_outputs_are_counted_and_break_the_output() -> None:
+    """Log of the data is -inf/NaN where the data is <= 0: counted, and the sums run over the
+    elements both models computed finite."""
+    x = np.array([[1.0, -2.0, 0.5, 0.0, 3.0], [2.0, 4.0, -1.0, 0.25, 1.5]], np.float32)
+    result = compare_models(_unary_model("Abs"), _unary_model("Log"), iter([({"x": x}, 2)]))
+    out = result.outputs[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log(x)
+    bad = ~np.isfinite(logs)
+    assert out.nonfinite_float == 0
+    assert out.nonfinite_quantized == out.nonfinite_introduced == int(bad.sum()) == 3
+    assert out.broken and result.broken_outputs == ("y",)
+    assert result.worst_sqnr_db == -math.inf
+    a = np.abs(x[~bad]).astype(np.float64)
+    b = logs[~bad].astype(np.float64)
+    assert out.sqnr_db == pytest.approx(10 * math.log10((a**2).sum() / ((a - b) ** 2).sum()))
+    assert out.to_json()["nonfinite_introduced"] == 3
+
+
+def test_non_finite_in_both_models_is_not_introduced() -> None:
+    x = np.array([[1.0, -2.0, 0.5, 0.0, 3.0]], np.float32)
+    result = compare_models(_unary_model("Log"), _unary_model("Log"), iter([({"x": x}, 1)]))
+    out = result.outputs[0]
+    assert out.nonfinite_float == out.nonfinite_quantized == 2
+    assert out.nonfinite_introduced == 0 and not out.broken and out.sqnr_db is None
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (_unary_model("Abs", output="z"), "no output 'y'"),
+        (_unary_model("Abs", rank=3), "rank 2 in the float model, 3 in the second"),
+    ],
+)
+def test_models_with_different_outputs_are_refused(other: onnx.ModelProto, message: str) -> None:
+    from qcal.numerics.errors import ModelError
+
+    x = np.ones((1, 5), np.float32)
+    with pytest.raises(ModelError, match=message):
+        compare_models(_unary_model("Abs"), other, iter([({"x": x}, 1)]))
+
+
+def test_a_broken_output_fails_every_gate() -> None:
+    from qcal.accuracy.coverage import Coverage
+    from qcal.accuracy.gates import Gates, check_gates
+
+    x = np.array([[1.0, -2.0, 0.5, 0.0, 3.0]], np.float32)
+    comparison = compare_models(_unary_model("Abs"), _unary_model("Log"), iter([({"x": x}, 1)]))
+    coverage = Coverage(basis="nodes", compute_nodes=1, quantized_nodes=1, macs_total=None,
+                        macs_quantized=None, note=None)
+    results = check_gates(Gates(fail_under_sqnr=-100.0), comparison, coverage)
+    assert [(r.option, r.passed) for r in results] == [
+        ("finite-outputs", False), ("fail-under-sqnr", False)]
+    assert check_gates(Gates(), comparison, coverage)[0].value == 2.0

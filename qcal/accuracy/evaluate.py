@@ -5,19 +5,25 @@ SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical), 
 max abs error = max|x−y|, and, for classifier-like outputs (rank 2, at least 2 classes), top-1
 agreement = share of samples whose argmax over the last axis is the same. With labels, top-1
 accuracy of both models against them. Only running sums are kept, never the outputs.
+
+Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
+elements both models computed finite. A quantized model that produces a non-finite value where
+the float model does not is broken on that output whatever the other figures say: its worst SQNR
+is -inf, so every gate and fallback target fails on it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
 
 from qcal.calibration.runtime import create_session
-from qcal.numerics.errors import DataError
+from qcal.numerics.errors import DataError, ModelError
 
 __all__ = ["Comparison", "OutputMetrics", "compare_models", "is_classifier_like"]
 
@@ -33,8 +39,16 @@ class OutputMetrics:
     top1_agreement: float | None
     float_accuracy: float | None = None
     quantized_accuracy: float | None = None
+    nonfinite_float: int = 0       # non-finite elements in the float model's output
+    nonfinite_quantized: int = 0   # ... in the quantized model's output
+    nonfinite_introduced: int = 0  # non-finite in the quantized output where the float is finite
 
-    def to_json(self) -> dict[str, float | str | None]:
+    @property
+    def broken(self) -> bool:
+        """The quantized model computes non-finite values the float model does not."""
+        return self.nonfinite_introduced > 0
+
+    def to_json(self) -> dict[str, float | int | str | None]:
         return {
             "name": self.name,
             "sqnr_db": _round(self.sqnr_db),
@@ -43,6 +57,9 @@ class OutputMetrics:
             "top1_agreement": _round(self.top1_agreement),
             "float_accuracy": _round(self.float_accuracy),
             "quantized_accuracy": _round(self.quantized_accuracy),
+            "nonfinite_float": self.nonfinite_float,
+            "nonfinite_quantized": self.nonfinite_quantized,
+            "nonfinite_introduced": self.nonfinite_introduced,
         }
 
 
@@ -56,8 +73,15 @@ class Comparison:
 
     @property
     def worst_sqnr_db(self) -> float | None:
+        """The lowest output SQNR; -inf when an output is broken (see `OutputMetrics.broken`)."""
+        if self.broken_outputs:
+            return -math.inf
         values = [o.sqnr_db for o in self.outputs if o.sqnr_db is not None]
         return min(values) if values else None
+
+    @property
+    def broken_outputs(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outputs if o.broken)
 
 
 def _round(value: float | None) -> float | None:
@@ -85,11 +109,21 @@ class _Accumulator:
     correct_float: int = 0
     correct_quant: int = 0
     labelled: int = 0
+    nonfinite_float: int = 0
+    nonfinite_quantized: int = 0
+    nonfinite_introduced: int = 0
     shapes: set[tuple[int, ...]] = field(default_factory=set)
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
         x64 = x.astype(np.float64, copy=False).ravel()
         y64 = y.astype(np.float64, copy=False).ravel()
+        finite_x, finite_y = np.isfinite(x64), np.isfinite(y64)
+        if not (finite_x.all() and finite_y.all()):
+            self.nonfinite_float += int(finite_x.size - np.count_nonzero(finite_x))
+            self.nonfinite_quantized += int(finite_y.size - np.count_nonzero(finite_y))
+            self.nonfinite_introduced += int(np.count_nonzero(finite_x & ~finite_y))
+            both = finite_x & finite_y
+            x64, y64 = x64[both], y64[both]
         diff = x64 - y64
         self.signal += float(x64 @ x64)
         self.noise += float(diff @ diff)
@@ -125,6 +159,9 @@ class _Accumulator:
             top1_agreement=agreement,
             float_accuracy=self.correct_float / self.labelled if has_labels else None,
             quantized_accuracy=self.correct_quant / self.labelled if has_labels else None,
+            nonfinite_float=self.nonfinite_float,
+            nonfinite_quantized=self.nonfinite_quantized,
+            nonfinite_introduced=self.nonfinite_introduced,
         )
 
 
@@ -143,7 +180,9 @@ def compare_models(
                                    what="float model")
     quant_session = create_session(quant_model, providers=providers, threads=threads,
                                    what="quantized model")
-    names = [o.name for o in float_session.get_outputs()]
+    _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
+    # Numbers are compared; string and other non-numeric outputs are passed over.
+    names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
     accumulators = {name: _Accumulator() for name in names}
     samples = 0
     for feed, n in batches:
@@ -155,7 +194,11 @@ def compare_models(
                 raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
             batch_labels = labels[samples : samples + n]
         for name, x, y in zip(names, x_outputs, y_outputs):
-            accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels)
+            x, y = np.asarray(x), np.asarray(y)
+            if x.shape != y.shape:
+                raise ModelError(f"output {name!r}: the float model gives shape {list(x.shape)}, "
+                                 f"the other model {list(y.shape)}")
+            accumulators[name].add(x, y, batch_labels)
         samples += n
         if on_batch is not None:
             on_batch(n)
@@ -164,3 +207,26 @@ def compare_models(
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
     return Comparison(samples, tuple(accumulators[n].metrics(n) for n in names))
+
+
+def _numeric(onnx_type: str) -> bool:
+    return onnx_type.startswith("tensor(") and onnx_type != "tensor(string)"
+
+
+def _check_same_outputs(float_outputs: Sequence[Any], other_outputs: Sequence[Any]) -> None:
+    """Both models must give the same outputs (names, element types, ranks), in any order."""
+    theirs = {o.name: o for o in other_outputs}
+    ours = {o.name for o in float_outputs}
+    if missing := [o.name for o in float_outputs if o.name not in theirs]:
+        raise ModelError(f"the second model has no output {missing[0]!r} "
+                         f"(its outputs: {', '.join(sorted(theirs))})")
+    if extra := sorted(set(theirs) - ours):
+        raise ModelError(f"the second model has an output {extra[0]!r} the float model lacks")
+    for output in float_outputs:
+        other = theirs[output.name]
+        if other.type != output.type:
+            raise ModelError(f"output {output.name!r}: {output.type} in the float model, "
+                             f"{other.type} in the second model")
+        if len(output.shape) != len(other.shape):
+            raise ModelError(f"output {output.name!r}: rank {len(output.shape)} in the float "
+                             f"model, {len(other.shape)} in the second model")

@@ -64,7 +64,10 @@ class AccuracyTarget:
         return self.shortfall(comparison) <= 0.0
 
     def shortfall(self, comparison: Comparison) -> float:
-        """How far `comparison` is from the target (<= 0: met), comparable between models."""
+        """How far `comparison` is from the target (<= 0: met), comparable between models.
+        A model with broken (non-finite) outputs is infinitely far from any target."""
+        if comparison.broken_outputs:
+            return math.inf
         gaps = [0.0]
         if self.min_sqnr_db is not None:
             sqnr = comparison.worst_sqnr_db

@@ -50,7 +50,9 @@ class GateResult:
     def describe(self) -> str:
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         verdict = "passed" if self.passed else "FAILED"
-        return f"{self.measure} {value} vs --{self.option} {self.threshold:g}: {verdict}"
+        limit = ("always checked" if self.option == "finite-outputs"
+                 else f"--{self.option} {self.threshold:g}")
+        return f"{self.measure} {value} vs {limit}: {verdict}"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -72,17 +74,30 @@ def check_gates(
 
     When any gate is set and the fallback ran without reaching its target above the coverage
     floor, that is a failed gate too (named after the target's option).
+
+    One gate is always on: the quantized model may not compute non-finite values where the float
+    model computes finite ones ("finite-outputs"). Such a model is broken whatever its other
+    figures, so when it fails, every other gate fails with it.
     """
     results: list[GateResult] = []
+    broken = comparison is not None and bool(comparison.broken_outputs)
+    if broken:
+        assert comparison is not None
+        introduced = sum(o.nonfinite_introduced for o in comparison.outputs)
+        names = ", ".join(comparison.broken_outputs)
+        results.append(GateResult("finite-outputs", f"non-finite output values the float model "
+                                  f"does not produce (outputs {names})", 0.0,
+                                  float(introduced), False))
     if gates.fail_under_sqnr is not None:
-        sqnr = None if comparison is None else comparison.worst_sqnr_db
-        passed = comparison is not None and (sqnr is None or sqnr >= gates.fail_under_sqnr)
+        sqnr = None if comparison is None else _worst_finite_sqnr(comparison)
+        passed = (comparison is not None and not broken
+                  and (sqnr is None or sqnr >= gates.fail_under_sqnr))
         results.append(GateResult("fail-under-sqnr", "worst output SQNR (dB)",
                                   gates.fail_under_sqnr, sqnr, passed))
     if gates.fail_under_agreement is not None:
         agreement = None if comparison is None else worst_agreement(comparison)
         value = None if agreement is None else 100.0 * agreement
-        passed = value is not None and value >= gates.fail_under_agreement
+        passed = value is not None and value >= gates.fail_under_agreement and not broken
         results.append(GateResult("fail-under-agreement", "worst top-1 agreement (%)",
                                   gates.fail_under_agreement, value, passed))
     if gates.fail_if_coverage_below is not None:
@@ -91,12 +106,18 @@ def check_gates(
                    else "quantized share of compute nodes (%)")
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
-                                  value >= gates.fail_if_coverage_below))
+                                  value >= gates.fail_if_coverage_below and not broken))
     if results and fallback_reached is False:
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         results.append(GateResult(option, "fallback target reached above the coverage floor "
                                   "(1 yes, 0 no)", float(threshold), 0.0, False))
     return results
+
+
+def _worst_finite_sqnr(comparison: Comparison) -> float | None:
+    """The lowest SQNR over the elements both models computed finite."""
+    values = [o.sqnr_db for o in comparison.outputs if o.sqnr_db is not None]
+    return min(values) if values else None
 
 
 def raise_for_failed(results: Sequence[GateResult], report_path: object) -> None:
