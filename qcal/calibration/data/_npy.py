@@ -1,0 +1,155 @@
+"""Reading ``.npy`` members of zip (``.npz``) files without unpickling: headers alone, a whole
+member, or one axis-0 row at a time from the zip stream (so only one row is in memory).
+
+Shared by the two ``.npz`` readers (one file of many samples, a folder of one-sample files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zipfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from qcal.calibration.data._source import _native, _one_line
+from qcal.numerics.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _NpyHeader:
+    member: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    fortran_order: bool
+
+
+_READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+@contextlib.contextmanager
+def _open_zip(path: Path) -> Iterator[zipfile.ZipFile]:
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, zipfile.BadZipFile, ValueError) as err:
+        raise DataError(f"{path}: not a readable .npz file ({_one_line(err)})") from None
+    with zf:
+        yield zf
+
+
+def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[int, ...], bool]:
+    """Read the magic and header of a .npy stream, leaving `fp` at the first data byte."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran_order, dtype = fmt.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = fmt.read_array_header_2_0(fp)
+        else:
+            raise DataError(f"{origin}: unsupported .npy format version {version[0]}.{version[1]}")
+    except _READ_ERRORS as err:
+        raise DataError(f"{origin}: not a valid .npy array ({_one_line(err)})") from None
+    if dtype.hasobject:
+        # Object arrays can only be stored pickled; loading a pickle can run arbitrary code.
+        raise DataError(
+            f"{origin}: holds Python objects (a pickled object array); qcal never unpickles data,"
+            " save numeric arrays instead"
+        )
+    return dtype, tuple(int(d) for d in shape), bool(fortran_order)
+
+
+def _read_npz_headers(path: Path) -> dict[str, _NpyHeader]:
+    """Headers of every member of an .npz file, keyed as numpy keys them (name without .npy)."""
+    headers: dict[str, _NpyHeader] = {}
+    with _open_zip(path) as zf:
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            if not info.filename.endswith(".npy"):
+                raise DataError(f"{path}: member {info.filename!r} is not a .npy array")
+            key = info.filename[: -len(".npy")]
+            origin = f"{path}: array {key!r}"
+            try:
+                with zf.open(info) as fp:
+                    dtype, shape, fortran = _read_npy_header(fp, origin)
+            except _READ_ERRORS as err:
+                raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+            headers[key] = _NpyHeader(info.filename, dtype, shape, fortran)
+    return headers
+
+
+def _read_exact(
+    fp: IO[bytes],
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    origin: str,
+    *,
+    fortran_order: bool = False,
+) -> npt.NDArray[Any]:
+    """Read the next C-order (or Fortran-order) array of `shape` from `fp`, in native byte order."""
+    out = np.empty(shape, dtype, order="F" if fortran_order else "C")
+    # The transpose of a Fortran array is C-contiguous, so both orders fill one flat byte view.
+    flat = (out.T if fortran_order else out).reshape(-1).view(np.uint8)
+    try:
+        got = fp.readinto(flat) if flat.size else 0  # type: ignore[attr-defined]
+    except _READ_ERRORS as err:
+        raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+    if got != flat.size:
+        raise DataError(f"{origin}: truncated (expected {flat.size} bytes, found {got})")
+    return out if dtype.isnative else out.astype(_native(dtype))
+
+
+def _read_member(zf: zipfile.ZipFile, path: Path, key: str, member: str) -> npt.NDArray[Any]:
+    """One whole .npy member, without unpickling."""
+    origin = f"{path}: array {key!r}"
+    try:
+        with zf.open(member) as fp:
+            dtype, shape, fortran = _read_npy_header(fp, origin)
+            return _read_exact(fp, shape, dtype, origin, fortran_order=fortran)
+    except _READ_ERRORS as err:
+        raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+
+
+class _RowReader:
+    """Reads the axis-0 rows of one .npy member in order, one row at a time."""
+
+    def __init__(self, zf: zipfile.ZipFile, path: Path, key: str, header: _NpyHeader) -> None:
+        self._origin = f"{path}: array {key!r}"
+        try:
+            self._fp = zf.open(header.member)
+        except _READ_ERRORS as err:
+            raise DataError(f"{self._origin}: cannot read ({_one_line(err)})") from None
+        self._dtype, shape, fortran = _read_npy_header(self._fp, self._origin)
+        self._row_shape = shape[1:]
+        self._whole: npt.NDArray[Any] | None = None
+        self._next = 0
+        if fortran and len(shape) > 1:
+            # Rows of a Fortran-order array are not contiguous in the file: read it whole.
+            logger.warning(
+                "%s is stored in Fortran order; it is read whole, not streamed", self._origin
+            )
+            self._whole = _read_exact(
+                self._fp, shape, self._dtype, self._origin, fortran_order=True
+            )
+
+    def read(self) -> npt.NDArray[Any]:
+        if self._whole is not None:
+            row: npt.NDArray[Any] = self._whole[self._next]
+            self._next += 1
+            return row
+        return _read_exact(self._fp, self._row_shape, self._dtype, self._origin)
+
+    def close(self) -> None:
+        self._fp.close()
+        self._whole = None

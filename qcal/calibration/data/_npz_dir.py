@@ -1,0 +1,62 @@
+"""Reader of a folder of ``.npz`` files, one sample (full model feed) each, in file-name order;
+shapes may differ between samples, and each file is read only when its turn comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qcal.calibration.data._npy import _open_zip, _read_member, _read_npz_headers
+from qcal.calibration.data._source import (
+    ArrayInfo,
+    Feed,
+    SampleLayout,
+    _check_names,
+    _visible,
+)
+
+if TYPE_CHECKING:
+    from qcal.graph.model import InputSpec
+
+
+class NpzDirSource:
+    """A folder of .npz files, one sample (full model feed) each, in file-name order."""
+
+    kind = "npz-dir"
+    is_synthetic = False
+
+    def __init__(
+        self, path: Path, inputs: Sequence[InputSpec], *, limit: int | None = None
+    ) -> None:
+        """List the .npz files (hidden files are ignored); nothing is read yet."""
+        self.path: Path | None = path
+        self._inputs = tuple(inputs)
+        self._files = _npz_files(path)[:limit]
+
+    def num_samples(self) -> int:
+        """Number of .npz files, capped by the limit."""
+        return len(self._files)
+
+    def layouts(self) -> Iterator[SampleLayout]:
+        """One layout per file, from its .npy headers."""
+        for file in self._files:
+            headers = _read_npz_headers(file)
+            yield SampleLayout(
+                str(file), {k: ArrayInfo(str(file), h.dtype, h.shape) for k, h in headers.items()}
+            )
+
+    def samples(self) -> Iterator[Feed]:
+        """A fresh iterator reading one file per sample."""
+        for file in self._files:
+            with _open_zip(file) as zf:
+                members = {n[: -len(".npy")]: n for n in zf.namelist() if n.endswith(".npy")}
+                _check_names(str(file), members, self._inputs)
+                yield {
+                    s.name: _read_member(zf, file, s.name, members[s.name]) for s in self._inputs
+                }
+
+
+def _npz_files(folder: Path) -> list[Path]:
+    return [p for p in _visible(folder) if p.suffix == ".npz" and p.is_file()]
