@@ -36,8 +36,8 @@ from qcal.numerics.observers import (
     OneFlowMovingAverageObserver,
     PerChannel,
     PerTensor,
-    observer_from_dict,
 )
+from qcal.numerics.observer_state import observer_from_dict
 from qcal.numerics.onnx_mapping import OnnxQParams, to_onnx_qparams
 from qcal.numerics.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
 from qcal.pipeline import CalibrationResult, calibrate

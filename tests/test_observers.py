@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.observer_state import observer_from_dict
 from qcal.numerics.observers import (
     DataPolicy,
     FixedRangeObserver,
@@ -22,7 +23,6 @@ from qcal.numerics.observers import (
     PerChannel,
     PerTensor,
     PerTensorExtremesFeed,
-    observer_from_dict,
     reduce_min_max,
 )
 

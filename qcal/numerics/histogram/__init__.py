@@ -21,17 +21,13 @@ from qcal.numerics.histogram._distribution import (
     abs_distribution,
     signed_distribution,
 )
-from qcal.numerics.histogram._observer import DEFAULT_MANTISSA_BITS, Histogram, HistogramObserver
-from qcal.numerics.histogram._select import (
-    RANGE_METHODS,
-    QuantRecipe,
-    RangeSelection,
-    entropy_divergences,
-    entropy_range,
-    mse_range,
-    percentile_range,
-    select_range,
-)
+from qcal.numerics.histogram._entropy import entropy_divergences, entropy_range
+from qcal.numerics.histogram._mse import mse_range
+from qcal.numerics.histogram._observer import DEFAULT_MANTISSA_BITS, HistogramObserver
+from qcal.numerics.histogram._percentile import percentile_range
+from qcal.numerics.histogram._result import QuantRecipe, RangeSelection
+from qcal.numerics.histogram._select import RANGE_METHODS, select_range
+from qcal.numerics.histogram._snapshot import Histogram
 
 __all__ = [
     "DEFAULT_MANTISSA_BITS",

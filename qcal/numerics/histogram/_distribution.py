@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.numerics.histogram._observer import Histogram
+from qcal.numerics.histogram._snapshot import Histogram
 
 __all__ = ["Distribution", "abs_distribution", "signed_distribution"]
 

@@ -15,117 +15,33 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
+from qcal.numerics.histogram._counting import _GROUPS, _count, _scratch_keys
+from qcal.numerics.histogram._snapshot import Histogram
 from qcal.numerics.observers import (
     Granularity,
-    MinMaxStats,
     Observer,
     PerChannel,
     PerTensor,
     reduce_min_max,
 )
 
-__all__ = ["DEFAULT_MANTISSA_BITS", "Histogram", "HistogramObserver"]
+__all__ = ["DEFAULT_MANTISSA_BITS", "HistogramObserver"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MANTISSA_BITS = 8
 _MAX_MANTISSA_BITS = 12
-_GROUPS = 512  # sign bit x 8 exponent bits: one block of bins per group and channel
 _STATE_VERSION = 1
-# Upper bound on the dense per-batch count table (int64 entries, 2 MiB): a table that stays in
-# cache is filled fastest. Per-channel batches are counted a few channels at a time.
-_MAX_DENSE_BINS = 1 << 18
-# Below one value per _SORT_BELOW_FILL bins of a channel, sorting the keys beats filling and
-# scanning a dense table; sorted chunks hold at most _MAX_SORTED keys.
-_SORT_BELOW_FILL = 16
-_MAX_SORTED = 1 << 20
 # Per-tensor batches smaller than this are buffered as bin keys (uint32) and counted together:
 # a batch then costs a few microseconds instead of a full count. 128 KiB per observer that
 # sees such batches; halving it makes counting on 1 ms models about 10 % slower.
 _PENDING_KEYS = 1 << 15
-
-
-@dataclass(frozen=True, eq=False)
-class Histogram:
-    """Immutable snapshot of a :class:`HistogramObserver`: sparse fixed-resolution counts.
-
-    Attributes:
-        mantissa_bits: mantissa bits kept in a bin key; relative bin width is 2**-mantissa_bits.
-        axis: normalised channel axis for per-channel histograms, None per tensor.
-        groups: int64 (G,), sorted: ``channel * 512 + sign * 256 + biased_exponent`` of each
-            stored block.
-        counts: int64 (G, 2**mantissa_bits): counts of the bins of each block, by top mantissa
-            bits.
-        min: float32 (C,) exact minimum per channel (C = 1 per tensor).
-        max: float32 (C,) exact maximum per channel.
-    """
-
-    mantissa_bits: int
-    axis: int | None
-    groups: np.ndarray
-    counts: np.ndarray
-    min: np.ndarray
-    max: np.ndarray
-
-    @property
-    def is_per_channel(self) -> bool:
-        """True when there is one histogram per channel."""
-        return self.axis is not None
-
-    @property
-    def channels(self) -> int:
-        """Number of channels (1 per tensor)."""
-        return int(self.min.shape[0])
-
-    @property
-    def observed(self) -> MinMaxStats:
-        """The exact extremes of the data, shaped () per tensor and (C,) per channel."""
-        if self.axis is None:
-            return MinMaxStats(self.min.reshape(()), self.max.reshape(()))
-        return MinMaxStats(self.min.copy(), self.max.copy(), self.axis)
-
-    @property
-    def relative_resolution(self) -> float:
-        """Upper bound of a bin's width relative to the magnitudes in it: 2**-mantissa_bits."""
-        return float(2.0**-self.mantissa_bits)
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the counts and extremes."""
-        return int(self.groups.nbytes + self.counts.nbytes + self.min.nbytes + self.max.nbytes)
-
-    def channel_bins(self, channel: int) -> tuple[np.ndarray, np.ndarray]:
-        """Occupied bins of one channel as (keys, counts).
-
-        Args:
-            channel: channel index (0 per tensor).
-
-        Returns:
-            int64 keys ``sign << (8 + m) | exponent << m | mantissa_top`` (m = mantissa_bits),
-            i.e. the float32 bit pattern shifted right by ``23 - m``, sorted; and int64 counts > 0.
-        """
-        first = np.searchsorted(self.groups, channel * _GROUPS)
-        last = np.searchsorted(self.groups, (channel + 1) * _GROUPS)
-        local = self.groups[first:last] - channel * _GROUPS
-        width = 1 << self.mantissa_bits
-        keys = (local[:, None] << self.mantissa_bits) + np.arange(width, dtype=np.int64)
-        counts = self.counts[first:last]
-        occupied = counts > 0
-        return keys[occupied], counts[occupied]
-
-    def total(self) -> np.ndarray:
-        """int64 (C,): number of values seen per channel."""
-        totals = np.zeros(self.channels, dtype=np.int64)
-        np.add.at(totals, self.groups // _GROUPS, self.counts.sum(axis=1))
-        return totals
 
 
 class HistogramObserver:
@@ -425,94 +341,6 @@ class HistogramObserver:
         table[np.searchsorted(merged, stored)] = self._counts
         table[np.searchsorted(merged, groups)] += counts
         self._groups, self._counts = merged, table
-
-
-def _count(bits_rows: np.ndarray, shift: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Occupied blocks of (C, L) uint32 patterns: (group ids, (G, 2**bits) int64 counts).
-
-    Bin keys are the float32 bit patterns shifted right by ``shift`` (0 for patterns that are
-    keys already), plus a channel offset. Many values per channel: one ``np.bincount`` into a
-    dense table (cost ~ values + touched table); few: a sort of the keys (cost ~ values, no
-    table). Channels are taken in chunks that bound the dense table or the sorted array.
-    """
-    channels, length = bits_rows.shape
-    per_channel = _GROUPS << bits
-    dense = length * _SORT_BELOW_FILL >= per_channel
-    chunk = max(1, (_MAX_DENSE_BINS // per_channel) if dense else (_MAX_SORTED // length))
-    chunk = min(chunk, (1 << 32) // per_channel)  # keys plus channel offsets fit in uint32
-    found_groups: list[np.ndarray] = []
-    found_counts: list[np.ndarray] = []
-    for first in range(0, channels, chunk):
-        keys = bits_rows[first : first + chunk]
-        width = keys.shape[0]
-        if shift:
-            keys = keys >> np.uint32(shift)
-        elif width > 1:
-            keys = keys.copy()  # the channel offsets below must not touch the caller's array
-        if width > 1:
-            keys += (np.arange(width, dtype=np.uint32) * np.uint32(per_channel))[:, None]
-        if dense:
-            groups, counts = _count_dense(keys.ravel(), bits)
-        else:
-            groups, counts = _count_sorted(keys.ravel(), bits)
-        found_groups.append(groups + first * _GROUPS)
-        found_counts.append(counts)
-    if len(found_groups) == 1:
-        return found_groups[0], found_counts[0]
-    return np.concatenate(found_groups), np.concatenate(found_counts)
-
-
-def _count_dense(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    # The table ends at the largest key (np.bincount finds it anyway): activations rarely reach
-    # the top exponents or, when not negative, the sign bit, so it is a fraction of the full
-    # key space, and scanning it for occupied blocks costs less than a second pass over keys.
-    table = np.bincount(keys.astype(np.intp, copy=False))
-    width = 1 << bits
-    table.resize(-(-table.size // width) * width, refcheck=False)  # zero-filled last block
-    blocks = table.reshape(-1, width)
-    present = np.flatnonzero(blocks.sum(axis=1))
-    return present, blocks[present]
-
-
-_SCRATCH = threading.local()
-_SCRATCH_LIMIT = 1 << 22  # 32 MiB of intp keys per thread at most
-
-
-def _scratch_keys(size: int) -> np.ndarray:
-    """A reusable intp buffer of `size` for the bin keys of one batch, one per thread.
-
-    Keys are written straight into intp, the type np.bincount counts, and into memory that
-    stays mapped: a fresh array per batch makes the kernel supply (fault in and zero) new pages
-    on every write, which cost 3x the count itself for a 100k-value tensor.
-    """
-    if size > _SCRATCH_LIMIT:
-        return np.empty(size, dtype=np.intp)  # too large to keep between batches
-    buffer: np.ndarray | None = getattr(_SCRATCH, "keys", None)
-    if buffer is None or buffer.size < size:
-        grown = max(size, 2 * (0 if buffer is None else buffer.size))
-        buffer = np.empty(min(grown, _SCRATCH_LIMIT), dtype=np.intp)
-        _SCRATCH.keys = buffer
-    return buffer[:size]
-
-
-def _count_sorted(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    ordered = np.sort(keys)
-    starts = np.flatnonzero(_run_starts(ordered))
-    unique = ordered[starts]
-    counts = np.diff(np.append(starts, ordered.size))
-    groups = unique >> np.uint32(bits)
-    new_group = _run_starts(groups)
-    blocks = np.zeros((int(np.count_nonzero(new_group)), 1 << bits), dtype=np.int64)
-    blocks[np.cumsum(new_group) - 1, unique & np.uint32((1 << bits) - 1)] = counts
-    return groups[new_group].astype(np.int64), blocks
-
-
-def _run_starts(ordered: np.ndarray) -> np.ndarray:
-    """Boolean mask of the first element of each run of equal values in a sorted array."""
-    starts = np.empty(ordered.size, dtype=bool)
-    starts[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
-    return starts
 
 
 def _non_finite_message(x: np.ndarray) -> str:
