@@ -1,126 +1,26 @@
-"""Quantization schemes, and the one function that turns statistics into scale and zero point.
+"""The scheme dataclasses: one frozen description of each API's integer grid and options.
 
-A scheme is a frozen description of one API's integer grid and parameter rule; it never sees a
-batch. :func:`compute_qparams` is pure and is the only place scale and zero point are computed
-(calibration and the reference fake-quant both call it). Every step is float32, in the order
-SEMANTICS.md gives, because float64 differs near rounding boundaries (§0).
-
-Schemes (one per API convention, each citing its SEMANTICS.md section):
-
-* :class:`TorchScheme` (§1.1, §1.3), :class:`HorizonScheme` (§5.1, §5.3),
-* :class:`TFScheme` (§2.1, §2.3), :class:`OneFlowScheme` (§3.1, §3.3),
-* :class:`MindSporeScheme` (§4.1, §4.3), :class:`LearnedScaleScheme` (§4.5).
-
-``QParams.scale`` is always the step between adjacent codes (the ONNX meaning). Where an API
-reports something else, it is in ``extras`` (OneFlow cambricon's shift exponent, TF's multiplier).
+Construction (``from_api`` or ``__post_init__``) checks the API's arguments, so the parameter
+rules only ever see valid schemes. A scheme never sees statistics.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
-from qcal.numerics.errors import ConfigError, DataError
-from qcal.numerics.observers import MinMaxStats
+from qcal.numerics.errors import ConfigError
+from qcal.numerics.schemes._qparams import TORCH_EPS, Rounding
 
 __all__ = [
-    "TORCH_EPS",
     "HorizonScheme",
     "LearnedScaleScheme",
     "MindSporeScheme",
     "OneFlowScheme",
-    "QParams",
-    "Rounding",
     "Scheme",
     "TFScheme",
     "TorchScheme",
-    "compute_qparams",
-    "round_float32",
 ]
-
-_F32 = np.float32
-TORCH_EPS = float(np.finfo(np.float32).eps)  # 2**-23, PyTorch's and Horizon's default eps
-_FLT_MAX = _F32(np.finfo(np.float32).max)
-
-
-class Rounding(enum.Enum):
-    """How a float32 value is rounded to an integer (SEMANTICS.md §0)."""
-
-    HALF_TO_EVEN = "half_to_even"  # rne: numpy.rint, C nearbyint
-    HALF_UP = "half_up"  # rhu: floor(f32(t + 0.5)), the +0.5 rounded to float32 first
-    HALF_AWAY = "half_away"  # rha: C round()
-
-
-def _half_away(t: np.ndarray) -> np.ndarray:
-    whole = np.trunc(t)
-    # t - trunc(t) is exact in binary floating point, so the .5 test below is exact too.
-    step = np.where(np.abs(t - whole) >= _F32(0.5), np.sign(t), _F32(0.0))
-    return np.asarray(whole + step, dtype=_F32)
-
-
-_ROUNDERS: Mapping[Rounding, Callable[[np.ndarray], np.ndarray]] = {
-    Rounding.HALF_TO_EVEN: np.rint,
-    Rounding.HALF_UP: lambda t: np.floor(t + _F32(0.5)),
-    Rounding.HALF_AWAY: _half_away,
-}
-
-
-def round_float32(t: np.ndarray, rounding: Rounding) -> np.ndarray:
-    """Round a float32 array to integral float32 values with ``rounding`` (SEMANTICS.md §0)."""
-    with np.errstate(invalid="ignore"):
-        return np.asarray(_ROUNDERS[rounding](np.asarray(t, dtype=_F32)), dtype=_F32)
-
-
-@dataclass(frozen=True, eq=False)
-class QParams:
-    """Quantization parameters as one API computes them.
-
-    Attributes:
-        scale: float32 step between codes (ONNX meaning), shape () or (C,).
-        zero_point: same shape; int64, or float32 where the API keeps a float (OneFlow).
-        quant_min: lowest integer code of the API's grid.
-        quant_max: highest integer code.
-        axis: channel axis for per-channel parameters, None per tensor.
-        extras: API-specific arrays (``multiplier``, ``adjusted_min``/``adjusted_max`` for TF;
-            ``shift`` for OneFlow cambricon; ``nudged_min``/``nudged_max``/
-            ``zero_point_unsigned`` for MindSpore; ``alpha`` for LEARNED_SCALE).
-    """
-
-    scale: np.ndarray
-    zero_point: np.ndarray
-    quant_min: int
-    quant_max: int
-    axis: int | None
-    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        scale = np.asarray(self.scale, dtype=_F32)
-        zero_point = np.asarray(self.zero_point)
-        if zero_point.dtype.kind not in "iuf":
-            raise ConfigError(f"zero point must be numeric, got dtype {zero_point.dtype}")
-        if zero_point.shape != scale.shape or scale.ndim > 1:
-            raise ConfigError(
-                f"scale {scale.shape} and zero point {zero_point.shape} must share shape () or (C,)"
-            )
-        if self.quant_min >= self.quant_max:
-            raise ConfigError(
-                f"quant_min={self.quant_min} must be below quant_max={self.quant_max}"
-            )
-        object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "zero_point", zero_point)
-
-    @property
-    def is_per_channel(self) -> bool:
-        """True when there is one scale per channel."""
-        return self.scale.ndim == 1
-
-
-# ---------------------------------------------------------------------------------------------
-# schemes
 
 
 _TORCH_RANGES: Mapping[str, tuple[tuple[int, int], tuple[int, int]]] = {
@@ -471,165 +371,3 @@ class LearnedScaleScheme:
 Scheme = (
     TorchScheme | HorizonScheme | TFScheme | OneFlowScheme | MindSporeScheme | LearnedScaleScheme
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# parameter rules (one per scheme type)
-
-
-def _require_ordered(stats: MinMaxStats) -> None:
-    if np.any(stats.min > stats.max):  # NaN compares false and passes through
-        raise DataError("statistics have min > max")
-
-
-def _int64(values: np.ndarray) -> np.ndarray:
-    """Integral float32 values as int64; non-finite entries (undefined in the API) become 0."""
-    finite = np.isfinite(values)
-    return np.where(finite, values, _F32(0.0)).astype(np.int64)
-
-
-def _torch_qparams(stats: MinMaxStats, scheme: TorchScheme) -> QParams:
-    """§1.3: 0 added to the range; symmetric ``max(-mn, mx) / ((qmax-qmin)/2)``, affine
-    ``(mx - mn) / (qmax - qmin)`` with ``zp = clamp(qmin - rne(mn / s))``; both at least eps."""
-    if stats.min.ndim == 0 and stats.min == np.inf and stats.max == -np.inf:
-        # §1.3: an observer that saw nothing reports scale 1.0 and zero point 0.
-        return QParams(_F32(1.0), np.int64(0), scheme.quant_min, scheme.quant_max, stats.axis)
-    _require_ordered(stats)
-    zero, eps = _F32(0.0), _F32(scheme.eps)
-    mn, mx = np.minimum(stats.min, zero), np.maximum(stats.max, zero)
-    qmin, qmax = scheme.quant_min, scheme.quant_max
-    if scheme.symmetric:
-        scale = np.maximum(np.maximum(-mn, mx) / _F32((qmax - qmin) / 2), eps)
-        zero_point = np.full(scale.shape, scheme.symmetric_zero_point, dtype=np.int64)
-    else:
-        scale = np.maximum((mx - mn) / _F32(qmax - qmin), eps)
-        zero_point = np.clip(qmin - _int64(np.rint(mn / scale)), qmin, qmax)
-    return QParams(scale, zero_point, qmin, qmax, stats.axis)
-
-
-def _horizon_qparams(stats: MinMaxStats, scheme: HorizonScheme) -> QParams:
-    """§5.3: ``max(f32(max(max(-min, max), 0) / f32((qmax - qmin) / 2)), eps)``, zero point 0."""
-    _require_ordered(stats)
-    zero = _F32(0.0)
-    half_range = _F32((scheme.quant_max - scheme.quant_min) / 2)
-    magnitude = np.maximum(np.maximum(-stats.min, stats.max), zero)
-    scale = np.maximum(magnitude / half_range, _F32(scheme.eps))
-    zero_point = np.zeros(scale.shape, dtype=np.int64)
-    return QParams(scale, zero_point, scheme.quant_min, scheme.quant_max, stats.axis)
-
-
-def _tf_qparams(stats: MinMaxStats, scheme: TFScheme) -> QParams:
-    """§2.3: the side needing the smaller multiplier keeps its end; the other is widened so
-    that 0 is exact. Scale is the step; the kernel multiplies by ``multiplier``."""
-    _require_ordered(stats)
-    mn, mx = stats.min, stats.max
-    qlo, qhi = _F32(scheme.quant_min), _F32(scheme.quant_max)
-    m_lo = np.where(qlo * mn > 0, qlo / mn, _FLT_MAX)
-    m_hi = np.where(qhi * mx > 0, qhi / mx, _FLT_MAX)
-    use_lo = m_lo < m_hi  # the side needing the smaller multiplier keeps its end (§2.3)
-    multiplier = np.where(use_lo, m_lo, m_hi).astype(_F32)
-    step = np.where(use_lo, mn / qlo, mx / qhi).astype(_F32)
-    adjusted_min = np.where(use_lo, mn, qlo * step).astype(_F32)
-    adjusted_max = np.where(use_lo, qhi * step, mx).astype(_F32)
-    extras = {"multiplier": multiplier, "adjusted_min": adjusted_min, "adjusted_max": adjusted_max}
-    zero_point = np.zeros(step.shape, dtype=np.int64)
-    return QParams(step, zero_point, scheme.quant_min, scheme.quant_max, stats.axis, extras)
-
-
-def _oneflow_qparams(stats: MinMaxStats, scheme: OneFlowScheme) -> QParams:
-    """§3.1/§3.3: symmetric ``max|x| / (2^(b-1)-1)``; affine ``(mx-mn) / (2^b-1)`` with the
-    unclamped float ``zp = -R(mn / s)``; cambricon step ``2^(floor(log2 max|x|) - (b-2))``."""
-    _require_ordered(stats)
-    mn, mx = stats.min, stats.max
-    b = scheme.quantization_bit
-    extras: dict[str, np.ndarray] = {}
-    if scheme.formula == "cambricon":
-        shift = np.floor(np.log2(np.maximum(np.abs(mx), np.abs(mn)))) - _F32(b - 2)
-        scale = _power_of_two(shift)
-        zero_point = np.zeros(scale.shape, dtype=_F32)
-        extras["shift"] = np.asarray(shift, dtype=_F32)
-    elif scheme.symmetric:
-        scale = np.maximum(np.abs(mx), np.abs(mn)) / _F32(2 ** (b - 1) - 1)
-        zero_point = np.zeros(scale.shape, dtype=_F32)
-    else:
-        scale = (mx - mn) / _F32(2**b - 1)
-        zero_point = -round_float32(mn / scale, scheme.zero_point_rounding)
-    return QParams(
-        scale,
-        np.asarray(zero_point, dtype=_F32),
-        scheme.quant_min,
-        scheme.quant_max,
-        stats.axis,
-        extras,
-    )
-
-
-def _power_of_two(shift: np.ndarray) -> np.ndarray:
-    """2**shift as float32 for an integral float32 shift; -inf -> 0, +inf -> inf, NaN -> NaN."""
-    finite = np.isfinite(shift)
-    exponent = np.clip(np.where(finite, shift, 0), -200, 200).astype(np.int64)
-    power = np.ldexp(_F32(1.0), exponent).astype(_F32)
-    return np.asarray(np.where(finite, power, np.exp2(shift)), dtype=_F32)
-
-
-def _mindspore_qparams(stats: MinMaxStats, scheme: MindSporeScheme) -> QParams:
-    """§4.3: nudged zero point on the unsigned grid, ``zp = rhu(clamp(qmin - mn/s))``."""
-    _require_ordered(stats)
-    zero = _F32(0.0)
-    mn, mx = np.minimum(stats.min, zero), np.maximum(stats.max, zero)
-    if scheme.symmetric:
-        mx = np.maximum(-mn, mx)
-        mn = -mx
-    qmin, qmax = _F32(scheme.unsigned_min), _F32(scheme.unsigned_max)
-    scale = (mx - mn) / (qmax - qmin)
-    zp_from_min = qmin - mn / scale
-    zero_point = round_float32(np.clip(zp_from_min, qmin, qmax), Rounding.HALF_UP)
-    degenerate = scale == 0  # range [0, 0]: the CUDA guard gives zp = qmin and outputs 0 (§4.3)
-    zero_point = np.where(degenerate, qmin, zero_point).astype(_F32)
-    nudged_min = np.where(degenerate, zero, (qmin - zero_point) * scale).astype(_F32)
-    nudged_max = np.where(degenerate, zero, (qmax - zero_point) * scale).astype(_F32)
-    unsigned = _int64(zero_point)
-    extras = {"zero_point_unsigned": unsigned, "nudged_min": nudged_min, "nudged_max": nudged_max}
-    return QParams(
-        scale, unsigned - scheme.offset, scheme.quant_min, scheme.quant_max, stats.axis, extras
-    )
-
-
-def _learned_scale_qparams(stats: MinMaxStats, scheme: LearnedScaleScheme) -> QParams:
-    """§4.5: export ``scale = maxq / Qmax``, zero point 0; ``alpha = maxq`` for fake-quant."""
-    _require_ordered(stats)
-    zero = _F32(0.0)
-    if scheme.neg_trunc:
-        alpha = np.maximum(stats.max, zero)
-    else:
-        alpha = np.maximum(-stats.min, stats.max)
-    scale = alpha / _F32(scheme.qmax_divisor)
-    zero_point = np.zeros(scale.shape, dtype=np.int64)
-    extras = {"alpha": np.asarray(alpha, dtype=_F32)}
-    return QParams(scale, zero_point, scheme.quant_min, scheme.quant_max, stats.axis, extras)
-
-
-_RULES: Mapping[type, Callable[[MinMaxStats, Any], QParams]] = {
-    TorchScheme: _torch_qparams,
-    HorizonScheme: _horizon_qparams,
-    TFScheme: _tf_qparams,
-    OneFlowScheme: _oneflow_qparams,
-    MindSporeScheme: _mindspore_qparams,
-    LearnedScaleScheme: _learned_scale_qparams,
-}
-
-
-def compute_qparams(stats: MinMaxStats, scheme: Scheme) -> QParams:
-    """Scale and zero point of ``scheme`` for ``stats``: pure, deterministic, float32 throughout.
-
-    Degenerate inputs give the API's IEEE result (a zero or infinite scale, a NaN or infinite
-    zero point) rather than an error; the ONNX export replaces and reports them (§7).
-
-    Raises:
-        DataError: ``min > max`` in the statistics.
-    """
-    rule = _RULES.get(type(scheme))
-    if rule is None:
-        raise TypeError(f"no parameter rule for scheme {type(scheme).__name__}")
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        return rule(stats, scheme)
