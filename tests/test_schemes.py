@@ -178,8 +178,8 @@ def _documented_degenerate(scheme: Scheme, lo: float, hi: float) -> bool:
         return hi <= 0 if not scheme.signed_input else lo == hi == 0
     if isinstance(scheme, OneFlowScheme):
         return lo == hi if not scheme.symmetric else lo == hi == 0
-    if isinstance(scheme, LearnedScaleScheme) and scheme.neg_trunc:
-        return hi <= 0
+    if isinstance(scheme, LearnedScaleScheme):
+        return False  # alpha below 1e-6 becomes 1e-6 before the export (§4.5)
     return lo == hi == 0  # MindSpore: the range [0, 0]
 
 
@@ -221,3 +221,17 @@ def test_qparams_are_valid_or_documented(
         onnx = recipe.to_onnx(qparams, opset=21)
         assert np.all(np.isfinite(onnx.scale) & (onnx.scale > 0))
         assert (onnx.replacement is not None) == _documented_degenerate(recipe.scheme, lo, hi)
+
+
+def test_learned_scale_exports_alpha_after_the_ascend_floor() -> None:
+    """SEMANTICS §4.5: |alpha| < 1e-6 becomes 1e-6 before the export, so a learned maxq of 1e-8
+    exports scale = f32(1e-6 / 127), the scale the kernel computes with."""
+    from qcal.numerics.schemes import LearnedScaleScheme
+
+    scheme = LearnedScaleScheme(num_bits=8, neg_trunc=False, narrow_range=True)
+    tiny = np.float32(1e-8)
+    qparams = compute_qparams(MinMaxStats(-tiny, tiny), scheme)
+    assert qparams.scale == np.float32(np.float32(1e-6) / np.float32(127))
+    assert qparams.extras["alpha"] == np.float32(1e-6)
+    normal = compute_qparams(MinMaxStats(np.float32(-0.5), np.float32(2.0)), scheme)
+    assert normal.scale == np.float32(np.float32(2.0) / np.float32(127))

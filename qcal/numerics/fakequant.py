@@ -18,6 +18,7 @@ import numpy as np
 from qcal.numerics.errors import DataError
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams, degenerate_mask
 from qcal.numerics.schemes import (
+    LEARNED_SCALE_MIN_ALPHA,
     HorizonScheme,
     LearnedScaleScheme,
     MindSporeScheme,
@@ -34,7 +35,6 @@ __all__ = ["fake_quantize", "quantize"]
 
 _F32 = np.float32
 _EXACT_F32_INT = 2**24  # integers up to this magnitude are exact in float32
-_LEARNED_SCALE_MIN_ALPHA = _F32(1e-6)  # Ascend replaces |alpha| < 1e-6 with 1e-6 (§4.5)
 
 
 def _along(values: np.ndarray, x: np.ndarray, axis: int | None) -> np.ndarray:
@@ -150,7 +150,7 @@ def _mindspore_fake_quantize(
 def _learned_alpha(x: np.ndarray, qparams: QParams) -> np.ndarray:
     alpha = _params(x, qparams, "alpha")
     return np.where(
-        np.abs(alpha) < _LEARNED_SCALE_MIN_ALPHA, _LEARNED_SCALE_MIN_ALPHA, alpha
+        np.abs(alpha) < LEARNED_SCALE_MIN_ALPHA, LEARNED_SCALE_MIN_ALPHA, alpha
     ).astype(_F32)
 
 

@@ -18,7 +18,7 @@ reports something else, it is in ``extras`` (OneFlow cambricon's shift exponent,
 from __future__ import annotations
 
 from qcal.numerics.schemes._qparams import TORCH_EPS, QParams, Rounding, round_float32
-from qcal.numerics.schemes._rules import compute_qparams
+from qcal.numerics.schemes._rules import LEARNED_SCALE_MIN_ALPHA, compute_qparams
 from qcal.numerics.schemes._schemes import (
     HorizonScheme,
     LearnedScaleScheme,
@@ -30,6 +30,7 @@ from qcal.numerics.schemes._schemes import (
 )
 
 __all__ = [
+    "LEARNED_SCALE_MIN_ALPHA",
     "TORCH_EPS",
     "HorizonScheme",
     "LearnedScaleScheme",

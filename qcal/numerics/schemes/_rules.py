@@ -25,9 +25,10 @@ from qcal.numerics.schemes._schemes import (
     TorchScheme,
 )
 
-__all__ = ["compute_qparams"]
+__all__ = ["LEARNED_SCALE_MIN_ALPHA", "compute_qparams"]
 
 _FLT_MAX = _F32(np.finfo(np.float32).max)
+LEARNED_SCALE_MIN_ALPHA = _F32(1e-6)  # Ascend replaces |alpha| < 1e-6 with 1e-6 (§4.5)
 
 
 def _require_ordered(stats: MinMaxStats) -> None:
@@ -149,13 +150,16 @@ def _mindspore_qparams(stats: MinMaxStats, scheme: MindSporeScheme) -> QParams:
 
 
 def _learned_scale_qparams(stats: MinMaxStats, scheme: LearnedScaleScheme) -> QParams:
-    """§4.5: export ``scale = maxq / Qmax``, zero point 0; ``alpha = maxq`` for fake-quant."""
+    """§4.5: ``alpha = maxq`` with ``|alpha| < 1e-6`` replaced by 1e-6 (as the Ascend kernel
+    computes), exported as ``scale = alpha / Qmax``, zero point 0."""
     _require_ordered(stats)
     zero = _F32(0.0)
     if scheme.neg_trunc:
         alpha = np.maximum(stats.max, zero)
     else:
         alpha = np.maximum(-stats.min, stats.max)
+    alpha = np.where(np.abs(alpha) < LEARNED_SCALE_MIN_ALPHA, LEARNED_SCALE_MIN_ALPHA, alpha)
+    alpha = np.asarray(alpha, dtype=_F32)
     scale = alpha / _F32(scheme.qmax_divisor)
     zero_point = np.zeros(scale.shape, dtype=np.int64)
     extras = {"alpha": np.asarray(alpha, dtype=_F32)}
