@@ -26,8 +26,9 @@ from qcal.accuracy.fallback import FallbackResult
 from qcal.accuracy.gates import GateResult
 from qcal.accuracy.sensitivity import SensitivityResult
 from qcal.config import CalibrationConfig
+from qcal.graph.files.load import LoadedModel
 from qcal.graph.files.save import ExternalFile
-from qcal.graph.model import LoadedModel, PrepStep, QuantPlan
+from qcal.graph.model import PrepStep, QuantPlan
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import Preset
 from qcal.numerics.ranges import RangeChoice

@@ -339,7 +339,7 @@ def test_a_model_keeps_its_large_external_weights_in_their_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from qcal.graph.files import large
-    from qcal.graph.model import load_model
+    from qcal.graph.files.load import load_model
 
     model = mlp_with_external_weights(tmp_path, [64, 128, 10])
     monkeypatch.setattr(large, "DETACH_MIN_BYTES", 4 * 128 * 10 + 1)  # W0 is large, W1 not
@@ -464,7 +464,7 @@ def test_weights_quantized_in_blocks_equal_weights_quantized_whole(
     preset: str, axis: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Large weights are quantized a block at a time (bounded temporaries): same codes."""
-    import qcal.pipeline
+    import qcal._quantize_tensors
     from qcal.numerics.observers import MinMaxObserver, PerChannel, PerTensor
     from qcal.numerics.presets import build_preset
 
@@ -474,7 +474,7 @@ def test_weights_quantized_in_blocks_equal_weights_quantized_whole(
     observer.update(array)
     qparams = recipe.qparams(observer.state())
     whole = recipe.quantize(array, qparams, opset=13)
-    monkeypatch.setattr(qcal.pipeline, "_QUANTIZE_BLOCK_ELEMENTS", 20)
-    blocks = qcal.pipeline._quantize_in_blocks(recipe, array, qparams, 13)
+    monkeypatch.setattr(qcal._quantize_tensors, "_QUANTIZE_BLOCK_ELEMENTS", 20)
+    blocks = qcal._quantize_tensors._quantize_in_blocks(recipe, array, qparams, 13)
     assert blocks.dtype == whole.dtype
     np.testing.assert_array_equal(blocks, whole)

@@ -11,6 +11,7 @@ import pytest
 from _onnx_testing import build_model, conv_bn_relu, float_input
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.graph.files.load import load_model
 from qcal.graph.model import (
     OP_RULES,
     ActivationTarget,
@@ -19,7 +20,6 @@ from qcal.graph.model import (
     QuantPlan,
     SelectionRules,
     WeightTarget,
-    load_model,
     model_inputs,
     plan_quantization,
     prepare_model,

@@ -1,8 +1,7 @@
-"""The float model: safe loading, its inputs, preparation for quantization, and the plan of
-what to quantize.
+"""The float model: its inputs, preparation for quantization, and the plan of what to
+quantize. (Loading it is `qcal.graph.files.load`.)
 
-* `load_model` reads an ONNX file, checks every external-data reference stays inside the
-  model's folder before any of it is read, runs onnx.checker and hashes the file.
+* `model_inputs` lists the inputs a calibration sample must feed.
 * `prepare_model` runs the preparation passes of `qcal.graph.passes` on a copy and reports each step.
 * `plan_quantization` (in `qcal.graph.plan`, public here) applies the per-operator rules of
   `OP_RULES` and the user's selection to decide, for every node, whether it is quantized and
@@ -11,18 +10,12 @@ what to quantize.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
-from qcal.graph.files import large as _large
 from qcal.graph.passes import (
     ConstantsToInitializers,
     EliminateIdentity,
@@ -46,7 +39,7 @@ from qcal.graph.plan import (
     plan_quantization,
     rules_table,
 )
-from qcal.graph.structure import all_graphs, attribute_graphs, check_wiring
+from qcal.graph.structure import all_graphs, check_wiring
 from qcal.numerics.errors import ModelError, QcalError
 
 __all__ = [
@@ -55,7 +48,6 @@ __all__ = [
     "ActivationTarget",
     "BiasTarget",
     "InputSpec",
-    "LoadedModel",
     "NodeDecision",
     "OpRule",
     "PrepStep",
@@ -63,7 +55,6 @@ __all__ = [
     "SelectionRules",
     "WeightTarget",
     "leave_unobserved_float",
-    "load_model",
     "model_inputs",
     "plan_quantization",
     "prepare_model",
@@ -73,7 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------ loading
+# ------------------------------------------------------------------------------------- inputs
 
 
 @dataclass(frozen=True)
@@ -89,223 +80,6 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | str | None, ...]
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model read from disk.
-
-    Attributes:
-        path: the file it was read from.
-        model: the model. Of its external data (from safe paths only), the main graph's
-            initializers of at least 1 MiB stay in their files, referred to by absolute path
-            (see `qcal.graph.files.large`); the rest is loaded into memory.
-        sha256: hex digest of the .onnx file's bytes.
-        external_files: the external-data files the weights were read from (resolved, sorted).
-    """
-
-    path: Path
-    model: onnx.ModelProto
-    sha256: str
-    external_files: tuple[Path, ...] = ()
-
-
-def load_model(path: Path | str) -> LoadedModel:
-    """Read, check and hash the ONNX model at `path`, with its external data.
-
-    External data is read only after every reference has been checked: the location must be a
-    relative path that, symlinks resolved, stays inside the model's folder and names a regular
-    file holding exactly the tensor's bytes. Large weights are not read at all: they stay in
-    their files (a model over 2 GB is then held in memory without its weights). onnx.checker
-    runs on the file's bytes (or on the path when data is external, which works for models over
-    2 GB without serializing them).
-
-    Raises:
-        ModelError: naming the file (and tensor) when the model is missing, empty, not ONNX,
-            truncated, fails the checker, or has unsafe, missing or short external data.
-    """
-    path = Path(path)
-    data = _read_file(path)
-    digest = hashlib.sha256(data).hexdigest()
-    model = _parse(path, data)
-    external = list(_external_tensors(model))
-    if not external:
-        _run_checker(path, data)
-        return LoadedModel(path=path, model=model, sha256=digest)
-    del data  # the proto holds what it needs; the bytes can go before the weights arrive
-    folder = path.parent.resolve()
-    files = sorted({_check_external_reference(path, folder, t)[0] for t in external})
-    _run_checker(path, os.fspath(path))
-    # Large weights stay in their files: set aside while the rest is read, then referred to by
-    # absolute path.
-    kept: list[tuple[onnx.TensorProto, tuple[Path, int, int]]] = []
-    for tensor in model.graph.initializer:
-        if _is_external(tensor):
-            span = _check_external_reference(path, folder, tensor)
-            if span[2] >= _large.DETACH_MIN_BYTES:
-                tensor.ClearField("data_location")
-                del tensor.external_data[:]
-                kept.append((tensor, span))
-    try:
-        onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
-    except (OSError, ValueError, onnx.checker.ValidationError) as err:
-        raise ModelError(f"{path}: cannot read external data: {_first_line(err)}") from None
-    for tensor in _external_tensors(model):  # onnx loads dense tensors only
-        raise ModelError(
-            f"{path}: external data of tensor {tensor.name!r} was not loaded "
-            "(sparse tensors with external data are not supported)"
-        )
-    for tensor, span in kept:
-        _large.refer_to_file(tensor, *span)
-    return LoadedModel(path=path, model=model, sha256=digest, external_files=tuple(files))
-
-
-def _read_file(path: Path) -> bytes:
-    if not path.exists():
-        raise ModelError(f"{path}: model file not found")
-    if not path.is_file():
-        raise ModelError(f"{path}: not a regular file")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ModelError(f"{path}: cannot read model file ({err.strerror or err})") from None
-    if not data:
-        raise ModelError(f"{path}: model file is empty")
-    return data
-
-
-def _parse(path: Path, data: bytes) -> onnx.ModelProto:
-    try:
-        model: onnx.ModelProto = onnx.ModelProto.FromString(data)
-    except (DecodeError, ValueError, RuntimeError):
-        raise ModelError(
-            f"{path}: not an ONNX model (cannot parse it; truncated or another format?)"
-        ) from None
-    # Protobuf accepts many byte strings; a real model always has an IR version and a graph.
-    if model.ir_version <= 0 or not model.HasField("graph"):
-        raise ModelError(f"{path}: not an ONNX model (no IR version or graph)")
-    return model
-
-
-def _run_checker(path: Path, model: bytes | str) -> None:
-    try:
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, ValueError, RuntimeError) as err:
-        raise ModelError(f"{path}: fails onnx.checker: {_first_line(err)}") from None
-
-
-def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor of the model whose data lives in an external file."""
-    graphs = [model.graph]
-    for graph in graphs:  # grows as subgraphs are found: a breadth-first walk
-        candidates: list[onnx.TensorProto] = list(graph.initializer)
-        for sparse in graph.sparse_initializer:
-            candidates += [sparse.values, sparse.indices]
-        for node in graph.node:
-            candidates += _attribute_tensors(node, graphs)
-        yield from (t for t in candidates if _is_external(t))
-    for function in model.functions:
-        for node in function.node:
-            yield from (t for t in _attribute_tensors(node, []) if _is_external(t))
-
-
-def _attribute_tensors(
-    node: onnx.NodeProto, graphs: list[onnx.GraphProto]
-) -> list[onnx.TensorProto]:
-    tensors: list[onnx.TensorProto] = []
-    for attribute in node.attribute:
-        if attribute.HasField("t"):
-            tensors.append(attribute.t)
-        tensors.extend(attribute.tensors)
-        if attribute.HasField("sparse_tensor"):
-            tensors += [attribute.sparse_tensor.values, attribute.sparse_tensor.indices]
-        graphs.extend(attribute_graphs(attribute))
-    return tensors
-
-
-def _is_external(tensor: onnx.TensorProto) -> bool:
-    return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
-
-
-def _check_external_reference(
-    path: Path, folder: Path, tensor: onnx.TensorProto
-) -> tuple[Path, int, int]:
-    """The file holding `tensor`'s data, resolved, and the data's offset and length in it;
-    refuses an entry that is unsafe, missing or short."""
-    where = f"{path}: external data of tensor {tensor.name!r}"
-    entries = {entry.key: entry.value for entry in tensor.external_data}
-    location = entries.get("location", "")
-    if not location or "\x00" in location:
-        raise ModelError(f"{where}: missing or invalid location")
-    if (
-        PurePosixPath(location).is_absolute()
-        or PureWindowsPath(location).is_absolute()
-        or PureWindowsPath(location).drive
-        or location.startswith(("/", "\\"))
-    ):
-        raise ModelError(f"{where}: location {location!r} is an absolute path")
-    resolved: Path = (folder / location).resolve()  # follows symlinks and `..`
-    if not resolved.is_relative_to(folder):
-        raise ModelError(f"{where}: location {location!r} points outside the model's folder")
-    if (folder / location).is_symlink():  # onnx refuses these too, even pointing inside
-        raise ModelError(f"{where}: {location!r} is a symbolic link")
-    if not resolved.exists():
-        raise ModelError(f"{where}: file {location!r} not found")
-    if not resolved.is_file():
-        raise ModelError(f"{where}: {location!r} is not a regular file")
-    offset = _non_negative(entries.get("offset", "0"), where, "offset")
-    size = resolved.stat().st_size
-    available = size - offset
-    length = _non_negative(entries["length"], where, "length") if "length" in entries else available
-    needed = _tensor_nbytes(tensor)
-    if offset > size or length > available:
-        raise ModelError(
-            f"{where}: {location!r} is truncated ({size} bytes; the tensor needs {offset + length})"
-        )
-    if needed is not None and length != needed:
-        raise ModelError(
-            f"{where}: {location!r} holds {length} bytes for it, its shape and type need {needed}"
-        )
-    return resolved, offset, length
-
-
-def _non_negative(text: str, where: str, key: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ModelError(f"{where}: {key} {text!r} is not an integer") from None
-    if value < 0:
-        raise ModelError(f"{where}: {key} {value} is negative")
-    return value
-
-
-_SUB_BYTE_TYPES = frozenset(
-    getattr(onnx.TensorProto, name)
-    for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-    if hasattr(onnx.TensorProto, name)
-)
-
-
-def _tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
-    """Bytes of the tensor's raw data, None when its type has no fixed size."""
-    count = int(np.prod(tensor.dims, dtype=np.int64))
-    if tensor.data_type in _SUB_BYTE_TYPES:
-        bits = (
-            2
-            if tensor.data_type in {getattr(onnx.TensorProto, n, -1) for n in ("INT2", "UINT2")}
-            else 4
-        )
-        return (count * bits + 7) // 8
-    try:
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    except (KeyError, ValueError, TypeError):
-        return None
-    if dtype.kind in "OSU":
-        return None
-    return count * dtype.itemsize
-
-
-# ------------------------------------------------------------------------------------- inputs
 
 
 def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
@@ -440,8 +214,3 @@ def _half_precision_types(graph: onnx.GraphProto) -> list[str]:
             if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
                 found.update(a.i for a in node.attribute if a.name == "to")
     return [name for dtype, name in _HALF_TYPES.items() if dtype in found]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -1,1 +1,2 @@
-"""Model files: loading safely, writing whole or not at all, and models of any size."""
+"""Model files: loading safely (`load`), writing whole or not at all (`save`, `atomic`), and
+models of any size (`large`)."""

@@ -8,7 +8,7 @@ afterwards, so memory stays close to one copy of the weights.
 A large model is calibrated with the bytes of its large main-graph initializers in files, not
 in memory: such a tensor has ``data_location`` EXTERNAL and an absolute ``location`` (its
 offset and length as usual). The files are the model's own external data (see
-`qcal.graph.model.load_model`) or a `WeightFile` written while calibrating. onnxruntime maps them
+`qcal.graph.files.load.load_model`) or a `WeightFile` written while calibrating. onnxruntime maps them
 (`qcal.calibration.runtime.create_session`), the output writer copies them (`qcal.graph.files.save`), and
 `tensor_array` reads one when its values are needed. Nothing else reads them: the model held
 in memory stays small, and each weight is in memory at most once.

@@ -1,0 +1,200 @@
+"""The per-operator rules: which inputs and outputs of each op type are quantized, which input
+is a weight (and its channel axis), which a bias stored as int32, which ops onnxruntime fuses
+with a following Relu/Clip, and which outputs take their input's parameters. Change these to
+change what a node quantizes; `OP_RULES_DOC` says the principles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import onnx
+
+
+def _conv_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
+    return 0
+
+
+def _conv_transpose_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
+    return 1
+
+
+def _gemm_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
+    # B is (N, K) with transB=1, else (K, N): the output channel N is axis 0 or 1.
+    return 0 if _int_attribute(node, "transB", 0) else 1
+
+
+def _matmul_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
+    # B is (..., K, N): the output channel is the last axis; a vector B has no channel.
+    return rank - 1 if rank >= 2 else None
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """How one operator type is quantized.
+
+    Attributes:
+        summary: one line for the docs and the plan's reasons.
+        inputs: input positions whose float tensors are quantized (None: every input).
+            Activations get a Q/DQ pair; constant (initializer) inputs become weights,
+            per tensor unless this is the `weight` position.
+        outputs: output positions whose float tensors are quantized (None: every output).
+        weight: input position of the weight that may be quantized per channel.
+        weight_axis: the weight's channel axis from (node, weight rank); None: per tensor.
+        bias: input position of a bias stored as int32 (scale = input scale x weight scale).
+        fuses_activation: onnxruntime fuses a directly following Relu/Clip into this op, so
+            the tensor between them is left float.
+        divides_by_constant: the node divides input 0 by input 1 and is quantized only when
+            input 1 is a positive constant scalar c; its output then takes input 0's parameters
+            with the scale divided by c, and the division is folded into the output's
+            DequantizeLinear (``DQ(q, s, z) / c = DQ(q, s / c, z)``): nothing left to run.
+    """
+
+    summary: str
+    inputs: tuple[int, ...] | None = (0,)
+    outputs: tuple[int, ...] | None = (0,)
+    weight: int | None = None
+    weight_axis: Callable[[onnx.NodeProto, int], int | None] | None = field(
+        default=None, compare=False
+    )
+    bias: int | None = None
+    fuses_activation: bool = False
+    divides_by_constant: bool = False
+
+
+def _data_rule(what: str) -> OpRule:
+    return OpRule(summary=f"{what} and the output")
+
+
+OP_RULES: Mapping[str, OpRule] = {
+    "Conv": OpRule(
+        "input X, weight W (per channel: axis 0) and output Y; bias B as int32",
+        inputs=(0, 1),
+        weight=1,
+        weight_axis=_conv_weight_axis,
+        bias=2,
+        fuses_activation=True,
+    ),
+    "ConvTranspose": OpRule(
+        "input X, weight W (per channel: axis 1) and output Y; bias stays float",
+        inputs=(0, 1),
+        weight=1,
+        weight_axis=_conv_transpose_weight_axis,
+    ),
+    "Gemm": OpRule(
+        "input A, weight B (per channel: axis 0 if transB=1, else 1) and output Y; "
+        "1-D bias C as int32 when alpha = beta = 1",
+        inputs=(0, 1),
+        weight=1,
+        weight_axis=_gemm_weight_axis,
+        bias=2,
+        fuses_activation=True,
+    ),
+    "MatMul": OpRule(
+        "inputs A and B and output Y; a constant B per channel on its last axis, a constant A "
+        "per tensor; two activations (attention) are both quantized",
+        inputs=(0, 1),
+        weight=1,
+        weight_axis=_matmul_weight_axis,
+        fuses_activation=True,
+    ),
+    "Add": OpRule(
+        "both inputs (constants per tensor, in the activation type) and the output",
+        inputs=(0, 1),
+        fuses_activation=True,
+    ),
+    "Mul": OpRule(
+        "both inputs (constants per tensor, in the activation type) and the output",
+        inputs=(0, 1),
+        fuses_activation=True,
+    ),
+    "Div": OpRule(
+        "input A and the output, only when B is a positive constant scalar c: the output takes "
+        "A's parameters with the scale divided by c, which removes the division",
+        divides_by_constant=True,
+    ),
+    "Concat": OpRule("every input and the output", inputs=None),
+    "MaxPool": _data_rule("input X (never the Indices output)"),
+    "AveragePool": _data_rule("input X"),
+    "GlobalAveragePool": _data_rule("input X"),
+    "GlobalMaxPool": _data_rule("input X"),
+    "Relu": _data_rule("input X"),
+    "LeakyRelu": _data_rule("input X"),
+    "Sigmoid": _data_rule("input X"),
+    "Softmax": _data_rule("input X"),
+    "Clip": _data_rule("input X (never min/max)"),
+    "Resize": _data_rule("input X (never roi/scales/sizes)"),
+    "Reshape": _data_rule("input data (never the shape)"),
+    "Transpose": _data_rule("input X"),
+    "Flatten": _data_rule("input X"),
+    "Squeeze": _data_rule("input data (never axes)"),
+    "Unsqueeze": _data_rule("input data (never axes)"),
+    "Slice": _data_rule("input data (never starts/ends/axes/steps)"),
+    "Gather": _data_rule("input data (never indices)"),
+    "DepthToSpace": _data_rule("input X"),
+    "SpaceToDepth": _data_rule("input X"),
+    "Split": OpRule("input (never split sizes) and every output", outputs=None),
+}
+OP_RULES_DOC = """Per-operator quantization rules (ai.onnx domain), keyed by op type.
+
+Only tensors with a float element type (float32, float16, bfloat16; observed in float32) are
+quantized: shapes, indices and masks never are. A node whose op type has no rule stays float.
+A tensor read by a quantized node at a quantized input position is quantized for that node
+(whoever produced it, graph inputs included); a quantized node's quantized outputs are
+quantized even when nothing quantized reads them. For onnxruntime's CPU provider, the tensor
+between a Conv, Gemm, MatMul, Add or Mul and a Relu or Clip (constant bounds) that is its only
+reader is left float: onnxruntime folds the activation into the QuantizeLinear that follows
+it, and the Relu/Clip output is quantized instead. The outputs of Reshape, Transpose, Flatten,
+Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool and
+Resize (not cubic) take the parameters of their input and are not observed: their values lie
+in its range, and onnxruntime then runs them on the integers (float readers of such an output
+read its DequantizeLinear, which holds the same values). The output of a Div by a positive
+constant scalar c takes its input's parameters with the scale divided by c: the
+DequantizeLinear of the input's codes with that scale is the quotient, and the Div is removed
+(as in the x * relu6(x + 3) / 6 of hard-swish). Constants at quantized inputs are
+stored pre-quantized: at a weight input with the weight scheme, elsewhere (Add, Mul, Concat,
+a constant MatMul A) per tensor with the activation scheme, whose type the integer kernels need.
+"""
+"""The principles behind `OP_RULES`, for the README and `qcal inspect`."""
+
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+
+
+def rules_table() -> str:
+    """`OP_RULES` as a Markdown table (for the README and `qcal inspect`); see `OP_RULES_DOC`."""
+    lines = ["| op type | quantized |", "| --- | --- |"]
+    lines += [f"| {op} | {rule.summary} |" for op, rule in OP_RULES.items()]
+    return "\n".join(lines)
+
+
+# Operators whose outputs hold only values of their first input (moved, selected, or the max of
+# some), or, for Resize, values between them: an output quantized with the input's parameters
+# loses nothing the input did not, and onnxruntime then drops the DequantizeLinear/QuantizeLinear
+# pair around the node and runs it on the integers.
+SAME_SCALE_OPS = frozenset(
+    {
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
+        "DepthToSpace", "SpaceToDepth", "MaxPool", "GlobalMaxPool", "Resize",
+    }
+)
+
+
+def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return str(attribute.s.decode())
+    return default
+
+
+def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return int(attribute.i)
+    return default
+
+
+def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return float(attribute.f)
+    return default

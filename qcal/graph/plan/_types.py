@@ -1,0 +1,109 @@
+"""The plan's data: the user's selection (`SelectionRules`) and what planning decides (a
+`QuantPlan` of activation, weight and bias targets and one `NodeDecision` per node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SelectionRules:
+    """Which nodes and tensors the user lets qcal quantize.
+
+    Attributes:
+        op_types: only these op types (None: every op type with a rule).
+        exclude_op_types: op types to leave float.
+        exclude_nodes: fnmatch globs on node names to leave float.
+        exclude_tensors: tensors never to quantize.
+        per_channel: quantize weights per channel where the rule allows.
+        default_exclusions: apply the trap-avoiding default exclusions (`TRAP_RULES_DOC`).
+    """
+
+    op_types: frozenset[str] | None = None
+    exclude_op_types: frozenset[str] = frozenset()
+    exclude_nodes: tuple[str, ...] = ()
+    exclude_tensors: frozenset[str] = frozenset()
+    per_channel: bool = True
+    default_exclusions: bool = True
+
+
+@dataclass(frozen=True)
+class ActivationTarget:
+    """An activation to observe and quantize once.
+
+    Attributes:
+        tensor: its name.
+        consumers: names of the quantized nodes that read it through the DQ (sorted).
+        same_as: for the output of an operator that only moves or selects values (Reshape,
+            Transpose, MaxPool, Resize, ...; `SAME_SCALE_OPS`), the activation upstream whose
+            parameters it takes instead of being observed: its values lie within that tensor's
+            range, and with equal parameters onnxruntime runs the operator on the integers,
+            without a DequantizeLinear/QuantizeLinear pair around it. None: observed itself.
+        divisor: with `same_as`, the source's scale is divided by this: the tensor is the
+            source divided by a positive constant (a Div, `OpRule.divides_by_constant`, on the
+            way). 1.0 when only data movement lies between them.
+    """
+
+    tensor: str
+    consumers: tuple[str, ...]
+    same_as: str | None = None
+    divisor: float = 1.0
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """A constant (initializer) read by a quantized node, stored pre-quantized.
+
+    Attributes:
+        tensor: the initializer's name.
+        node: the quantized node reading it.
+        op_type: that node's op type.
+        axis: channel axis for per-channel quantization, None for per-tensor.
+        role: "weight" at the rule's weight input (the preset's weight scheme); "operand" at
+            another input (Add, Mul, Concat, a constant MatMul A): per tensor in the activation
+            scheme, so that its type matches the activations and onnxruntime's integer kernels
+            (QLinearAdd, QLinearMul, ...) take the node.
+    """
+
+    tensor: str
+    node: str
+    op_type: str
+    axis: int | None
+    role: str = "weight"
+
+
+@dataclass(frozen=True)
+class BiasTarget:
+    """A bias stored as int32 with scale = input scale x weight scale.
+
+    Attributes:
+        tensor: the bias initializer.
+        node: the Conv/Gemm reading it.
+        input_tensor: the quantized activation feeding the node.
+        weight_tensor: the node's quantized weight.
+    """
+
+    tensor: str
+    node: str
+    input_tensor: str
+    weight_tensor: str
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """Whether a node is quantized, and why (the rule used, or the reason it was skipped)."""
+
+    node: str
+    op_type: str
+    quantized: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What to quantize: targets sorted by tensor name, node decisions in graph order."""
+
+    activations: tuple[ActivationTarget, ...]
+    weights: tuple[WeightTarget, ...]
+    biases: tuple[BiasTarget, ...]
+    nodes: tuple[NodeDecision, ...]

@@ -1,0 +1,86 @@
+"""A plan narrowed after calibration: what received no values stays float
+(`leave_unobserved_float`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx
+
+from qcal.graph.plan._types import ActivationTarget, NodeDecision, QuantPlan
+from qcal.graph.plan._walk import _CONTROL_FLOW_OPS, _walk_nodes
+from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs
+
+
+def leave_unobserved_float(
+    model: onnx.ModelProto, plan: QuantPlan, unobserved: Iterable[str]
+) -> QuantPlan:
+    """`plan` without what calibration never saw, which stays float.
+
+    An activation in `unobserved` received no values (an If branch not taken, a Loop that ran
+    no iteration, a tensor empty in every batch): it is not quantized, and its quantized
+    readers say so. An If/Loop/Scan body none of whose planned tensors received values never
+    ran during calibration: every node in it (nested bodies included) stays float, with that
+    reason.
+    """
+    never = set(unobserved)
+    dropped = set(never)  # grows by activations whose every quantized reader stays float
+    if not never:
+        return plan
+    planned = {t.tensor for t in plan.activations}
+    idle: dict[str, str] = {}  # node -> why it stays float
+    producers: dict[str, str] = {}  # planned activation -> node writing it
+
+    def visit(graph: onnx.GraphProto, where: str | None) -> None:
+        local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        for node in graph.node:
+            local.update(node.output)
+            producers.update((v, node.name) for v in node.output if v in planned)
+        mine = planned & local
+        if where is not None and mine and mine <= dropped:
+            reason = f"inside {where}, which never ran during calibration: left float"
+            idle.update((node.name, reason) for node, _ in _walk_nodes(graph, where))
+            return
+        for node in graph.node:
+            if node.op_type not in _CONTROL_FLOW_OPS or node.domain not in DEFAULT_DOMAINS:
+                continue
+            for attribute in node.attribute:
+                for body in attribute_graphs(attribute):
+                    visit(body, f"the {attribute.name} of {node.op_type} node {node.name!r}")
+
+    visit(model.graph, None)
+    activations = []
+    for target in plan.activations:
+        consumers = tuple(c for c in target.consumers if c not in idle)
+        if target.tensor in dropped or (target.consumers and not consumers):
+            dropped.add(target.tensor)
+            continue
+        activations.append(
+            ActivationTarget(target.tensor, consumers, target.same_as, target.divisor)
+        )
+    weights = tuple(w for w in plan.weights if w.node not in idle)
+    biases = tuple(
+        b for b in plan.biases if b.node not in idle and b.input_tensor not in dropped
+    )
+    live: set[str] = {w.node for w in weights}
+    live.update(c for t in activations for c in t.consumers)
+    live.update(producers[t.tensor] for t in activations if t.tensor in producers)
+    notes: dict[str, list[str]] = {}
+    for target in plan.activations:
+        if target.tensor in never:
+            for consumer in target.consumers:
+                notes.setdefault(consumer, []).append(
+                    f"input {target.tensor!r} left float: it received no values in calibration"
+                )
+    decisions = []
+    for decision in plan.nodes:
+        if decision.node in idle:
+            decision = NodeDecision(decision.node, decision.op_type, False, idle[decision.node])
+        elif decision.quantized and decision.node not in live:
+            reason = "; ".join(notes.get(decision.node, ["nothing it quantizes received values"]))
+            decision = NodeDecision(decision.node, decision.op_type, False, f"left float: {reason}")
+        elif decision.node in notes:
+            reason = "; ".join([decision.reason, *notes[decision.node]])
+            decision = NodeDecision(decision.node, decision.op_type, decision.quantized, reason)
+        decisions.append(decision)
+    return QuantPlan(tuple(activations), weights, biases, tuple(decisions))

@@ -1,0 +1,168 @@
+"""Which activations get a Q/DQ pair, and who reads it: the planned quantized consumers, and
+the float readers that must read the DequantizeLinear too for onnxruntime to run the producer
+in integers. One pair per tensor, in the graph that defines it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import onnx
+
+from qcal.graph.qdq._base import _Writer
+from qcal.graph.qdq._codes import _same_qparams
+from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, Use
+
+if TYPE_CHECKING:
+    from qcal.graph.plan import ActivationTarget
+    from qcal.graph.qdq._emit import _Rewrite, _Scopes
+
+logger = logging.getLogger(__name__)
+
+# Operators onnxruntime's CPU provider runs as one integer kernel when these inputs (None: all)
+# come from DequantizeLinear and the output goes to a QuantizeLinear (QLinearConv, QGemm,
+# QLinearMatMul, QLinearAdd, QLinearMul, QLinearConcat, QLinearAveragePool, ...). A Conv or
+# Gemm bias (input 2) must then be quantized too.
+_INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
+    "Conv": (0, 1),
+    "Gemm": (0, 1),
+    "MatMul": (0, 1),
+    "Add": (0, 1),
+    "Mul": (0, 1),
+    "Concat": None,
+    "AveragePool": (0,),
+    "GlobalAveragePool": (0,),
+    "Sigmoid": (0,),
+    "LeakyRelu": (0,),
+    "Softmax": (0,),
+}
+
+# Operators that only move or select values, which onnxruntime's CPU provider runs on the
+# integers when the DequantizeLinear before and the QuantizeLinear after carry the same
+# parameters (it drops the pair; Resize only in "nearest" mode). Their output's
+# DequantizeLinear then holds exactly the float values, so float readers read it too.
+_INTEGER_DATA_OPS = frozenset(
+    {
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather",
+        "DepthToSpace", "MaxPool", "Resize",
+    }
+)
+
+
+class _ActivationWriter(_Writer):
+    """The activation part of `InsertQDQ`: a QuantizeLinear/DequantizeLinear pair per planned
+    activation, read by its quantized consumers (and the float readers that must)."""
+
+    def _quantize_activation(self, scopes: _Scopes, target: ActivationTarget) -> None:
+        tensor = target.tensor
+        if tensor not in scopes.defined:
+            raise self._error(f"activation {tensor!r} is not a tensor of the model")
+        # One pair, in the graph defining the tensor; consumers inside If/Loop/Scan bodies read
+        # its DequantizeLinear from the outer scope. (A QuantizeLinear inside a body reading an
+        # outer value that a node produces crashes onnxruntime's QDQ propagation.)
+        owner = scopes.definer(tensor)
+        uses: list[Use] = []
+        for rewrite, consumers in scopes.by_graph(target.consumers, self._error):
+            if not rewrite.is_value(tensor):
+                raise self._error(f"activation {tensor!r} is not visible where {consumers[0]!r} is")
+            uses += [
+                use
+                for consumer in consumers
+                for use in self._uses_by(rewrite, tensor, consumer, "activation")
+            ]
+        uses += self._float_reads_of_integer_output(owner, tensor, uses)
+        if not uses:
+            # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
+            logger.debug("activation %r has no quantized consumer; left in float", tensor)
+            return
+        self._insert_pair(owner, tensor, uses)
+
+    def _float_reads_of_integer_output(
+        self, rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]
+    ) -> list[Use]:
+        """The float reads of `tensor` that must go through its pair for onnxruntime to compute
+        the producer in integers.
+
+        onnxruntime fuses DequantizeLinear -> Conv (Add, Mul, ...) -> QuantizeLinear into one
+        integer kernel only when the QuantizeLinear is the producer's only reader. So when every
+        input of the producer is quantized, float readers (a HardSigmoid, a Div) read the
+        DequantizeLinear too, as onnxruntime's own quantizer arranges it. Not for graph outputs
+        or tensors read inside bodies: those keep the float value. Likewise for the output of
+        a data-movement operator whose input is read with the same parameters
+        (`_INTEGER_DATA_OPS`): onnxruntime runs it on the integers only when the QuantizeLinear
+        is its only reader, and the DequantizeLinear gives back exactly the float values.
+        """
+        producer = rewrite.index.producer.get(tensor)
+        if (
+            producer is None
+            or producer.domain not in DEFAULT_DOMAINS
+            or tensor in rewrite.index.graph_outputs
+        ):
+            return []
+        if self._integer_data_op(producer, tensor):
+            return self._other_float_reads(rewrite, tensor, quantized)
+        if producer.op_type not in _INTEGER_KERNEL_INPUTS:
+            return []
+        slots = _INTEGER_KERNEL_INPUTS[producer.op_type]
+        for slot, value in enumerate(self._planned_inputs.get(producer.name, producer.input)):
+            read = (value, producer.name)
+            if not value:
+                continue
+            if slots is None or slot in slots:
+                if read not in self._quantized_reads and read not in self._quantized_weights:
+                    return []
+            elif (
+                slot == 2
+                and producer.op_type in ("Conv", "Gemm")
+                and read not in self._quantized_biases
+            ):
+                return []  # a float bias keeps the node float
+        return self._other_float_reads(rewrite, tensor, quantized)
+
+    @staticmethod
+    def _other_float_reads(rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]) -> list[Use]:
+        """The reads of `tensor` not in `quantized`; none when one is inside a body."""
+        taken = {(id(use.node), use.slot) for use in quantized}
+        others = [u for u in rewrite.index.uses.get(tensor, ()) if (id(u.node), u.slot) not in taken]
+        if any(use.slot == SUBGRAPH_SLOT for use in others):
+            return []
+        return others
+
+    def _integer_data_op(self, producer: onnx.NodeProto, tensor: str) -> bool:
+        """Whether `producer` moves the values of an input it reads quantized with the
+        parameters of its output `tensor`, so that onnxruntime runs it on the integers."""
+        if producer.op_type not in _INTEGER_DATA_OPS or tensor != producer.output[0]:
+            return False
+        if producer.op_type == "Resize" and _string_attribute(producer, "mode") not in (
+            "", "nearest"  # the default
+        ):
+            return False
+        planned = self._planned_inputs.get(producer.name, tuple(producer.input))
+        source = planned[0] if planned else ""
+        if (source, producer.name) not in self._quantized_reads:
+            return False
+        return _same_qparams(self._activation_qparams[source], self._activation_qparams[tensor])
+
+    def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
+        qparams = self._activation_qparams[tensor]
+        float_type = self._float_type(rewrite, tensor, "activation")
+        source = tensor
+        if qparams.clip_min is not None or qparams.clip_max is not None:
+            source = rewrite.add_clip(tensor, qparams, float_type)
+        scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
+        quantized = rewrite.add_node(
+            "QuantizeLinear", tensor, [source, scale, zero_point], qparams.axis, after=tensor
+        )
+        dequantized = rewrite.add_node(
+            "DequantizeLinear", tensor, [quantized, scale, zero_point], qparams.axis, after=tensor
+        )
+        rewrite.redirect(uses, dequantized)
+        self._pairs[tensor] = (quantized, dequantized)
+
+
+def _string_attribute(node: onnx.NodeProto, name: str) -> str:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return str(attribute.s.decode())
+    return ""
