@@ -3,6 +3,9 @@
 config -> model (load, prepare, plan) -> data -> collect (observers) -> qparams -> qdq -> evaluate
 -> report. Everything cheap is checked before onnxruntime starts: options, preset, model, data
 headers and output paths.
+
+The supporting steps live beside it: `qcal._inputs` resolves and checks what the run reads,
+`qcal._quantize_tensors` turns observers and weights into records and codes (the qparams stage).
 """
 
 from __future__ import annotations
@@ -12,13 +15,29 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
+from qcal._inputs import (
+    _accuracy_sources,
+    _check_agreement_options,
+    _check_overrides,
+    _eval_source_path,
+    _labels_path,
+    _SampleRange,
+    _selection_rules,
+    load_labels,
+)
+from qcal._quantize_tensors import (
+    _activation_observer,
+    _activation_records,
+    _bias_records,
+    _observed,
+    _planned_records,
+    _quantize_weights,
+)
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
@@ -28,29 +47,22 @@ from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, write_atomic
-from qcal.graph.files.large import WeightFile, has_external_data, load_external_data, tensor_array
+from qcal.graph.files.large import WeightFile, has_external_data, load_external_data
+from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.files.save import data_path, needs_external_data, stage_model
 from qcal.graph.model import (
-    ActivationTarget,
-    LoadedModel,
     PrepStep,
     QuantPlan,
-    SelectionRules,
     leave_unobserved_float,
-    load_model,
     model_inputs,
     plan_quantization,
     prepare_model,
 )
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
-from qcal.graph.structure import all_graphs
-from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
+from qcal.numerics.errors import ConfigError
 from qcal.numerics.onnx_mapping import OnnxQParams
-from qcal.numerics.presets import TensorRecipe, build_preset
-from qcal.numerics.ranges import RangeChoice, choose_range, new_observer
-from qcal.numerics.schemes import QParams
-from qcal.report import TensorRecord, build_report
+from qcal.numerics.presets import build_preset
+from qcal.report import build_report
 
 __all__ = [
     "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
@@ -88,47 +100,6 @@ def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Pat
     """`<stem>.qdq.onnx` and `<stem>.qcal.json` in the current directory (never beside the input)."""
     base = cwd or Path.cwd()
     return base / f"{model_path.stem}.qdq.onnx", base / f"{model_path.stem}.qcal.json"
-
-
-def _selection_rules(config: CalibrationConfig) -> SelectionRules:
-    skipped = {name for name, o in config.tensors.items() if o.skip}
-    return SelectionRules(
-        op_types=frozenset(config.op_types) if config.op_types else None,
-        exclude_op_types=frozenset(config.exclude_op_types),
-        exclude_nodes=tuple(config.exclude_nodes),
-        exclude_tensors=frozenset(config.exclude_tensors) | skipped,
-        per_channel=config.per_channel,
-        default_exclusions=config.default_exclusions,
-    )
-
-
-def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:
-    if config.eval_data is not None:
-        return config.eval_data
-    beside = model_path.with_name(f"{model_path.stem}.eval.npz")
-    return beside if beside.is_file() and config.synthetic is None else None
-
-
-def _labels_path(config: CalibrationConfig, eval_path: Path | None) -> Path | None:
-    if config.labels is not None:
-        return config.labels
-    if eval_path is None or eval_path.is_dir():
-        return None
-    beside = eval_path.with_name(f"{eval_path.stem}.labels.npy")
-    return beside if beside.is_file() else None
-
-
-def load_labels(path: Path) -> np.ndarray:
-    """Integer class labels, one per sample, from a .npy file (never unpickled)."""
-    try:
-        labels = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise DataError(f"{path}: labels file not found") from None
-    except (OSError, ValueError) as err:
-        raise DataError(f"{path}: cannot read labels ({err})") from None
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(f"{path}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
-    return np.asarray(labels, dtype=np.int64)
 
 
 def calibrate(
@@ -304,173 +275,6 @@ def _gates(config: CalibrationConfig) -> Gates:
                  config.fail_if_coverage_below, target)
 
 
-def _check_overrides(config: CalibrationConfig, plan: QuantPlan) -> None:
-    known = {t.tensor for t in plan.activations}
-    for name, override in sorted(config.tensors.items()):
-        if override.method is not None and name not in known:
-            raise ConfigError(f"tensors.{name}: not a quantized activation of this model")
-
-
-def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor: str) -> Observer:
-    return new_observer(recipe, config.method_for(tensor), PerTensor())
-
-
-def _activation_records(
-    plan: QuantPlan, observers: Mapping[str, Observer], recipe: TensorRecipe,
-    config: CalibrationConfig, opset: int,
-) -> dict[str, TensorRecord]:
-    records: dict[str, TensorRecord] = {}
-    for target in plan.activations:
-        if target.tensor not in observers:
-            continue  # takes the parameters of `target.same_as`, below
-        method = config.method_for(target.tensor)
-        try:
-            choice = choose_range(observers[target.tensor], recipe, method,
-                                  config.histogram_settings(),
-                                  percentile=config.percentile_for(target.tensor))
-        except EmptyStatisticsError:
-            continue  # received no values: the caller leaves it float
-        except DataError as err:
-            raise type(err)(f"tensor {target.tensor!r}: {err}") from None
-        qparams = recipe.qparams(choice.stats)
-        records[target.tensor] = TensorRecord(
-            tensor=target.tensor, role="activation", method=method, choice=choice,
-            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset), consumers=target.consumers,
-        )
-    for target in plan.activations:
-        source = records.get(target.same_as or "")
-        if target.tensor in records or source is None or source.choice is None:
-            continue  # observed itself, or its source received no values (both stay float)
-        summary = {**source.choice.summary, "same_as": source.tensor}
-        if target.divisor == 1.0:
-            records[target.tensor] = dataclasses.replace(
-                source, tensor=target.tensor, consumers=target.consumers,
-                choice=RangeChoice(source.choice.observed, source.choice.stats, summary),
-            )
-            continue
-        # The source divided by a positive constant: its range divided by it, through the
-        # preset's own scheme (whose scale then is the source's divided by it, up to rounding).
-        summary["divided_by"] = target.divisor
-        choice = RangeChoice(
-            _divided(source.choice.observed, target.divisor),
-            _divided(source.choice.stats, target.divisor),
-            summary,
-        )
-        qparams = recipe.qparams(choice.stats)
-        records[target.tensor] = dataclasses.replace(
-            source, tensor=target.tensor, consumers=target.consumers, choice=choice,
-            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset),
-        )
-    return records
-
-
-def _divided(stats: MinMaxStats, divisor: float) -> MinMaxStats:
-    return MinMaxStats(
-        (stats.min / np.float32(divisor)).astype(np.float32),
-        (stats.max / np.float32(divisor)).astype(np.float32),
-    )
-
-
-def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
-    """Whether `target` gets an observer: a shared output does not, unless configured itself."""
-    return target.same_as is None or target.tensor in config.tensors
-
-
-def _quantize_weights(
-    model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
-    opset: int, *, operand_recipe: TensorRecipe | None = None,
-) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
-    """Codes and records of the planned weights; "operand" constants use `operand_recipe`."""
-    # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
-    initializers = {i.name: i for g in all_graphs(model.graph) for i in g.initializer}
-    weights: dict[str, QuantizedWeight] = {}
-    records: dict[str, TensorRecord] = {}
-    weight_recipe = recipe
-    for target in plan.weights:
-        recipe = operand_recipe if target.role == "operand" and operand_recipe else weight_recipe
-        array = tensor_array(initializers[target.tensor])
-        array = array.astype(np.float32, copy=False)
-        granularity = _weight_granularity(recipe, target.axis, config.per_channel)
-        observer = new_observer(recipe, "minmax", granularity)
-        try:
-            observer.update(array)
-            choice = choose_range(observer, recipe, "minmax", config.histogram_settings())
-        except DataError as err:
-            raise type(err)(f"weight {target.tensor!r}: {err}") from None
-        qparams = recipe.qparams(choice.stats)
-        onnx_qparams = recipe.to_onnx(qparams, opset=opset)
-        codes = _quantize_in_blocks(recipe, array, qparams, opset)
-        weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
-        records[target.tensor] = TensorRecord(
-            tensor=target.tensor, role="weight", method="minmax", choice=choice,
-            qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
-        )
-    return weights, records
-
-
-def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:
-    """What the QDQ writer made of each planned bias, read back from the written graph."""
-    graphs = list(all_graphs(model.graph))  # biases of If/Loop/Scan bodies too
-    producers = {out: node for g in graphs for node in g.node for out in node.output}
-    consumers = {node.name: node for g in graphs for node in g.node}
-    initializers = {i.name: i for g in graphs for i in g.initializer}
-    records: dict[str, TensorRecord] = {}
-    for bias in plan.biases:
-        node = consumers.get(bias.node)
-        dq = producers.get(node.input[2]) if node is not None and len(node.input) > 2 else None
-        if dq is None or dq.op_type != "DequantizeLinear":
-            continue  # left float (its input or weight is not quantized)
-        scale = onnx.numpy_helper.to_array(initializers[dq.input[1]]).astype(np.float32)
-        zero_point = onnx.numpy_helper.to_array(initializers[dq.input[2]])
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), None) if scale.ndim else None
-        records[bias.tensor] = TensorRecord(
-            tensor=bias.tensor, role="bias", method="derived: input scale x weight scale",
-            choice=None, qparams=None,
-            onnx=OnnxQParams(
-                dtype=onnx.TensorProto.INT32, scale=scale, zero_point=zero_point, axis=axis,
-                clip_min=None, clip_max=None, exact=True, deviations=(), replacement=None,
-                min_opset=13 if scale.ndim else 10,
-            ),
-            consumers=(bias.node,),
-        )
-    return records
-
-
-_QUANTIZE_BLOCK_ELEMENTS = 2**23
-
-
-def _quantize_in_blocks(
-    recipe: TensorRecipe, array: np.ndarray, qparams: QParams, opset: int
-) -> np.ndarray:
-    """`recipe.quantize`, a block of slices at a time along an axis that is not the channel
-    axis: quantizing is elementwise, and whole, a large weight would need several float64
-    temporaries of its size."""
-    if array.size <= _QUANTIZE_BLOCK_ELEMENTS or array.ndim < 2:
-        return recipe.quantize(array, qparams, opset=opset)
-    channel = None if qparams.axis is None else qparams.axis % array.ndim
-    along = 0 if channel != 0 else 1
-    step = max(1, _QUANTIZE_BLOCK_ELEMENTS * array.shape[along] // array.size)
-    codes: np.ndarray | None = None  # filled in place: a list of blocks would double it
-    for start in range(0, array.shape[along], step):
-        where = tuple(slice(start, start + step) if axis == along else slice(None)
-                      for axis in range(array.ndim))
-        block = recipe.quantize(array[where], qparams, opset=opset)
-        if codes is None:
-            codes = np.empty(array.shape, dtype=block.dtype)
-        codes[where] = block
-    assert codes is not None  # array.size > 0 here
-    return codes
-
-
-def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: bool) -> PerTensor | PerChannel:
-    if not per_channel or axis is None:
-        return PerTensor()
-    allowed = recipe.per_channel_axes
-    if allowed == "any" or (isinstance(allowed, tuple) and axis in allowed):
-        return PerChannel(axis)
-    return PerTensor()
-
-
 # ------------------------------------------------------------------ accuracy: sensitivity, fallback
 
 
@@ -478,52 +282,6 @@ def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: boo
 class _Accuracy:
     sensitivity: SensitivityResult | None
     fallback: FallbackResult | None
-
-
-def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) -> None:
-    """Agreement options need a classifier-like output (rank 2); say so before anything runs."""
-    asked = [key for key, value in (("fail-under-agreement", config.fail_under_agreement),
-                                    ("max-agreement-drop", config.max_agreement_drop))
-             if value is not None]
-    if not asked:
-        return
-    ranks = [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
-             for o in model.graph.output]
-    if all(rank is not None and rank != 2 for rank in ranks):
-        raise ConfigError(
-            f"{asked[0]}: no model output is classifier-like ([N, classes]), so top-1 "
-            "agreement is not measured; use a SQNR option instead"
-        )
-
-
-class _SampleRange:
-    """Samples [start, stop) of another source (the held-out part of the calibration data)."""
-
-    def __init__(self, source: Any, start: int, stop: int) -> None:
-        self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
-        self._source, self._start, self._stop = source, start, stop
-
-    def num_samples(self) -> int:
-        return self._stop - self._start
-
-    def samples(self) -> Iterator[dict[str, np.ndarray]]:
-        return islice(self._source.samples(), self._start, self._stop)
-
-
-def _accuracy_sources(
-    config: CalibrationConfig, calib: Any, eval_source: Any
-) -> tuple[Any, Any, str | None]:
-    """(calibration, evaluation, evaluation label): without evaluation data, sensitivity and
-    fallback hold out the last quarter of the calibration samples (at most 256) to measure on."""
-    if eval_source is not None or not config.wants_sensitivity:
-        return calib, eval_source, None
-    count = calib.num_samples() or 0
-    held = min(count // 4, 256)
-    if held < 1:
-        return calib, None, None  # too few to split: measured on the calibration data itself
-    kept = count - held
-    label = f"calibration samples {kept}-{count - 1}, held out from calibration"
-    return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
 
 
 def _compute_macs(
@@ -596,18 +354,7 @@ def _sensitivity_samples(
     return total, min(total, screen)
 
 
-def _planned_records(
-    records: Mapping[str, TensorRecord], plan: QuantPlan, model: onnx.ModelProto
-) -> dict[str, TensorRecord]:
-    """The records of what the restricted plan still quantizes, biases read back from `model`."""
-    kept = {a.tensor for a in plan.activations} | {w.tensor for w in plan.weights}
-    found = {name: r for name, r in records.items() if name in kept and r.role != "bias"}
-    found.update(_bias_records(model, plan))
-    return found
-
-
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
     prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
-

@@ -1,0 +1,127 @@
+"""What the `qcal` command prints: its two consoles, the progress bar and the summary and
+metric tables of a run (the report's figures, formatted for a terminal)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+stderr = Console(stderr=True, highlight=False)
+stdout = Console(highlight=False)
+
+
+@contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Callable[[str, int, int | None], None] | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("[bold]{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("samples"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+        TextColumn("ETA"), TimeRemainingColumn(),
+    )
+    tasks: dict[str, TaskID] = {}
+    with Progress(*columns, console=stderr, transient=False) as bar:
+
+        def update(stage: str, advance: int, total: int | None) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total, rate="")
+            task = bar.tasks[tasks[stage]]
+            bar.update(tasks[stage], advance=advance)
+            speed = task.finished_speed or task.speed
+            if speed:
+                bar.update(tasks[stage], rate=f"{speed:,.0f}/s")
+
+        yield update
+
+
+def _show_summary(result: Any) -> None:
+    report = result.report
+    cov = report["coverage"]
+    stdout.print(
+        f"[bold]qcal[/] {report['preset']['name']} preset, method {report['config']['method']}: "
+        f"{cov['quantized']} of {cov['nodes']} nodes quantized, {cov['skipped']} kept in float; "
+        f"{len(report['tensors'])} tensors; calibrated on {report['data']['samples']} samples"
+        f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
+    )
+    if cov["skipped_by_reason"]:
+        for reason, count in cov["skipped_by_reason"].items():
+            stdout.print(f"  kept in float: {count} × {reason}")
+    _show_accuracy(report)
+    evaluation = report["evaluation"]
+    if evaluation:
+        stdout.print(_metrics_table(
+            f"float vs quantized on {evaluation['samples']} samples ({evaluation['data']})",
+            evaluation["outputs"]))
+    for gate in report["gates"]:
+        verdict = "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]"
+        value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
+        stdout.print(f"gate --{gate['option']} {gate['threshold']:g}: {gate['measure']} {value} {verdict}")
+    for warning in report["warnings"]:
+        style = "bold red" if "SYNTHETIC" in warning else "yellow"
+        stdout.print(f"[{style}]warning:[/] {warning}")
+    if result.output is not None:
+        stdout.print(f"wrote {result.output}")
+    if result.report_path is not None:
+        stdout.print(f"wrote {result.report_path}")
+
+
+def _show_accuracy(report: dict[str, Any]) -> None:
+    """Compute coverage, the most sensitive tensors and what the fallback kept in float."""
+    cov = report["coverage"]
+    if "macs_quantized_fraction" in cov:
+        unit = "MACs" if cov["basis"] == "macs" else "nodes (shapes unknown)"
+        stdout.print(
+            f"  compute quantized: {cov['macs_quantized_fraction']:.1%} of Conv/MatMul/Gemm {unit} "
+            f"({cov['quantized_compute_nodes']} of {cov['compute_nodes']} nodes)"
+        )
+    sensitivity = report.get("sensitivity")
+    if sensitivity:
+        table = Table(title_justify="left", title=(
+            f"most sensitive tensors, each quantized alone ({sensitivity['samples']} samples; "
+            f"all {len(sensitivity['tensors'])} in the report)"))
+        for col in ("tensor", "role", "output SQNR dB", "local SQNR dB"):
+            table.add_column(col, justify="left" if col in ("tensor", "role") else "right")
+        for entry in sensitivity["tensors"][:8]:
+            table.add_row(entry["tensor"], entry["role"],
+                          _fmt(entry["output_sqnr_db"], ".1f", "exact"),
+                          _fmt(entry["local_sqnr_db"], ".1f", "exact"))
+        stdout.print(table)
+    fallback = report.get("fallback")
+    if fallback:
+        style = "green" if fallback["reached"] else "bold red"
+        stdout.print(f"[{style}]fallback:[/] {fallback['message']}")
+        for entry in fallback["kept_float"][:10]:
+            stdout.print(f"  kept float: {entry['tensor']} ({entry['reason']})")
+        if len(fallback["kept_float"]) > 10:
+            stdout.print(f"  ... and {len(fallback['kept_float']) - 10} more (see the report)")
+
+
+def _metrics_table(title: str, outputs: list[dict[str, Any]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("output", "SQNR dB", "cosine", "max |err|", "top-1 agree", "acc float", "acc quant"):
+        table.add_column(col, justify="left" if col == "output" else "right")
+    for out in outputs:
+        table.add_row(
+            out["name"], _fmt(out["sqnr_db"], ".1f", "exact"), _fmt(out["cosine"], ".5f"),
+            _fmt(out["max_abs_error"], ".4g"), _fmt(out["top1_agreement"], ".2%"),
+            _fmt(out["float_accuracy"], ".2%"), _fmt(out["quantized_accuracy"], ".2%"),
+        )
+    return table
+
+
+def _fmt(value: float | None, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)

@@ -1,0 +1,113 @@
+"""What a run reads, resolved and checked in calibrate's first stage, before onnxruntime
+starts: the selection rules and per-tensor overrides of the config, the evaluation data and
+labels found beside the model, the options that need a classifier-like output, and the part of
+the calibration data held out for sensitivity and fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from qcal.config import CalibrationConfig
+from qcal.graph.model import QuantPlan, SelectionRules
+from qcal.numerics.errors import ConfigError, DataError
+
+
+def _selection_rules(config: CalibrationConfig) -> SelectionRules:
+    skipped = {name for name, o in config.tensors.items() if o.skip}
+    return SelectionRules(
+        op_types=frozenset(config.op_types) if config.op_types else None,
+        exclude_op_types=frozenset(config.exclude_op_types),
+        exclude_nodes=tuple(config.exclude_nodes),
+        exclude_tensors=frozenset(config.exclude_tensors) | skipped,
+        per_channel=config.per_channel,
+        default_exclusions=config.default_exclusions,
+    )
+
+
+def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:
+    if config.eval_data is not None:
+        return config.eval_data
+    beside = model_path.with_name(f"{model_path.stem}.eval.npz")
+    return beside if beside.is_file() and config.synthetic is None else None
+
+
+def _labels_path(config: CalibrationConfig, eval_path: Path | None) -> Path | None:
+    if config.labels is not None:
+        return config.labels
+    if eval_path is None or eval_path.is_dir():
+        return None
+    beside = eval_path.with_name(f"{eval_path.stem}.labels.npy")
+    return beside if beside.is_file() else None
+
+
+def load_labels(path: Path) -> np.ndarray:
+    """Integer class labels, one per sample, from a .npy file (never unpickled)."""
+    try:
+        labels = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise DataError(f"{path}: labels file not found") from None
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: cannot read labels ({err})") from None
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{path}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    return np.asarray(labels, dtype=np.int64)
+
+
+def _check_overrides(config: CalibrationConfig, plan: QuantPlan) -> None:
+    known = {t.tensor for t in plan.activations}
+    for name, override in sorted(config.tensors.items()):
+        if override.method is not None and name not in known:
+            raise ConfigError(f"tensors.{name}: not a quantized activation of this model")
+
+
+def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) -> None:
+    """Agreement options need a classifier-like output (rank 2); say so before anything runs."""
+    asked = [key for key, value in (("fail-under-agreement", config.fail_under_agreement),
+                                    ("max-agreement-drop", config.max_agreement_drop))
+             if value is not None]
+    if not asked:
+        return
+    ranks = [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
+             for o in model.graph.output]
+    if all(rank is not None and rank != 2 for rank in ranks):
+        raise ConfigError(
+            f"{asked[0]}: no model output is classifier-like ([N, classes]), so top-1 "
+            "agreement is not measured; use a SQNR option instead"
+        )
+
+
+class _SampleRange:
+    """Samples [start, stop) of another source (the held-out part of the calibration data)."""
+
+    def __init__(self, source: Any, start: int, stop: int) -> None:
+        self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
+        self._source, self._start, self._stop = source, start, stop
+
+    def num_samples(self) -> int:
+        return self._stop - self._start
+
+    def samples(self) -> Iterator[dict[str, np.ndarray]]:
+        return islice(self._source.samples(), self._start, self._stop)
+
+
+def _accuracy_sources(
+    config: CalibrationConfig, calib: Any, eval_source: Any
+) -> tuple[Any, Any, str | None]:
+    """(calibration, evaluation, evaluation label): without evaluation data, sensitivity and
+    fallback hold out the last quarter of the calibration samples (at most 256) to measure on."""
+    if eval_source is not None or not config.wants_sensitivity:
+        return calib, eval_source, None
+    count = calib.num_samples() or 0
+    held = min(count // 4, 256)
+    if held < 1:
+        return calib, None, None  # too few to split: measured on the calibration data itself
+    kept = count - held
+    label = f"calibration samples {kept}-{count - 1}, held out from calibration"
+    return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label

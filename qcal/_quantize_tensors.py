@@ -1,0 +1,198 @@
+"""The qparams stage of a run: observers and weights turned into TensorRecords (what the
+report says of each tensor) and QuantizedWeights (the codes InsertQDQ writes).
+
+Activations take their range from their observer through the preset's recipe (a tensor that
+shares another's parameters takes them, divided when the plan says so); weights are observed
+and quantized here, large ones a block at a time; biases are read back from the written graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from qcal.config import CalibrationConfig
+from qcal.graph.files.large import tensor_array
+from qcal.graph.model import ActivationTarget, QuantPlan
+from qcal.graph.qdq import QuantizedWeight
+from qcal.graph.structure import all_graphs
+from qcal.numerics.errors import DataError, EmptyStatisticsError
+from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
+from qcal.numerics.onnx_mapping import OnnxQParams
+from qcal.numerics.presets import TensorRecipe
+from qcal.numerics.ranges import RangeChoice, choose_range, new_observer
+from qcal.numerics.schemes import QParams
+from qcal.report import TensorRecord
+
+
+def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor: str) -> Observer:
+    return new_observer(recipe, config.method_for(tensor), PerTensor())
+
+
+def _activation_records(
+    plan: QuantPlan, observers: Mapping[str, Observer], recipe: TensorRecipe,
+    config: CalibrationConfig, opset: int,
+) -> dict[str, TensorRecord]:
+    records: dict[str, TensorRecord] = {}
+    for target in plan.activations:
+        if target.tensor not in observers:
+            continue  # takes the parameters of `target.same_as`, below
+        method = config.method_for(target.tensor)
+        try:
+            choice = choose_range(observers[target.tensor], recipe, method,
+                                  config.histogram_settings(),
+                                  percentile=config.percentile_for(target.tensor))
+        except EmptyStatisticsError:
+            continue  # received no values: the caller leaves it float
+        except DataError as err:
+            raise type(err)(f"tensor {target.tensor!r}: {err}") from None
+        qparams = recipe.qparams(choice.stats)
+        records[target.tensor] = TensorRecord(
+            tensor=target.tensor, role="activation", method=method, choice=choice,
+            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset), consumers=target.consumers,
+        )
+    for target in plan.activations:
+        source = records.get(target.same_as or "")
+        if target.tensor in records or source is None or source.choice is None:
+            continue  # observed itself, or its source received no values (both stay float)
+        summary = {**source.choice.summary, "same_as": source.tensor}
+        if target.divisor == 1.0:
+            records[target.tensor] = dataclasses.replace(
+                source, tensor=target.tensor, consumers=target.consumers,
+                choice=RangeChoice(source.choice.observed, source.choice.stats, summary),
+            )
+            continue
+        # The source divided by a positive constant: its range divided by it, through the
+        # preset's own scheme (whose scale then is the source's divided by it, up to rounding).
+        summary["divided_by"] = target.divisor
+        choice = RangeChoice(
+            _divided(source.choice.observed, target.divisor),
+            _divided(source.choice.stats, target.divisor),
+            summary,
+        )
+        qparams = recipe.qparams(choice.stats)
+        records[target.tensor] = dataclasses.replace(
+            source, tensor=target.tensor, consumers=target.consumers, choice=choice,
+            qparams=qparams, onnx=recipe.to_onnx(qparams, opset=opset),
+        )
+    return records
+
+
+def _divided(stats: MinMaxStats, divisor: float) -> MinMaxStats:
+    return MinMaxStats(
+        (stats.min / np.float32(divisor)).astype(np.float32),
+        (stats.max / np.float32(divisor)).astype(np.float32),
+    )
+
+
+def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
+    """Whether `target` gets an observer: a shared output does not, unless configured itself."""
+    return target.same_as is None or target.tensor in config.tensors
+
+
+def _quantize_weights(
+    model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
+    opset: int, *, operand_recipe: TensorRecipe | None = None,
+) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
+    """Codes and records of the planned weights; "operand" constants use `operand_recipe`."""
+    # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
+    initializers = {i.name: i for g in all_graphs(model.graph) for i in g.initializer}
+    weights: dict[str, QuantizedWeight] = {}
+    records: dict[str, TensorRecord] = {}
+    weight_recipe = recipe
+    for target in plan.weights:
+        recipe = operand_recipe if target.role == "operand" and operand_recipe else weight_recipe
+        array = tensor_array(initializers[target.tensor])
+        array = array.astype(np.float32, copy=False)
+        granularity = _weight_granularity(recipe, target.axis, config.per_channel)
+        observer = new_observer(recipe, "minmax", granularity)
+        try:
+            observer.update(array)
+            choice = choose_range(observer, recipe, "minmax", config.histogram_settings())
+        except DataError as err:
+            raise type(err)(f"weight {target.tensor!r}: {err}") from None
+        qparams = recipe.qparams(choice.stats)
+        onnx_qparams = recipe.to_onnx(qparams, opset=opset)
+        codes = _quantize_in_blocks(recipe, array, qparams, opset)
+        weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
+        records[target.tensor] = TensorRecord(
+            tensor=target.tensor, role="weight", method="minmax", choice=choice,
+            qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
+        )
+    return weights, records
+
+
+def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:
+    """What the QDQ writer made of each planned bias, read back from the written graph."""
+    graphs = list(all_graphs(model.graph))  # biases of If/Loop/Scan bodies too
+    producers = {out: node for g in graphs for node in g.node for out in node.output}
+    consumers = {node.name: node for g in graphs for node in g.node}
+    initializers = {i.name: i for g in graphs for i in g.initializer}
+    records: dict[str, TensorRecord] = {}
+    for bias in plan.biases:
+        node = consumers.get(bias.node)
+        dq = producers.get(node.input[2]) if node is not None and len(node.input) > 2 else None
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue  # left float (its input or weight is not quantized)
+        scale = onnx.numpy_helper.to_array(initializers[dq.input[1]]).astype(np.float32)
+        zero_point = onnx.numpy_helper.to_array(initializers[dq.input[2]])
+        axis = next((a.i for a in dq.attribute if a.name == "axis"), None) if scale.ndim else None
+        records[bias.tensor] = TensorRecord(
+            tensor=bias.tensor, role="bias", method="derived: input scale x weight scale",
+            choice=None, qparams=None,
+            onnx=OnnxQParams(
+                dtype=onnx.TensorProto.INT32, scale=scale, zero_point=zero_point, axis=axis,
+                clip_min=None, clip_max=None, exact=True, deviations=(), replacement=None,
+                min_opset=13 if scale.ndim else 10,
+            ),
+            consumers=(bias.node,),
+        )
+    return records
+
+
+_QUANTIZE_BLOCK_ELEMENTS = 2**23
+
+
+def _quantize_in_blocks(
+    recipe: TensorRecipe, array: np.ndarray, qparams: QParams, opset: int
+) -> np.ndarray:
+    """`recipe.quantize`, a block of slices at a time along an axis that is not the channel
+    axis: quantizing is elementwise, and whole, a large weight would need several float64
+    temporaries of its size."""
+    if array.size <= _QUANTIZE_BLOCK_ELEMENTS or array.ndim < 2:
+        return recipe.quantize(array, qparams, opset=opset)
+    channel = None if qparams.axis is None else qparams.axis % array.ndim
+    along = 0 if channel != 0 else 1
+    step = max(1, _QUANTIZE_BLOCK_ELEMENTS * array.shape[along] // array.size)
+    codes: np.ndarray | None = None  # filled in place: a list of blocks would double it
+    for start in range(0, array.shape[along], step):
+        where = tuple(slice(start, start + step) if axis == along else slice(None)
+                      for axis in range(array.ndim))
+        block = recipe.quantize(array[where], qparams, opset=opset)
+        if codes is None:
+            codes = np.empty(array.shape, dtype=block.dtype)
+        codes[where] = block
+    assert codes is not None  # array.size > 0 here
+    return codes
+
+
+def _weight_granularity(recipe: TensorRecipe, axis: int | None, per_channel: bool) -> PerTensor | PerChannel:
+    if not per_channel or axis is None:
+        return PerTensor()
+    allowed = recipe.per_channel_axes
+    if allowed == "any" or (isinstance(allowed, tuple) and axis in allowed):
+        return PerChannel(axis)
+    return PerTensor()
+
+
+def _planned_records(
+    records: Mapping[str, TensorRecord], plan: QuantPlan, model: onnx.ModelProto
+) -> dict[str, TensorRecord]:
+    """The records of what the restricted plan still quantizes, biases read back from `model`."""
+    kept = {a.tensor for a in plan.activations} | {w.tensor for w in plan.weights}
+    found = {name: r for name, r in records.items() if name in kept and r.role != "bias"}
+    found.update(_bias_records(model, plan))
+    return found

@@ -1,0 +1,142 @@
+"""What sensitivity measures: one tensor's figures, the whole result, and the per-output sums
+they are computed from while batches stream by."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qcal.accuracy.evaluate import is_classifier_like
+
+__all__ = ["SensitivityResult", "TensorSensitivity"]
+
+
+@dataclass(frozen=True)
+class TensorSensitivity:
+    """The effect of quantizing one tensor alone.
+
+    Attributes:
+        tensor: the tensor's name.
+        role: "activation" or "weight".
+        output_sqnr_db: worst model-output SQNR with only this tensor quantized (None: outputs
+            unchanged).
+        noise_ratio: worst output noise energy over signal energy (0.0: unchanged).
+        top1_agreement: worst top-1 agreement of classifier-like outputs, None without any.
+        local_sqnr_db: SQNR of the tensor against its fake-quant (None: quantized exactly).
+        samples: samples the output figures were measured on (fewer than the result's when
+            screening found the tensor harmless; None: not recorded).
+        logit_noise_ratio: worst noise ratio over the logits of softmax outputs (None: no
+            output is a softmax).
+    """
+
+    tensor: str
+    role: str
+    output_sqnr_db: float | None
+    noise_ratio: float
+    top1_agreement: float | None
+    local_sqnr_db: float | None
+    samples: int | None = None
+    logit_noise_ratio: float | None = None
+
+    @property
+    def harm(self) -> float:
+        """What screening and the fallback rank by: the logits' noise ratio, else the outputs'."""
+        return self.noise_ratio if self.logit_noise_ratio is None else self.logit_noise_ratio
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "tensor": self.tensor,
+            "role": self.role,
+            "output_sqnr_db": _round(self.output_sqnr_db),
+            "noise_ratio": _round(self.noise_ratio),
+            "top1_agreement": _round(self.top1_agreement),
+            "local_sqnr_db": _round(self.local_sqnr_db),
+            "samples": self.samples,
+            "logit_noise_ratio": _round(self.logit_noise_ratio),
+        }
+
+
+@dataclass(frozen=True)
+class SensitivityResult:
+    """Sensitivity of every planned tensor, worst (lowest output SQNR) first."""
+
+    samples: int
+    tensors: tuple[TensorSensitivity, ...]
+
+    def by_tensor(self) -> dict[str, TensorSensitivity]:
+        return {t.tensor: t for t in self.tensors}
+
+    def to_json(self) -> dict[str, object]:
+        return {"samples": self.samples, "tensors": [t.to_json() for t in self.tensors]}
+
+
+# ---------------------------------------------------------------------------- accumulation
+
+
+@dataclass
+class _OutputNoise:
+    signal: list[float]
+    noise: list[float]
+    agree: list[int]
+    rows: list[int]
+    classifier: list[bool] = field(default_factory=list)
+    real: int = 0  # the first `real` are model outputs, the rest softmax logits
+
+    @classmethod
+    def empty(cls, outputs: int, real: int) -> _OutputNoise:
+        return cls([0.0] * outputs, [0.0] * outputs, [0] * outputs, [0] * outputs,
+                   [True] * outputs, real)
+
+    def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
+        for i, (x, y) in enumerate(zip(reference, quantized)):
+            x64 = np.asarray(x, dtype=np.float64).ravel()
+            d = x64 - np.asarray(y, dtype=np.float64).ravel()
+            self.signal[i] += float(x64 @ x64)
+            self.noise[i] += float(d @ d)
+            self.classifier[i] = self.classifier[i] and is_classifier_like(np.shape(x))
+            if self.classifier[i]:
+                self.agree[i] += int(np.sum(np.argmax(x, -1) == np.argmax(y, -1)))
+                self.rows[i] += int(np.shape(x)[0])
+
+    def worst_ratio(self, logits: bool = False) -> float:
+        chosen = slice(self.real, None) if logits else slice(0, self.real)
+        ratios = [n / s if s > 0 else (0.0 if n == 0 else math.inf)
+                  for s, n in zip(self.signal[chosen], self.noise[chosen])]
+        return max(ratios, default=0.0)
+
+    def harm(self) -> float:
+        return self.worst_ratio(logits=len(self.signal) > self.real)
+
+    def result(self, tensor: str, role: str, local_signal: float,
+               local_noise: float, samples: int | None = None) -> TensorSensitivity:
+        worst = self.worst_ratio()
+        agreements = [a / r for a, r, c in zip(self.agree[:self.real], self.rows[:self.real],
+                                                 self.classifier[:self.real]) if c and r]
+        return TensorSensitivity(
+            tensor=tensor,
+            role=role,
+            output_sqnr_db=_db(worst),
+            noise_ratio=worst,
+            top1_agreement=min(agreements) if agreements else None,
+            local_sqnr_db=_db(local_noise / local_signal if local_signal > 0 else
+                              (0.0 if local_noise == 0 else math.inf)),
+            samples=samples,
+            logit_noise_ratio=self.worst_ratio(logits=True) if len(self.signal) > self.real
+            else None,
+        )
+
+
+def _db(noise_ratio: float) -> float | None:
+    if noise_ratio == 0.0:
+        return None
+    if math.isinf(noise_ratio):
+        return -math.inf
+    return -10.0 * math.log10(noise_ratio)
+
+
+def _round(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None if value is None or math.isnan(value) else (-1e9 if value < 0 else 1e9)
+    return float(f"{value:.6g}")
