@@ -7,10 +7,12 @@ reports as JSON with ``timings_seconds`` and the qcal source path removed.
 
     python benchmarks/same_output.py --base HEAD~3            # sample models, several methods/presets
     python benchmarks/same_output.py --base HEAD~3 --ppocr    # and the three PP-OCR models
+    python benchmarks/same_output.py --base A --head B        # two commits, this checkout unused
 
 Exit 0 when every pair is identical; 1 with the differing cases listed otherwise. The base
 revision's outputs are cached in ``benchmarks/.cache/same_output/<commit>/`` (a commit's outputs
-never change), so checking several later trees against one base runs the base once.
+never change), so checking several later trees against one base runs the base once; so are a
+``--head`` commit's.
 """
 
 from __future__ import annotations
@@ -85,6 +87,24 @@ def run_cases(source: Path, cases: list[tuple[str, str, str, list[str]]], out: P
         print(f"  {name}: exit {done.returncode}", flush=True)
 
 
+def run_commit(revision: str, cases: list[tuple[str, str, str, list[str]]]) -> Path:
+    """Run `cases` with the package of `revision` (a temporary worktree); outputs are cached."""
+    commit = subprocess.run(["git", "rev-parse", revision], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    out = CACHE / commit
+    print(f"{revision} = {commit[:10]}: {out}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT,
+                       capture_output=True, check=True)
+        try:
+            run_cases(tree, cases, out)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           capture_output=True, check=False)
+    return out
+
+
 def comparable_report(path: Path) -> Any:
     if not path.exists():
         return None
@@ -113,27 +133,19 @@ def compare(base: Path, head: Path, cases: list[tuple[str, str, str, list[str]]]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--head", help="git revision to check (default: this checkout)")
     parser.add_argument("--ppocr", action="store_true", help="also the three PP-OCR models")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.strip()
     cases = SAMPLE_CASES + (ppocr_cases() if args.ppocr else [])
 
-    base_out = CACHE / commit
-    print(f"base {commit[:10]}: {base_out}")
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT,
-                       capture_output=True, check=True)
-        try:
-            run_cases(tree, cases, base_out)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           capture_output=True, check=False)
-    head_out = CACHE / "head"
-    shutil.rmtree(head_out, ignore_errors=True)
-    print(f"this checkout: {head_out}")
-    run_cases(ROOT, cases, head_out)
+    base_out = run_commit(args.base, cases)
+    if args.head:
+        head_out = run_commit(args.head, cases)
+    else:
+        head_out = CACHE / "head"
+        shutil.rmtree(head_out, ignore_errors=True)
+        print(f"this checkout: {head_out}")
+        run_cases(ROOT, cases, head_out)
 
     differing = compare(base_out, head_out, cases)
     for line in differing:
