@@ -28,6 +28,7 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         exclude_tensors=frozenset(config.exclude_tensors) | skipped,
         per_channel=config.per_channel,
         default_exclusions=config.default_exclusions,
+        placement=config.placement_mode,
     )
 
 

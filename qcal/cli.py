@@ -182,6 +182,9 @@ _existing = click.Path(exists=False, path_type=Path)
 @click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime intra-op threads (0: its default).")
 @click.option("--default-exclusions/--no-default-exclusions", default=True, show_default=True,
               help="Keep known accuracy traps in float (normalization statistics, ...; see README).")
+@click.option("--placement", type=click.Choice(["auto", "all"]),
+              help="Where Q/DQ goes: auto, where onnxruntime's integer kernels pay; all, every "
+                   "node with a rule [default: auto; all for the horizon presets].")
 @click.option("--sensitivity", is_flag=True, help="Measure every quantized tensor's effect alone.")
 @click.option("--sensitivity-samples", type=int, metavar="N",
               help="Evaluation samples the sensitivity runs on [default: 16; every tensor is "
@@ -232,6 +235,8 @@ def calibrate(**params: Any) -> None:
 @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
 @click.option("--default-exclusions/--no-default-exclusions", default=True, show_default=True,
               help="Keep known accuracy traps in float (see README).")
+@click.option("--placement", type=click.Choice(["auto", "all"]),
+              help="Where Q/DQ goes [default: auto; all for the horizon presets].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @reports_errors
@@ -241,7 +246,7 @@ def inspect(model: Path, as_json: bool, debug: bool, **selection: Any) -> None:
     from qcal.pipeline import plan_model
 
     config = config_from_mapping({k: _list_option(v) if isinstance(v, tuple) else v
-                                  for k, v in selection.items()}, where="--")
+                                  for k, v in selection.items() if v is not None}, where="--")
     loaded, prepared, steps, plan = plan_model(model, config)
     opsets = {o.domain or "ai.onnx": o.version for o in loaded.model.opset_import}
     inputs = model_inputs(prepared)

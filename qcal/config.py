@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qcal.graph.placement import PLACEMENTS
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
 
@@ -36,6 +37,9 @@ __all__ = [
 # uint8 asymmetric activations with int8 symmetric per-channel weights (PyTorch's x86 default) is
 # the layout onnxruntime's CPU kernels are fastest on, and its QDQ mapping is exact.
 DEFAULT_PRESET = "pytorch"
+# Presets of accelerators whose toolchains quantize every operator: their users emulate that
+# arithmetic, so Q/DQ goes on every node with a rule (placement "all") unless they say otherwise.
+ACCELERATOR_PRESETS = frozenset({"horizon", "horizon-rne"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class CalibrationConfig:
     # Accuracy: default exclusions, sensitivity, automatic fallback and CI gates. Percentages
     # are in percent (0-100), SQNR in dB; None means "not asked for".
     default_exclusions: bool = True
+    placement: str | None = None  # None: "all" for accelerator presets, else "auto"
     sensitivity: bool = False
     sensitivity_samples: int | None = None  # None: automatic (see pipeline)
     target_sqnr: float | None = None
@@ -107,6 +112,9 @@ class CalibrationConfig:
                 raise ConfigError("synthetic: cannot be combined with data (choose one source)")
         if not 13 <= self.opset <= 25:
             raise ConfigError(f"opset: {self.opset} is not between 13 and 25")
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement: unknown {self.placement!r}; choose one of "
+                              f"{', '.join(PLACEMENTS)}")
         if self.threads < 0:
             raise ConfigError(f"threads: {self.threads} must be 0 (onnxruntime default) or more")
         self._check_accuracy_options()
@@ -125,6 +133,14 @@ class CalibrationConfig:
             value = getattr(self, key)
             if value is not None and not 0.0 <= value <= 100.0:
                 raise ConfigError(f"{key.replace('_', '-')}: {value} is not a percentage in [0, 100]")
+
+    @property
+    def placement_mode(self) -> str:
+        """Where Q/DQ goes (`qcal.graph.placement`): as asked, else "all" for presets that
+        emulate an accelerator's integer arithmetic end to end, else "auto"."""
+        if self.placement is not None:
+            return self.placement
+        return "all" if self.preset in ACCELERATOR_PRESETS else "auto"
 
     @property
     def has_fallback_target(self) -> bool:
@@ -187,6 +203,7 @@ _FLOAT_KEYS = {
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,
     "method": str,
+    "placement": str,
     **{key: (int, float) for key in _FLOAT_KEYS},
     "per_channel": bool,
     "default_exclusions": bool,

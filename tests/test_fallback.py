@@ -141,10 +141,13 @@ def quantized_matmul_macs(quant: onnx.ModelProto, float_model: onnx.ModelProto,
 
 def test_defaults_restore_what_naive_full_quantization_breaks(trap: Path) -> None:
     feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
-    naive = calibrate(trap, CalibrationConfig(default_exclusions=False))
-    default = calibrate(trap, CalibrationConfig())
+    naive = calibrate(trap, CalibrationConfig(default_exclusions=False, placement="all"))
+    default = calibrate(trap, CalibrationConfig(placement="all"))
+    # Placement "auto" alone, without the default exclusions, keeps the traps float too: none
+    # of them lies between quantized anchors.
+    placed = calibrate(trap, CalibrationConfig(default_exclusions=False))
     agreement = {}
-    for name, result in (("naive", naive), ("default", default)):
+    for name, result in (("naive", naive), ("default", default), ("placed", placed)):
         x, y = run_both(trap, result.model, feed)
         agreement[name] = float(np.mean(x.argmax(1) == y.argmax(1)))
         assert result.report["evaluation"]["outputs"][0]["top1_agreement"] == pytest.approx(
@@ -154,6 +157,7 @@ def test_defaults_restore_what_naive_full_quantization_breaks(trap: Path) -> Non
         assert result.report["coverage"]["basis"] == "macs"
     assert agreement["naive"] < 0.6  # every trap armed: most decisions change
     assert agreement["default"] >= 0.9  # the defaults keep the traps float...
+    assert agreement["placed"] >= 0.9
     assert default.report["coverage"]["macs_quantized_fraction"] == 1.0  # ...at no compute cost
     reasons = {n["name"]: n["reason"] for n in default.report["nodes"]}
     assert "normalization statistic" in reasons["rms_add_eps"]
@@ -163,8 +167,8 @@ def test_defaults_restore_what_naive_full_quantization_breaks(trap: Path) -> Non
 
 def test_each_trap_rule_keeps_its_pattern_float(trap: Path) -> None:
     prepared, _ = prepare_model(onnx.load(trap))
-    plan = plan_quantization(prepared, SelectionRules())
-    naive = plan_quantization(prepared, SelectionRules(default_exclusions=False))
+    plan = plan_quantization(prepared, SelectionRules(placement="all"))
+    naive = plan_quantization(prepared, SelectionRules(default_exclusions=False, placement="all"))
     reads = {(t.tensor, c) for t in plan.activations for c in t.consumers}
     planned = {t.tensor for t in plan.activations} | {w.tensor for w in plan.weights}
     naive_planned = {t.tensor for t in naive.activations} | {w.tensor for w in naive.weights}
@@ -181,7 +185,7 @@ def test_each_trap_rule_keeps_its_pattern_float(trap: Path) -> None:
 
 def test_fallback_keeps_cheap_tensors_float_first(trap: Path, tmp_path: Path) -> None:
     feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
-    config = CalibrationConfig(default_exclusions=False, target_sqnr=15.0)
+    config = CalibrationConfig(default_exclusions=False, target_sqnr=15.0, placement="all")
     result = calibrate(trap, config, report_path=tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     jsonschema.validate(report, report_schema())
@@ -349,7 +353,7 @@ def _candidates(count: int) -> list[Candidate]:
 @pytest.mark.parametrize("needed", [0, 1, 3, 6, 13])
 def test_search_finds_the_fewest_tensors_to_keep_float(needed: int, trap: Path) -> None:
     model, _ = prepare_model(onnx.load(trap))
-    plan = plan_quantization(model, SelectionRules(default_exclusions=False))
+    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
     tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
     candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
                   for t in tensors]

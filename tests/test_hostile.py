@@ -277,10 +277,11 @@ def _overflow_inside(folder: Path) -> list[Any]:
     """Finite data, but a tensor inside the model overflows to inf: its range is refused."""
     nodes = [
         helper.make_node("Mul", ["x", "big"], ["huge"], name="scale_up"),
-        helper.make_node("Transpose", ["huge"], ["y"], name="move"),
+        helper.make_node("MatMul", ["huge", "w"], ["y"], name="project"),
     ]
     model = build_model(
-        nodes, [float_input("x", ["N", 4])], ["y"], {"big": np.array([3e38], np.float32)}
+        nodes, [float_input("x", ["N", 4])], ["y"],
+        {"big": np.array([3e38], np.float32), "w": np.eye(4, dtype=np.float32)},
     )
     np.savez(folder / "calib.npz", x=np.full((3, 4), 10.0, np.float32))
     return [_save(folder, model), "--data", folder / "calib.npz"]
@@ -497,7 +498,7 @@ CASES: dict[str, Case] = {
         _fixed_batch_not_filled, DATA, ("'x'", "size 1 on axis 0", "expects 2")
     ),
     "data-nan": Case(_nan_input, DATA, ("input 'x'", "NaN", "sample 3")),
-    "data-inf": Case(_inf_input, DATA, ("input 'x'", "NaN or infinite", "sample 2")),
+    "data-inf": Case(_inf_input, DATA, ("not finite", "infinite or NaN")),
     "data-overflow-inside-model": Case(_overflow_inside, DATA, ("tensor 'huge'", "not finite")),
     "data-empty-npz": Case(lambda d: _with_npz(d, x=images(0)), DATA, ("bad.npz", "no samples")),
     "data-empty-folder": Case(_empty_dir, DATA, ("samples", "no calibration data")),

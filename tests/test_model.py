@@ -240,7 +240,9 @@ def test_model_input_without_a_tensor_type_is_a_model_error() -> None:
 
 
 def _plan(model: onnx.ModelProto, **rules: object) -> QuantPlan:
+    """The plan under the per-operator rules alone (placement "all", unless `rules` say)."""
     prepared, _ = prepare_model(model)
+    rules.setdefault("placement", "all")
     return plan_quantization(prepared, SelectionRules(**rules))  # type: ignore[arg-type]
 
 

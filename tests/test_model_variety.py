@@ -24,7 +24,9 @@ from qcal.report import report_schema
 def calibrate_cli(
     tmp_path: Path, model: onnx.ModelProto, data: Path, *flags: str
 ) -> dict[str, Any]:
-    """Run `qcal calibrate` and return the report (validated against the shipped schema)."""
+    """Run `qcal calibrate` and return the report (validated against the shipped schema).
+    Every node with a rule is quantized (placement "all"): the models here are small, and the
+    tests are about what qcal reads and writes, not about where Q/DQ pays."""
     onnx.save(model, tmp_path / "model.onnx")
     result = CliRunner().invoke(
         main,
@@ -38,6 +40,8 @@ def calibrate_cli(
             "--report",
             str(tmp_path / "q.json"),
             "--force",
+            "--placement",
+            "all",
             *flags,
         ],
     )

@@ -8,8 +8,10 @@ import math
 from collections.abc import Mapping
 
 import onnx
+import onnx.defs
 
 from qcal.graph.files.large import tensor_array
+from qcal.graph.placement import Placement, parameter_tensors, place
 from qcal.graph.plan._rules import (
     _FUSED_ACTIVATIONS,
     OpRule,
@@ -37,6 +39,7 @@ from qcal.graph.structure import (
     FLOAT_TYPES,
     UseIndex,
     attribute_graphs,
+    default_opset,
     graph_element_types,
 )
 from qcal.graph.traps import Traps, find_traps
@@ -56,7 +59,10 @@ def plan_quantization(model: onnx.ModelProto, rules: SelectionRules) -> QuantPla
         ModelError: a node has no name or a repeated one, or the model is already quantized.
     """
     _check_selection(model, rules)
-    return _Planner(model.graph, rules, ambiguous=_defined_twice(model.graph)).plan()
+    opset = default_opset(model) or onnx.defs.onnx_opset_version()
+    return _Planner(
+        model.graph, rules, opset=opset, ambiguous=_defined_twice(model.graph)
+    ).plan()
 
 
 class _Planner(_Selection):
@@ -68,6 +74,7 @@ class _Planner(_Selection):
         graph: onnx.GraphProto,
         rules: SelectionRules,
         *,
+        opset: int,
         types: Mapping[str, int] | None = None,
         outer_constants: Mapping[str, onnx.TensorProto] | None = None,
         ambiguous: frozenset[str] = frozenset(),
@@ -79,6 +86,8 @@ class _Planner(_Selection):
         self._types = graph_element_types(graph) if types is None else types
         self._outer_constants = outer_constants or {}
         self._ambiguous = ambiguous
+        self._opset = opset
+        self._parameters = parameter_tensors(graph, self._index, opset)
         self._selected: dict[str, OpRule] = {}
         self._skips: dict[str, str] = {}
         self._traps = (
@@ -91,6 +100,12 @@ class _Planner(_Selection):
                 self._selected[node.name] = rule
             else:
                 self._skips[node.name] = reason
+        self._placed = Placement()
+        if rules.placement == "auto" and rules.op_types is None:
+            self._placed = place(graph, self._index, self._selected, self._activation_inputs)
+            for name, reason in self._placed.nodes.items():
+                del self._selected[name]
+                self._skips[name] = reason
         self._fused = self._fused_tensors()
         self._ranks = {
             v.name: len(v.type.tensor_type.shape.dim)
@@ -123,6 +138,7 @@ class _Planner(_Selection):
                         body = _Planner(
                             subgraph,
                             self._rules,
+                            opset=self._opset,
                             types=self._types,
                             outer_constants=self._scope_constants(),
                             ambiguous=self._ambiguous,
@@ -156,6 +172,15 @@ class _Planner(_Selection):
             found.biases.append(bias)
         reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
         found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
+
+    def _activation_inputs(self, node: onnx.NodeProto) -> list[str]:
+        """The float activations (not constants) `node` reads at the inputs its rule quantizes."""
+        rule = self._selected[node.name]
+        return [
+            tensor for slot, tensor in enumerate(node.input)
+            if tensor and _quantized_slot(rule.inputs, slot) and self._constant(tensor) is None
+            and self._types.get(tensor) in FLOAT_TYPES and tensor not in self._parameters
+        ]
 
     def _constant(self, value: str) -> onnx.TensorProto | None:
         """The initializer holding `value`, in this graph or an enclosing one."""

@@ -18,6 +18,7 @@ from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
 from qcal.numerics.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
+    from qcal.graph.placement import Placement
     from qcal.graph.plan._targets import _NodeTargets
     from qcal.graph.plan._types import SelectionRules
     from qcal.graph.traps import Traps
@@ -71,6 +72,8 @@ class _Selection:
     _traps: Traps
     _ambiguous: frozenset[str]
     _types: Mapping[str, int]
+    _parameters: Mapping[str, str]
+    _placed: Placement
 
     def _select(self, node: onnx.NodeProto) -> tuple[OpRule | None, str]:
         """The node's rule, or why it is not quantized (by op type or name)."""
@@ -108,4 +111,10 @@ class _Selection:
         if elem_type is None:
             found.notes.append(f"{tensor!r} left float: element type unknown")
             return False
-        return elem_type in FLOAT_TYPES
+        if elem_type not in FLOAT_TYPES:
+            return False
+        why = self._parameters.get(tensor) or self._placed.tensors.get(tensor)
+        if why is not None:
+            found.notes.append(f"{tensor!r} left float: {why}")
+            return False
+        return True

@@ -17,6 +17,8 @@ class SelectionRules:
         exclude_tensors: tensors never to quantize.
         per_channel: quantize weights per channel where the rule allows.
         default_exclusions: apply the trap-avoiding default exclusions (`TRAP_RULES_DOC`).
+        placement: "auto" (Q/DQ where onnxruntime's integer kernels pay, `qcal.graph.placement`)
+            or "all" (every node with a rule). With `op_types` set, every selected node counts.
     """
 
     op_types: frozenset[str] | None = None
@@ -25,6 +27,7 @@ class SelectionRules:
     exclude_tensors: frozenset[str] = frozenset()
     per_channel: bool = True
     default_exclusions: bool = True
+    placement: str = "auto"
 
 
 @dataclass(frozen=True)

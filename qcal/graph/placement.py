@@ -1,0 +1,213 @@
+"""Where Q/DQ goes: on the values an operator computes with, where integer kernels pay.
+
+Two questions the planner (`qcal.graph.plan`) asks of every graph, before any data is seen.
+
+**Parameters are never quantized.** An operator's inputs are either the values it computes with or
+parameters that say how (Resize's roi/scales/sizes, Reshape's shape, Pad's pads, Slice's starts,
+TopK's k, ...). Which is which comes from the ONNX schemas, not from a list: an input whose type
+constraint differs from the first output's is a parameter. A float tensor that flows only into
+parameters (a scale factor computed from a shape, divided and concatenated on its way to a
+Resize) is a parameter too, with everything computed only for it: quantizing it changes what
+the operator does, not how precisely (and onnxruntime may refuse the result, e.g. a cubic Resize).
+
+**Placement "auto" (the default).** Q/DQ pays where onnxruntime runs the operator on integers
+after QDQ fusion: Conv, ConvTranspose, MatMul and Gemm (the *anchors*). Elsewhere a Q/DQ pair is
+work added to a float operator, and error added where it may be amplified (normalizations,
+softmax, GELU, recurrent state). So under "auto":
+
+* anchors are quantized; a Relu/Clip that onnxruntime fuses into an anchor goes with it;
+* a cheap operator that onnxruntime runs on integers (data movement, pooling, Concat, Add, Mul,
+  Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits *between* anchors: every float input
+  it computes with comes from a quantized anchor or such an operator, and its output reaches an
+  anchor through such operators. Then it saves a Dequantize/Quantize pair instead of adding one;
+* an anchor's output is quantized only when a quantized node reads it, or for Conv and
+  ConvTranspose, whose integer kernel (QLinearConv) writes integers. MatMul and Gemm have integer
+  kernels with a float output, so attention logits and final logits stay float;
+* every other node stays float.
+
+Placement "all" quantizes every node that has a rule (full emulation of an integer target, as
+accelerator toolchains do); so does an explicit ``--op-types`` list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import onnx
+import onnx.defs
+
+from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex
+
+__all__ = [
+    "ANCHOR_OPS",
+    "PLACEMENTS",
+    "Placement",
+    "parameter_slots",
+    "parameter_tensors",
+    "place",
+]
+
+PLACEMENTS = ("auto", "all")
+ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+# Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
+_INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+# Cheap operators onnxruntime runs on integers when their inputs and output are quantized.
+_SERVING_OPS = frozenset({
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
+    "DepthToSpace", "SpaceToDepth", "MaxPool", "GlobalMaxPool", "Resize",
+    "AveragePool", "GlobalAveragePool", "Concat", "Add", "Mul", "Div", "Relu", "Clip",
+    "LeakyRelu", "Sigmoid",  # bounded slopes: they shrink an input error, never amplify it
+})
+
+
+@dataclass
+class Placement:
+    """What placement keeps float in one graph, each with its reason.
+
+    Attributes:
+        nodes: node name -> why it stays float although it has a rule.
+        tensors: tensor -> why it stays float (an anchor's output no quantized node reads).
+    """
+
+    nodes: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, str] = field(default_factory=dict)
+
+
+def parameter_slots(node: onnx.NodeProto, opset: int) -> frozenset[int]:
+    """Input positions of `node` that are parameters by its schema (type constraint differs
+    from the first output's). Unknown operators and variadic inputs: none."""
+    if node.domain not in DEFAULT_DOMAINS:
+        return frozenset()
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return frozenset()
+    if not schema.outputs:
+        return frozenset()
+    value_type = schema.outputs[0].type_str
+    slots = set()
+    for slot, formal in enumerate(schema.inputs):
+        if formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
+            break
+        if formal.type_str != value_type and slot < len(node.input):
+            slots.add(slot)
+    return frozenset(slots)
+
+
+def parameter_tensors(graph: onnx.GraphProto, index: UseIndex, opset: int) -> dict[str, str]:
+    """Tensor -> reason, for every tensor that flows only into parameters (module docstring)."""
+    roots: dict[str, str] = {}  # tensor -> the parameter input it ends in
+    for node in reversed(graph.node):  # readers before producers: graphs are sorted
+        for slot in sorted(parameter_slots(node, opset)):
+            tensor = node.input[slot]
+            if tensor and tensor not in roots and _only_parameter_uses(tensor, index, roots, opset):
+                roots[tensor] = f"a parameter of {node.op_type} node {node.name!r}"
+        outputs = [v for v in node.output if v]
+        if outputs and all(v in roots for v in outputs):
+            for tensor in node.input:
+                if tensor and tensor not in roots and _only_parameter_uses(
+                    tensor, index, roots, opset
+                ):
+                    roots[tensor] = roots[outputs[0]]
+    return {
+        tensor: f"computed only for {root}: never quantized" for tensor, root in roots.items()
+    }
+
+
+def _only_parameter_uses(
+    tensor: str, index: UseIndex, found: Mapping[str, str], opset: int
+) -> bool:
+    if tensor in index.graph_outputs:
+        return False
+    for use in index.uses.get(tensor, ()):
+        if use.slot == SUBGRAPH_SLOT:
+            return False
+        if use.slot in parameter_slots(use.node, opset):
+            continue
+        outputs = [v for v in use.node.output if v]
+        if not outputs or not all(v in found for v in outputs):
+            return False
+    return True
+
+
+def place(
+    graph: onnx.GraphProto,
+    index: UseIndex,
+    selected: Mapping[str, object],
+    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+) -> Placement:
+    """Placement "auto" for one graph (module docstring).
+
+    Args:
+        graph: the graph (nodes in topological order, as ONNX requires).
+        index: its use index.
+        selected: names of the nodes the user's selection and the default exclusions leave to
+            be quantized (values unused).
+        quantized_inputs: the float activations (not constants) a node would read quantized
+            under its rule.
+    """
+    placement = Placement()
+    nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
+    anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
+    fused = _fused_activations(nodes, anchors, index)
+    group_of = {activation: anchor for anchor, activation in fused.items()}
+    in_group = anchors | set(group_of)
+
+    # Forward: serving nodes whose every quantized input comes from a quantized producer.
+    forward: set[str] = set()
+    for node in nodes:
+        if node.name in in_group or node.op_type not in _SERVING_OPS:
+            continue
+        inputs = quantized_inputs(node)
+        producers = [index.producer.get(t) for t in inputs]
+        if inputs and all(p is not None and (p.name in in_group or p.name in forward)
+                          for p in producers):
+            forward.add(node.name)
+    # Backward: of those, the ones whose output reaches an anchor through such nodes.
+    serving: set[str] = set()
+    for node in reversed(nodes):
+        if node.name in forward and any(
+            reader.name in anchors or reader.name in serving
+            for value in node.output if value
+            for reader in index.readers(value)
+        ):
+            serving.add(node.name)
+    quantized = in_group | serving
+
+    for node in nodes:
+        if node.name in quantized:
+            continue
+        placement.nodes[node.name] = "placement auto: not between quantized anchors"
+    for anchor in anchors:
+        node = next(n for n in nodes if n.name == anchor)
+        if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
+            continue
+        tail = fused.get(anchor)
+        output = (
+            next(n for n in nodes if n.name == tail).output[0] if tail else node.output[0]
+        )
+        if not any(r.name in quantized for r in index.readers(output)):
+            placement.tensors[output] = "placement auto: no quantized node reads it"
+    return placement
+
+
+def _fused_activations(
+    nodes: list[onnx.NodeProto], anchors: set[str], index: UseIndex
+) -> dict[str, str]:
+    """Anchor -> the Relu/Clip that is its output's only reader (onnxruntime fuses the pair)."""
+    names = {n.name for n in nodes}
+    fused = {}
+    for node in nodes:
+        if node.name not in anchors or not node.output:
+            continue
+        readers = index.readers(node.output[0])
+        if (
+            len(readers) == 1
+            and readers[0].op_type in _FUSED_ACTIVATIONS
+            and readers[0].name in names
+            and node.output[0] not in index.graph_outputs
+        ):
+            fused[node.name] = readers[0].name
+    return fused

@@ -1,0 +1,153 @@
+"""Where Q/DQ goes: parameters never, and under placement "auto" only where integer kernels pay."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, float_input, run
+from onnx import TensorProto, helper
+
+from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
+from qcal.graph.placement import parameter_slots
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "expected"),
+    [
+        ("Resize", ["x", "roi", "scales", "sizes"], {1, 2, 3}),
+        ("Reshape", ["x", "shape"], {1}),
+        ("Pad", ["x", "pads", "value"], {1}),
+        ("Slice", ["x", "starts", "ends", "axes", "steps"], {1, 2, 3, 4}),
+        ("TopK", ["x", "k"], {1}),
+        ("Conv", ["x", "w", "b"], set()),
+        ("Where", ["c", "x", "y"], {0}),
+        ("Concat", ["a", "b", "c"], set()),
+    ],
+)
+def test_parameter_slots_come_from_the_schemas(op: str, inputs: list[str], expected: set[int]) -> None:
+    node = helper.make_node(op, inputs, ["out"])
+    assert parameter_slots(node, 17) == expected
+
+
+def _plan(model: onnx.ModelProto, placement: str) -> tuple[onnx.ModelProto, dict[str, bool], set[str]]:
+    prepared, _ = prepare_model(model)
+    plan = plan_quantization(prepared, SelectionRules(placement=placement))
+    decisions = {d.node: d.quantized for d in plan.nodes}
+    return prepared, decisions, {a.tensor for a in plan.activations}
+
+
+def _resize_with_computed_scales() -> onnx.ModelProto:
+    """Position-embedding interpolation as exporters write it: the scales are computed in
+    float from the input's shape (Cast, Div, Concat) on their way to a cubic Resize."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+        helper.make_node("Slice", ["shape", "two", "four"], ["hw"], name="hw"),
+        helper.make_node("Cast", ["hw"], ["hw_f"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("Div", ["hw_f", "grid"], ["ratio"], name="ratio"),
+        helper.make_node("Concat", ["ones", "ratio"], ["scales"], name="scales", axis=0),
+        helper.make_node("Resize", ["pos", "", "scales"], ["pos_big"], name="resize",
+                         mode="cubic"),
+        helper.make_node("Add", ["x", "pos_big"], ["y"], name="add"),
+    ]
+    inits = {
+        "two": np.array([2], np.int64), "four": np.array([4], np.int64),
+        "grid": np.array([4.0, 4.0], np.float32), "ones": np.array([1.0, 1.0], np.float32),
+        "pos": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32),
+    }
+    return build_model(nodes, [float_input("x", [1, 3, 8, 8])], ["y"], inits)
+
+
+def test_tensors_computed_only_for_parameters_are_never_quantized() -> None:
+    model = _resize_with_computed_scales()
+    _, decisions, activations = _plan(model, "all")
+    assert not {"hw_f", "ratio", "scales"} & activations
+    assert decisions["ratio"] is False and decisions["scales"] is False
+    assert decisions["add"] is True  # the values themselves are still quantized
+
+
+def test_placement_all_quantizes_a_cubic_resize_model_that_still_runs(tmp_path: object) -> None:
+    from qcal.config import CalibrationConfig
+    from qcal.pipeline import calibrate
+
+    model = _resize_with_computed_scales()
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    from pathlib import Path
+
+    folder = Path(str(tmp_path))
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "d.npz", x=np.stack([x] * 4))
+    result = calibrate(folder / "m.onnx", CalibrationConfig(data=folder / "d.npz",
+                                                             placement="all"))
+    onnx.checker.check_model(result.model)
+    (quantized,) = run(result.model, {"x": x})
+    (expected,) = run(model, {"x": x})
+    assert np.abs(quantized - expected).max() < 0.1 * np.abs(expected).max()
+
+
+def _cnn_with_head() -> onnx.ModelProto:
+    """Conv -> Relu -> MaxPool -> Conv, a residual Add of the two conv outputs, a Tanh gate
+    (no integer kernel), Flatten and a Gemm head."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[1, 1]),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "p1"], ["res"], name="residual"),
+        helper.make_node("Tanh", ["res"], ["gate"], name="tanh"),
+        helper.make_node("Mul", ["res", "gate"], ["silu"], name="silu"),
+        helper.make_node("Flatten", ["silu"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "wf", "bf"], ["logits"], name="head", transB=1),
+    ]
+    inits = {
+        "w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "b1": rng.standard_normal(4).astype(np.float32),
+        "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+        "b2": rng.standard_normal(4).astype(np.float32),
+        "wf": rng.standard_normal((5, 4 * 6 * 6)).astype(np.float32),
+        "bf": rng.standard_normal(5).astype(np.float32),
+    }
+    return build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["logits"], inits)
+
+
+def test_auto_places_qdq_on_anchors_and_what_lies_between_them() -> None:
+    _, decisions, activations = _plan(_cnn_with_head(), "auto")
+    assert decisions == {
+        "conv1": True, "relu1": True, "pool": True, "conv2": True,  # anchors and between
+        "residual": False, "tanh": False, "silu": False,  # lead to no anchor through cheap ops
+        "flatten": False, "head": True,
+    }
+    assert "logits" not in activations  # Gemm's integer kernel has a float output
+    assert "silu" not in activations and "flat" in activations  # the head's input
+    assert "c2" in activations  # Conv writes integers (QLinearConv)
+    _, everything, all_activations = _plan(_cnn_with_head(), "all")
+    assert all(v for k, v in everything.items() if k != "tanh") and "logits" in all_activations
+
+
+def test_a_gate_with_an_integer_kernel_between_anchors_is_quantized() -> None:
+    """SiLU as x * sigmoid(x) between a Conv and the head runs on integers (Sigmoid and Mul
+    have integer kernels, and a sigmoid shrinks an input error)."""
+    model = _cnn_with_head()
+    for node in model.graph.node:
+        if node.op_type == "Tanh":
+            node.op_type, node.name = "Sigmoid", "sigmoid"
+    _, decisions, activations = _plan(model, "auto")
+    assert decisions["sigmoid"] and decisions["silu"] and decisions["residual"]
+    assert {"res", "gate", "silu", "flat"} <= activations
+
+
+def test_attention_logits_stay_float_under_auto() -> None:
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj"),
+        helper.make_node("Transpose", ["x"], ["xt"], name="xt", perm=[1, 0]),
+        helper.make_node("MatMul", ["q", "xt"], ["scores"], name="qk"),
+        helper.make_node("Softmax", ["scores"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "x"], ["y"], name="pv"),
+    ]
+    inits = {"wq": np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32)}
+    _, decisions, activations = _plan(
+        build_model(nodes, [float_input("x", [3, 4])], ["y"], inits), "auto")
+    assert decisions["softmax"] is False and decisions["qk"] is True
+    assert "scores" not in activations and "y" not in activations
+    assert {"q", "p", "x"} <= activations
