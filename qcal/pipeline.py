@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
+from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
@@ -184,11 +186,15 @@ def calibrate(
 
     with timings.stage("qdq"):
         act_params = {name: rec.onnx for name, rec in records.items() if rec.role == "activation"}
-        result = InsertQDQ(plan, act_params, weights)(prepared)
-        quant_model = result.model
-        if weight_file is not None:  # its weight codes go to a file too
-            quant_model = weight_file.offload(quant_model)
-        del result
+        build = partial(_build_quantized, prepared, act_params, weights, weight_file)
+        # One sample through onnxruntime: a node it cannot run quantized is kept float.
+        first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
+        runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
+                                 threads=config.threads)
+        del build, first_feed
+        plan, quant_model = runnable.plan, runnable.model
+        if runnable.repaired:
+            records = _planned_records(records, plan, quant_model)
         records.update(_bias_records(quant_model, plan))
 
     source = eval_source if eval_source is not None else calib
@@ -250,6 +256,16 @@ def calibrate(
     if enforce_gates:  # after writing: a failed gate leaves the model and report as evidence
         raise_for_failed(gates, report_path)
     return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
+
+
+def _build_quantized(
+    prepared: onnx.ModelProto, act_params: Mapping[str, OnnxQParams],
+    weights: Mapping[str, QuantizedWeight], weight_file: WeightFile | None, plan: QuantPlan,
+) -> onnx.ModelProto:
+    built = InsertQDQ(plan, act_params, weights)(prepared).model
+    if weight_file is not None:  # its weight codes go to a file too
+        built = weight_file.offload(built)
+    return built
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

@@ -151,3 +151,31 @@ def test_attention_logits_stay_float_under_auto() -> None:
     assert decisions["softmax"] is False and decisions["qk"] is True
     assert "scores" not in activations and "y" not in activations
     assert {"q", "p", "x"} <= activations
+
+
+def test_a_node_onnxruntime_cannot_run_quantized_is_kept_float(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the parameter analysis, Q/DQ would reach the cubic Resize's scales and
+    onnxruntime refuses to run the model: qcal keeps the node it names float and says why."""
+    from pathlib import Path
+
+    import qcal.graph.plan._planner as planner
+    from qcal.config import CalibrationConfig
+    from qcal.pipeline import calibrate
+
+    monkeypatch.setattr(planner, "parameter_tensors", lambda *args: {})
+    model = _resize_with_computed_scales()
+    folder = Path(str(tmp_path))
+    onnx.save(model, folder / "m.onnx")
+    x = np.random.default_rng(4).standard_normal((4, 1, 3, 8, 8)).astype(np.float32)
+    np.savez(folder / "d.npz", x=x[:, 0])
+    result = calibrate(folder / "m.onnx", CalibrationConfig(data=folder / "d.npz",
+                                                             placement="all"))
+    reasons = {n["name"]: n["reason"] for n in result.report["nodes"]}
+    assert "onnxruntime cannot run it quantized" in reasons["resize"]
+    assert "Cubic" in reasons["resize"]
+    (quantized,) = run(result.model, {"x": x[0]})
+    (expected,) = run(model, {"x": x[0]})
+    assert np.abs(quantized - expected).max() < 0.1 * np.abs(expected).max()
+    assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
