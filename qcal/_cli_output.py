@@ -89,7 +89,16 @@ def _show_accuracy(report: dict[str, Any]) -> None:
             f"({cov['quantized_compute_nodes']} of {cov['compute_nodes']} nodes)"
         )
     sensitivity = report.get("sensitivity")
-    if sensitivity:
+    if sensitivity and sensitivity.get("method") == "error-jump":
+        table = Table(title_justify="left", title=(
+            f"where the error jumps, float vs quantized ({sensitivity['samples']} samples; "
+            f"all {len(sensitivity['tensors'])} in the report)"))
+        for col in ("tensor", "role", "error jump (noise/signal)"):
+            table.add_column(col, justify="left" if col in ("tensor", "role") else "right")
+        for entry in sensitivity["tensors"][:8]:
+            table.add_row(entry["tensor"], entry["role"], _fmt(entry["noise_ratio"], ".3g"))
+        stdout.print(table)
+    elif sensitivity:
         table = Table(title_justify="left", title=(
             f"most sensitive tensors, each quantized alone ({sensitivity['samples']} samples; "
             f"all {len(sensitivity['tensors'])} in the report)"))

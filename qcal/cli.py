@@ -185,6 +185,9 @@ _existing = click.Path(exists=False, path_type=Path)
 @click.option("--placement", type=click.Choice(["auto", "all"]),
               help="Where Q/DQ goes: auto, where onnxruntime's integer kernels pay; all, every "
                    "node with a rule [default: auto; all for the horizon presets].")
+@click.option("--fallback/--no-fallback", default=True, show_default=True,
+              help="Check the accuracy floor on held-back data and keep the most harmful "
+                   "tensors float below it (see README).")
 @click.option("--sensitivity", is_flag=True, help="Measure every quantized tensor's effect alone.")
 @click.option("--sensitivity-samples", type=int, metavar="N",
               help="Evaluation samples the sensitivity runs on [default: 16; every tensor is "

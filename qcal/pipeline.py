@@ -41,8 +41,9 @@ from qcal._quantize_tensors import (
 )
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
-from qcal.accuracy.fallback import AccuracyTarget, FallbackResult, rank_candidates, search_fallback
+from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
+from qcal.accuracy.localise import localise_error
 from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
@@ -208,14 +209,16 @@ def calibrate(
         )
 
     accuracy = _improve_accuracy(
-        prepared, plan, act_params, weights, config=config, inputs=inputs, source=source,
-        macs=macs, evaluate=evaluate, timings=timings, progress=progress,
+        prepared, plan, quant_model, act_params, weights, config=config, inputs=inputs,
+        source=source, macs=macs, evaluate=evaluate, timings=timings, progress=progress,
     )
     del weights  # the codes live on in the quantized model
     if accuracy.fallback is not None:
         plan, quant_model = accuracy.fallback.plan, accuracy.fallback.model
         comparison = accuracy.fallback.comparison  # on the same data as the evaluation below
         records = _planned_records(records, plan, quant_model)
+    elif accuracy.comparison is not None:
+        comparison = accuracy.comparison
     else:
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
@@ -285,10 +288,15 @@ def _stage_progress(progress: Progress | None, stage: str, total: int | None) ->
 
 
 def _gates(config: CalibrationConfig) -> Gates:
-    target = (("target-sqnr", config.target_sqnr) if config.target_sqnr is not None
-              else ("max-agreement-drop", config.max_agreement_drop or 0.0))
+    if config.target_sqnr is not None:
+        target = ("target-sqnr", config.target_sqnr)
+    elif config.max_agreement_drop is not None:
+        target = ("max-agreement-drop", config.max_agreement_drop)
+    else:  # the default floor: failing it is a failed gate even when no gate is set
+        target = ("accuracy-floor", 0.0)
     return Gates(config.fail_under_sqnr, config.fail_under_agreement,
-                 config.fail_if_coverage_below, target)
+                 config.fail_if_coverage_below, target,
+                 floor_is_gate=not config.has_fallback_target)
 
 
 # ------------------------------------------------------------------ accuracy: sensitivity, fallback
@@ -298,6 +306,7 @@ def _gates(config: CalibrationConfig) -> Gates:
 class _Accuracy:
     sensitivity: SensitivityResult | None
     fallback: FallbackResult | None
+    comparison: Comparison | None = None  # the full model's, when the floor held without help
 
 
 def _compute_macs(
@@ -310,30 +319,42 @@ def _compute_macs(
 
 
 def _improve_accuracy(
-    model: onnx.ModelProto, plan: QuantPlan, act_params: Mapping[str, OnnxQParams],
-    weights: Mapping[str, QuantizedWeight], *, config: CalibrationConfig, inputs: Any,
-    source: Any, macs: Mapping[str, int | None], evaluate: Callable[..., Comparison],
-    timings: _Timings, progress: Progress | None,
+    model: onnx.ModelProto, plan: QuantPlan, quant_model: onnx.ModelProto,
+    act_params: Mapping[str, OnnxQParams], weights: Mapping[str, QuantizedWeight], *,
+    config: CalibrationConfig, inputs: Any, source: Any, macs: Mapping[str, int | None],
+    evaluate: Callable[..., Comparison], timings: _Timings, progress: Progress | None,
 ) -> _Accuracy:
-    """Per-tensor sensitivity (when asked or needed), then the fallback search (with a target)."""
-    if not config.wants_sensitivity:
+    """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
+    or, by default, the accuracy floor. The floor is checked on the full model first; only when
+    it fails is the error localised (two passes, `qcal.accuracy.localise`) and searched."""
+    sensitivity = None
+    if config.wants_sensitivity:
+        with timings.stage("sensitivity"):
+            count, screen = _sensitivity_samples(config, plan, source)
+            sensitivity = measure_sensitivity(
+                model, plan, act_params, weights,
+                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
+                screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
+                threads=config.threads,
+                on_batch=_stage_progress(progress, "sensitivity", count),
+            )
+        if not config.has_fallback_target:
+            return _Accuracy(sensitivity, None)
+    elif not config.fallback:
         return _Accuracy(None, None)
-    with timings.stage("sensitivity"):
-        count, screen = _sensitivity_samples(config, plan, source)
-        sensitivity = measure_sensitivity(
-            model, plan, act_params, weights,
-            data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
-            screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
-            threads=config.threads,
-            on_batch=_stage_progress(progress, "sensitivity", count),
-        )
-    if not config.has_fallback_target:
-        return _Accuracy(sensitivity, None)
-    target = AccuracyTarget(
-        min_sqnr_db=config.target_sqnr,
-        max_agreement_drop=None if config.max_agreement_drop is None
-        else config.max_agreement_drop / 100.0,
-    )
+    target = config.accuracy_target()
+    if sensitivity is None:
+        with timings.stage("evaluate"):
+            comparison = evaluate(quant_model)
+        if target.is_met(comparison):
+            return _Accuracy(None, None, comparison)
+        with timings.stage("localise"):
+            count = min(_LOCALISE_SAMPLES, source.num_samples() or _LOCALISE_SAMPLES)
+            sensitivity = localise_error(
+                model, quant_model, plan,
+                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
+                providers=config.providers, threads=config.threads,
+            )
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
     with timings.stage("fallback"):
         fallback = search_fallback(
@@ -343,6 +364,9 @@ def _improve_accuracy(
             evaluate=lambda quantized: evaluate(quantized, "fallback"),
         )
     return _Accuracy(sensitivity, fallback)
+
+
+_LOCALISE_SAMPLES = 8  # samples the two localisation passes run on
 
 
 # Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few

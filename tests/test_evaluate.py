@@ -12,13 +12,15 @@ from onnx import TensorProto, helper
 from qcal.accuracy.evaluate import compare_models
 
 
-def _scale_model(factor: float) -> onnx.ModelProto:
+def _scale_model(factor: float, op: str = "MatMul") -> onnx.ModelProto:
+    """y = x * factor, as a linear layer (classifier-like scores) or an elementwise Mul."""
+    k = (np.eye(5, dtype=np.float32) * np.float32(factor)) if op == "MatMul" else np.float32(factor)
     graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "k"], ["y"], name="mul")],
+        [helper.make_node(op, ["x", "k"], ["y"], name="scale")],
         "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
-        initializer=[helper.make_tensor("k", TensorProto.FLOAT, [], [factor])],
+        initializer=[onnx.numpy_helper.from_array(np.asarray(k), "k")],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
@@ -121,3 +123,11 @@ def test_a_broken_output_fails_every_gate() -> None:
     assert [(r.option, r.passed) for r in results] == [
         ("finite-outputs", False), ("fail-under-sqnr", False)]
     assert check_gates(Gates(), comparison, coverage)[0].value == 2.0
+
+
+def test_a_rank_2_output_not_computed_as_scores_has_no_agreement() -> None:
+    """An embedding (here an elementwise product) is compared by SQNR and cosine only."""
+    data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
+    out = compare_models(_scale_model(1.0, "Mul"), _scale_model(-1.0, "Mul"),
+                         (({"x": d}, 2) for d in data)).outputs[0]
+    assert out.top1_agreement is None and out.cosine == pytest.approx(-1.0)

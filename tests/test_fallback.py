@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, float_input
+from _onnx_testing import build_model, float_input, run
 from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
@@ -141,11 +141,12 @@ def quantized_matmul_macs(quant: onnx.ModelProto, float_model: onnx.ModelProto,
 
 def test_defaults_restore_what_naive_full_quantization_breaks(trap: Path) -> None:
     feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
-    naive = calibrate(trap, CalibrationConfig(default_exclusions=False, placement="all"))
-    default = calibrate(trap, CalibrationConfig(placement="all"))
+    naive = calibrate(trap, CalibrationConfig(default_exclusions=False, placement="all",
+                                              fallback=False))
+    default = calibrate(trap, CalibrationConfig(placement="all", fallback=False))
     # Placement "auto" alone, without the default exclusions, keeps the traps float too: none
     # of them lies between quantized anchors.
-    placed = calibrate(trap, CalibrationConfig(default_exclusions=False))
+    placed = calibrate(trap, CalibrationConfig(default_exclusions=False, fallback=False))
     agreement = {}
     for name, result in (("naive", naive), ("default", default), ("placed", placed)):
         x, y = run_both(trap, result.model, feed)
@@ -244,7 +245,8 @@ def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Pa
 
 def test_coverage_gate_and_passing_gates(trap: Path, tmp_path: Path) -> None:
     out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
-    base = ["calibrate", str(trap), "-o", str(out), "--report", str(rep), "--force", "-q"]
+    base = ["calibrate", str(trap), "-o", str(out), "--report", str(rep), "--force", "-q",
+            "--no-fallback"]
     failing = CliRunner().invoke(main, [*base, "--exclude-nodes", "q_proj",
                                         "--fail-if-coverage-below", "90"])
     assert failing.exit_code == 7
@@ -479,3 +481,71 @@ def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: P
     fc2 = next(d for d in restricted.nodes if d.node == "fc2")
     assert not fc2.quantized and "MatMulNBits" in fc2.reason
     assert "MatMulNBits" not in optimized_ops(restricted)
+
+
+# ---------------------------------------------------------------- the default accuracy floor
+
+
+def test_a_run_that_meets_the_floor_pays_one_evaluation_and_nothing_more(tmp_path: Path) -> None:
+    result = calibrate(SAMPLE_MODELS / "digits_cnn.onnx",
+                       CalibrationConfig(data=SAMPLE_MODELS / "digits_cnn.calib.npz", limit=64))
+    report = result.report
+    assert report["evaluation"]["outputs"][0]["top1_agreement"] >= 0.99
+    assert report["fallback"] is None and report["sensitivity"] is None
+    assert "localise" not in report["timings_seconds"]
+    assert "fallback" not in report["timings_seconds"]
+    assert report["gates"] == []
+
+
+def _outlier_mlp() -> onnx.ModelProto:
+    """x -> MatMul -> Relu (one hidden channel 1000x the others) -> MatMul -> logits: one
+    per-tensor step for the hidden layer wipes out the small channels the logits rest on."""
+    rng = np.random.default_rng(5)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32)
+    w1[:, 0] *= 1000.0
+    w2 = rng.standard_normal((32, 10)).astype(np.float32)
+    w2[0, :] = 0.0  # the huge channel does not reach the logits
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["pre"], name="fc1"),
+        helper.make_node("Relu", ["pre"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["logits"], name="fc2"),
+    ]
+    return build_model(nodes, [float_input("x", ["N", 16])], ["logits"], {"w1": w1, "w2": w2})
+
+
+def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
+    tmp_path: Path,
+) -> None:
+    path, data = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
+                                features=16)
+    assert data is not None
+    naive = calibrate(path, CalibrationConfig(fallback=False))
+    assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
+    result = calibrate(path, CalibrationConfig())
+    report = result.report
+    assert report["sensitivity"]["method"] == "error-jump"
+    assert report["sensitivity"]["tensors"][0]["tensor"] == "h"  # where the error jumps
+    fallback = report["fallback"]
+    assert fallback["reached"] and [k["tensor"] for k in fallback["kept_float"]] == ["h"]
+    expected = run(_outlier_mlp(), {"x": data})[0]
+    got = run(result.model, {"x": data})[0]
+    agreement = float(np.mean(expected.argmax(1) == got.argmax(1)))
+    assert agreement >= 0.99
+    assert agreement == pytest.approx(report["evaluation"]["outputs"][0]["top1_agreement"])
+    assert report["gates"] == []
+
+
+def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path: Path) -> None:
+    """Everything quantized and the traps armed: no choice above the coverage floor gets top-1
+    agreement to 99 %. The model and report are written and the run exits 7 with the reason."""
+    out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
+    result = CliRunner().invoke(main, ["calibrate", str(trap), "-o", str(out), "--report",
+                                       str(rep), "--no-default-exclusions", "--placement", "all",
+                                       "-q"])
+    assert result.exit_code == 7, result.output
+    assert "accuracy floor" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    report = json.loads(rep.read_text())
+    jsonschema.validate(report, report_schema())
+    assert not report["fallback"]["reached"]
+    assert [g["option"] for g in report["gates"]] == ["accuracy-floor"]
+    assert out.is_file()

@@ -2,8 +2,9 @@
 
 Per output, with x the float output and y the quantized one, accumulated over all samples:
 SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical), cosine = Σxy / √(Σx²·Σy²),
-max abs error = max|x−y|, and, for classifier-like outputs (rank 2, at least 2 classes), top-1
-agreement = share of samples whose argmax over the last axis is the same. With labels, top-1
+max abs error = max|x−y|, and, for classifier-like outputs (rank 2, at least 2 classes, computed
+by a linear layer or a softmax), top-1 agreement = share of samples whose argmax over the last
+axis is the same. With labels, top-1
 accuracy of both models against them. Only running sums are kept, never the outputs.
 
 Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
@@ -183,7 +184,8 @@ def compare_models(
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
-    accumulators = {name: _Accumulator() for name in names}
+    scores = _score_outputs(float_model)
+    accumulators = {name: _Accumulator(classifier=name in scores) for name in names}
     samples = 0
     for feed, n in batches:
         x_outputs = float_session.run(names, dict(feed))
@@ -207,6 +209,25 @@ def compare_models(
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
     return Comparison(samples, tuple(accumulators[n].metrics(n) for n in names))
+
+
+# What a classifier's scores come out of: a linear layer (and its bias), or a softmax. A rank-2
+# output computed otherwise (a pooled or normalized embedding) has no meaningful argmax.
+_SCORE_OPS = frozenset({"Gemm", "MatMul", "Add", "Softmax", "LogSoftmax", "Sigmoid"})
+_PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
+
+
+def _score_outputs(model: onnx.ModelProto) -> set[str]:
+    """Outputs of the main graph computed by a linear layer or a softmax (through reshapes)."""
+    producer = {v: n for n in model.graph.node for v in n.output}
+    found = set()
+    for output in model.graph.output:
+        node = producer.get(output.name)
+        while node is not None and node.op_type in _PASS_THROUGH and node.input:
+            node = producer.get(node.input[0])
+        if node is not None and node.op_type in _SCORE_OPS:
+            found.add(output.name)
+    return found
 
 
 def _numeric(onnx_type: str) -> bool:

@@ -59,6 +59,7 @@ class AccuracyTarget:
 
     min_sqnr_db: float | None = None
     max_agreement_drop: float | None = None
+    sqnr_on_classifiers: bool = True  # False: the SQNR target skips classifier-like outputs
 
     def is_met(self, comparison: Comparison) -> bool:
         return self.shortfall(comparison) <= 0.0
@@ -70,19 +71,28 @@ class AccuracyTarget:
             return math.inf
         gaps = [0.0]
         if self.min_sqnr_db is not None:
-            sqnr = comparison.worst_sqnr_db
+            sqnr = self._worst_sqnr(comparison)
             if sqnr is not None:  # None: identical outputs
                 gaps.append((self.min_sqnr_db - sqnr) / 10.0)
         if self.max_agreement_drop is not None:
             agreement = worst_agreement(comparison)
             if agreement is not None:
-                gaps.append((1.0 - agreement) - self.max_agreement_drop)
+                # 1e-9: 198/200 agreement meets a 1 % drop, whatever 1 - 0.99 rounds to
+                gaps.append((1.0 - agreement) - self.max_agreement_drop - 1e-9)
         return max(gaps)
+
+    def _worst_sqnr(self, comparison: Comparison) -> float | None:
+        if self.sqnr_on_classifiers:
+            return comparison.worst_sqnr_db
+        values = [o.sqnr_db for o in comparison.outputs
+                  if o.sqnr_db is not None and o.top1_agreement is None]
+        return min(values) if values else None
 
     def describe(self) -> str:
         parts = []
         if self.min_sqnr_db is not None:
-            parts.append(f"output SQNR >= {self.min_sqnr_db:g} dB")
+            which = "output" if self.sqnr_on_classifiers else "non-classifier output"
+            parts.append(f"{which} SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
             parts.append(f"top-1 agreement >= {100 * (1 - self.max_agreement_drop):g} %")
         return " and ".join(parts)
@@ -109,13 +119,19 @@ class Candidate:
     def tensors(self) -> tuple[str, ...]:
         return (self.sensitivity.tensor, *self.together)
 
-    def reason(self) -> str:
+    def reason(self, tensor: str | None = None) -> str:
+        """Why the candidate is kept float, said of `tensor` (one of its tensors)."""
         s = self.sensitivity
-        sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
-        with_ = (f"; with {', '.join(repr(t) for t in self.together)} (the same error)"
-                 if self.together else "")
+        if s.output_sqnr_db is None and s.local_sqnr_db is None and s.harm > 0:
+            why = f"the error jumps by {s.harm:.3g} (noise/signal) where it is read"
+        else:
+            sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
+            why = f"quantized alone, output SQNR {sqnr}"
+        others = [t for t in self.tensors if t != (tensor or s.tensor)]
+        with_ = (f"; with {', '.join(repr(t) for t in others)} (the same error)"
+                 if others else "")
         return (
-            f"kept float by the accuracy fallback: quantized alone, output SQNR {sqnr}; "
+            f"kept float by the accuracy fallback: {why}; "
             f"costs {100 * self.compute_lost:.2f} % of quantized compute{with_}"
         )
 
@@ -336,7 +352,7 @@ def search_fallback(
     models: dict[int, tuple[QuantPlan, onnx.ModelProto]] = {}
 
     def plan_for(k: int) -> QuantPlan:
-        return restrict_plan(plan, {t: c.reason() for c in candidates[:k] for t in c.tensors})
+        return restrict_plan(plan, {t: c.reason(t) for c in candidates[:k] for t in c.tensors})
 
     def check(k: int) -> FallbackStep:
         if k not in checked:

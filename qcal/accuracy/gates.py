@@ -27,6 +27,7 @@ class Gates:
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
     fallback_target: tuple[str, float] | None = None
+    floor_is_gate: bool = False  # the default accuracy floor: missing it fails the run
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class GateResult:
     def describe(self) -> str:
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         verdict = "passed" if self.passed else "FAILED"
-        limit = ("always checked" if self.option == "finite-outputs"
+        limit = ("always checked" if self.option in ("finite-outputs", "accuracy-floor")
                  else f"--{self.option} {self.threshold:g}")
         return f"{self.measure} {value} vs {limit}: {verdict}"
 
@@ -107,10 +108,12 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
                                   value >= gates.fail_if_coverage_below and not broken))
-    if results and fallback_reached is False:
+    if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
-        results.append(GateResult(option, "fallback target reached above the coverage floor "
-                                  "(1 yes, 0 no)", float(threshold), 0.0, False))
+        measure = ("accuracy floor (see README) reached above the coverage floor (1 yes, 0 no)"
+                   if option == "accuracy-floor"
+                   else "fallback target reached above the coverage floor (1 yes, 0 no)")
+        results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
 
 

@@ -60,16 +60,20 @@ class TensorSensitivity:
 
 @dataclass(frozen=True)
 class SensitivityResult:
-    """Sensitivity of every planned tensor, worst (lowest output SQNR) first."""
+    """Sensitivity of every planned tensor, most harmful first. `method`: "alone" (each tensor
+    quantized alone) or "error-jump" (`qcal.accuracy.localise`: the jump of the error where the
+    tensor is read, in `noise_ratio`)."""
 
     samples: int
     tensors: tuple[TensorSensitivity, ...]
+    method: str = "alone"
 
     def by_tensor(self) -> dict[str, TensorSensitivity]:
         return {t.tensor: t for t in self.tensors}
 
     def to_json(self) -> dict[str, object]:
-        return {"samples": self.samples, "tensors": [t.to_json() for t in self.tensors]}
+        return {"samples": self.samples, "method": self.method,
+                "tensors": [t.to_json() for t in self.tensors]}
 
 
 # ---------------------------------------------------------------------------- accumulation
