@@ -366,7 +366,7 @@ def _improve_accuracy(
     return _Accuracy(sensitivity, fallback)
 
 
-_LOCALISE_SAMPLES = 8  # samples the two localisation passes run on
+_LOCALISE_SAMPLES = 4  # samples the two localisation passes run on (every tensor exposed)
 
 
 # Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few
