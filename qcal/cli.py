@@ -37,10 +37,12 @@ def reports_errors(command: F) -> F:
         debug = bool(kwargs.get("debug"))
         try:
             return command(*args, **kwargs)
-        except KeyboardInterrupt:
-            err = CalibrationInterrupted("interrupted; no output was written")
+        except KeyboardInterrupt as stop:
+            signum = getattr(stop, "signum", signal.SIGINT)
+            err = CalibrationInterrupted(
+                f"interrupted by {signal.Signals(signum).name}; no output was written")
             stderr.print(f"[bold red]error:[/] {err}")
-            raise SystemExit(err.exit_code) from None
+            raise SystemExit(128 + int(signum)) from None
         except QcalError as err:
             if debug:
                 raise
@@ -60,8 +62,23 @@ def reports_errors(command: F) -> F:
     return run  # type: ignore[return-value]
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (how CI systems and closing terminals stop a job), raised where the
+    program is, like Ctrl-C: temporary files are removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def _sigint_as_keyboard_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_stopped)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -261,11 +261,38 @@ def test_sigint_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
          "-o", str(out), "--report", str(rep), "-q"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
     )
-    time.sleep(4)
+    _wait_until_calibrating(proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_stop_like_ctrl_c(tmp_path: Path, signum: int, code: int) -> None:
+    out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qcal.cli", "calibrate", str(DIGITS), "--synthetic", "200000",
+         "-o", str(out), "--report", str(rep), "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )
+    _wait_until_calibrating(proc)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err.decode()
+    assert signal.Signals(signum).name in err.decode()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _wait_until_calibrating(proc: subprocess.Popen[bytes], cpu_seconds: float = 3.0) -> None:
+    """Until the process has spent `cpu_seconds` of CPU (imports done, data streaming)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if (int(fields[11]) + int(fields[12])) / ticks >= cpu_seconds:
+            return
+        time.sleep(0.1)
 
 
 def test_readme_lists_every_exit_code() -> None:
