@@ -9,6 +9,7 @@ anything expensive runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class CalibrationConfig:
     fail_if_coverage_below: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         if self.method not in METHODS:
             raise ConfigError(f"method: unknown {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 0.0 < self.percentile <= 100.0:
@@ -132,6 +134,21 @@ class CalibrationConfig:
                     f"tensors.{name}.method: unknown {override.method!r}; "
                     f"choose one of {', '.join(METHODS)}"
                 )
+
+    def _check_numbers(self) -> None:
+        """NaN is no value for any option; an infinite one only where it means "off"."""
+        for key in sorted(_FLOAT_KEYS):
+            value = getattr(self, key)
+            if value is None or math.isfinite(value):
+                continue
+            if math.isnan(value):
+                raise ConfigError(f"{key.replace('_', '-')}: NaN is not a value")
+            if key == "fail_under_sqnr" and value < 0:  # -inf: no output fails it, the gate is off
+                object.__setattr__(self, key, None)
+                continue
+            raise ConfigError(f"{key.replace('_', '-')}: {value} is not a finite number")
+        if self.seed < 0:
+            raise ConfigError(f"seed: {self.seed} must be 0 or more")
 
     def _check_accuracy_options(self) -> None:
         if self.sensitivity_samples is not None and self.sensitivity_samples < 1:

@@ -71,3 +71,22 @@ def test_to_json_is_plain_data() -> None:
     config = CalibrationConfig(data=Path("a.npz"), exclude_nodes=("conv*",))
     text = json.dumps(config.to_json())
     assert '"data": "a.npz"' in text and '"exclude_nodes": ["conv*"]' in text
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"target_sqnr": float("nan")}, "target-sqnr: NaN"),
+        ({"percentile": float("nan")}, "percentile: NaN"),
+        ({"min_coverage": float("inf")}, "min-coverage: inf is not a finite number"),
+        ({"fail_under_sqnr": float("inf")}, "fail-under-sqnr: inf"),
+        ({"seed": -1}, "seed: -1 must be 0 or more"),
+    ],
+)
+def test_numbers_at_the_edge_of_their_type_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_mapping(values)
+
+
+def test_minus_infinity_turns_the_sqnr_gate_off() -> None:
+    assert config_from_mapping({"fail_under_sqnr": float("-inf")}).fail_under_sqnr is None
