@@ -491,3 +491,22 @@ def test_inspect_lists_body_nodes_as_quantized(op: str, tmp_path: Path) -> None:
     nodes = {n["name"]: n for n in json.loads(result.output)["nodes"]}
     inner = {"If": "then_mm", "Loop": "body_mm", "Scan": "scan_mm"}[op]
     assert nodes[inner]["quantized"], nodes[inner]
+
+
+def test_sensitivity_and_fallback_run_on_a_model_with_weights_inside_a_branch(
+    tmp_path: Path,
+) -> None:
+    """The If branch holds a weight of its own (a Constant): sensitivity switches main-graph
+    tensors only, and the fallback searches among them instead of failing on the branch's."""
+    rng = np.random.default_rng(2)
+    model, _ = if_model(rng)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    x = rng.standard_normal((40, 4)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(path, CalibrationConfig(data=tmp_path / "calib.npz", target_sqnr=60.0),
+                       enforce_gates=False)
+    measured = {t["tensor"] for t in result.report["sensitivity"]["tensors"]}
+    assert "W1" not in measured and "W0" in measured
+    assert result.report["fallback"]["steps"]
+    onnx.checker.check_model(result.model, full_check=True)

@@ -63,15 +63,21 @@ class _Models:
                 for t in logits)
             model = exposed
         chains = _Chains(model)
+        # Sensitivity is measured on the main graph: tensors of If/Loop/Scan bodies are not
+        # switched (they stay as planned, and are no fallback candidates).
+        graph = model.graph
+        main_values = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        main_values.update(v for node in graph.node for v in node.output)
         units: list[tuple[str, str, tuple[str, ...]]] = []
         for target in sorted(plan.activations, key=lambda t: t.tensor):
-            if not target.consumers:
+            if not target.consumers or target.tensor not in main_values:
                 continue  # nothing reads it quantized: InsertQDQ writes no pair either
             chains.add_activation(target.tensor, activations[target.tensor])
             units.append((target.tensor, "activation", target.consumers))
         readers: dict[str, list[str]] = {}
         for weight in plan.weights:
-            readers.setdefault(weight.tensor, []).append(weight.node)
+            if weight.tensor in main_values:
+                readers.setdefault(weight.tensor, []).append(weight.node)
         for tensor in sorted(readers):
             chains.add_weight(tensor, weights[tensor])
             units.append((tensor, "weight", tuple(readers[tensor])))
