@@ -251,6 +251,10 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+# Flags whose long name differs from their key: the config file accepts both spellings.
+_FLAG_NAMES = {"provider": "providers"}
+
+
 def _normalise_key(key: str) -> str:
     return key.replace("-", "_")
 
@@ -320,10 +324,17 @@ def config_from_mapping(
 ) -> CalibrationConfig:
     """Build a config from `values` (flag-named keys) on top of `base`; unknown keys are errors."""
     changes: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for raw_key, value in values.items():
         key = _normalise_key(raw_key)
+        key = _FLAG_NAMES.get(key, key)
         if key not in _FIELDS:
-            raise ConfigError(f"{where}unknown key {raw_key!r}")
+            accepted = ", ".join(sorted(k.replace("_", "-") for k in _FIELDS))
+            raise ConfigError(f"{where}unknown key {raw_key!r} (accepted: {accepted})")
+        if key in spelled:
+            raise ConfigError(f"{where}{key.replace('_', '-')} is given twice, as "
+                              f"{spelled[key]!r} and {raw_key!r}")
+        spelled[key] = raw_key
         value = _check_type(key, value, where)
         if key == "tensors":
             value = _tensor_overrides(value, where)

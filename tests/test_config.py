@@ -90,3 +90,17 @@ def test_numbers_at_the_edge_of_their_type_are_refused(values: dict[str, object]
 
 def test_minus_infinity_turns_the_sqnr_gate_off() -> None:
     assert config_from_mapping({"fail_under_sqnr": float("-inf")}).fail_under_sqnr is None
+
+
+def test_one_key_spelled_two_ways_is_a_conflict() -> None:
+    with pytest.raises(ConfigError, match="batch-size is given twice, as 'batch-size' and 'batch_size'"):
+        config_from_mapping({"batch-size": 2, "batch_size": 4})
+    with pytest.raises(ConfigError, match="providers is given twice"):
+        config_from_mapping({"provider": ["CPUExecutionProvider"], "providers": ["CPUExecutionProvider"]})
+
+
+def test_the_flag_name_is_accepted_and_an_unknown_key_lists_the_accepted_ones() -> None:
+    assert config_from_mapping({"provider": ["CPUExecutionProvider"]}).providers == (
+        "CPUExecutionProvider",)
+    with pytest.raises(ConfigError, match=r"unknown key 'batchsize' \(accepted: .*batch-size"):
+        config_from_mapping({"batchsize": 2})
