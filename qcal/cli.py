@@ -337,13 +337,16 @@ def compare(float_model: Path, quant_model: Path, data: Path | None, labels: Pat
     """Compare FLOAT_MODEL and QUANT_MODEL outputs: SQNR, cosine, max error, top-1 agreement."""
     from qcal.accuracy.evaluate import compare_models
     from qcal.calibration import data as data_mod
-    from qcal.graph.files.atomic import write_atomic
+    from qcal.graph.files.atomic import check_output_path, write_atomic
     from qcal.graph.files.load import load_model
     from qcal.graph.model import model_inputs
     from qcal.pipeline import load_labels
 
     if batch_size < 1:
         raise ConfigError(f"--batch-size: {batch_size} must be at least 1")
+    if json_path is not None:  # before any work: never over an input, never into nowhere
+        read = [p for p in (float_model, quant_model, data, labels) if p is not None]
+        check_output_path(json_path, inputs=read, force=True, what="--json")
     float_loaded, quant_loaded = load_model(float_model), load_model(quant_model)
     inputs = model_inputs(float_loaded.model)
     source = data_mod.open_data(data, model_path=float_model, inputs=inputs, limit=limit)

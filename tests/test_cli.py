@@ -356,3 +356,27 @@ def test_bias_scales_are_input_scale_times_weight_scale(digits_run: tuple[Path, 
         np.testing.assert_array_equal(np.asarray(bias["onnx"]["scale"], np.float32), expected)
         assert bias["onnx"]["type"] == "int32" and set(bias["onnx"]["zero_point"]) == {0}
         assert w_dq.op_type == "DequantizeLinear"
+
+
+def test_compare_never_writes_over_an_input_nor_into_a_missing_folder(
+    tmp_path: Path, digits_run: tuple[Path, Path, Any]
+) -> None:
+    copy = tmp_path / "q.onnx"
+    shutil.copy(digits_run[0], copy)
+    before = copy.read_bytes()
+    data = SAMPLES / "digits_cnn.eval.npz"
+    over_input = run("compare", DIGITS, copy, "--data", data, "--json", copy)
+    _assert_error(over_input, errors.OutputError.exit_code, "same file as the input")
+    assert copy.read_bytes() == before
+    missing = run("compare", DIGITS, copy, "--data", data, "--json", tmp_path / "no" / "c.json")
+    _assert_error(missing, errors.OutputError.exit_code, "does not exist")
+
+
+def test_compare_refuses_models_whose_outputs_differ(tmp_path: Path) -> None:
+    model = onnx.load(DIGITS)
+    model.graph.output[0].name = "renamed"
+    model.graph.node[-1].output[0] = "renamed"
+    other = tmp_path / "other.onnx"
+    onnx.save(model, other)
+    result = run("compare", DIGITS, other, "--data", SAMPLES / "digits_cnn.eval.npz")
+    _assert_error(result, errors.ModelError.exit_code, "no output")
