@@ -69,7 +69,9 @@ def _show_summary(result: Any) -> None:
     for gate in report["gates"]:
         verdict = "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]"
         value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
-        stdout.print(f"gate --{gate['option']} {gate['threshold']:g}: {gate['measure']} {value} {verdict}")
+        name = (gate["option"] if gate["option"] in ("finite-outputs", "accuracy-floor")
+                else f"--{gate['option']} {gate['threshold']:g}")
+        stdout.print(f"gate {name}: {gate['measure']} {value} {verdict}")
     for warning in report["warnings"]:
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")

@@ -285,6 +285,10 @@ def _accuracy_warnings(
     coverage: Coverage | None, fallback: FallbackResult | None, gates: Sequence[GateResult]
 ) -> list[str]:
     found = []
+    if coverage is not None and not coverage.anything_quantized:
+        found.append("nothing was quantized: no node of this model has an operator qcal "
+                     "quantizes under the current selection and placement (see nodes[].reason); "
+                     "the output model computes exactly as the float one")
     if coverage is not None and coverage.note:
         found.append(f"coverage: {coverage.note}")
     if fallback is not None and not fallback.reached:

@@ -380,3 +380,26 @@ def test_compare_refuses_models_whose_outputs_differ(tmp_path: Path) -> None:
     onnx.save(model, other)
     result = run("compare", DIGITS, other, "--data", SAMPLES / "digits_cnn.eval.npz")
     _assert_error(result, errors.ModelError.exit_code, "no output")
+
+
+def test_a_model_with_nothing_to_quantize_says_so_and_fails_a_coverage_gate(tmp_path: Path) -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Tanh", ["x"], ["y"], name="tanh")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    base = ["calibrate", path, "--data", tmp_path / "d.npz", "-o", tmp_path / "q.onnx",
+            "--report", tmp_path / "q.json", "--force"]
+    plain = run(*base)
+    assert plain.exit_code == 0, plain.output
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert any(w.startswith("nothing was quantized") for w in report["warnings"])
+    assert "nothing was quantized" in " ".join(plain.output.split())
+    gated = run(*base, "--fail-if-coverage-below", "1")
+    _assert_error(gated, errors.AccuracyGateError.exit_code, "quantized share")

@@ -69,6 +69,7 @@ class Coverage:
         macs_total: MACs of all compute nodes for one sample (None on the "nodes" basis).
         macs_quantized: MACs of the quantized ones (None on the "nodes" basis).
         note: why the basis is "nodes", or None.
+        anything_quantized: whether the plan quantizes any node at all.
     """
 
     basis: str
@@ -77,10 +78,14 @@ class Coverage:
     macs_total: int | None
     macs_quantized: int | None
     note: str | None = None
+    anything_quantized: bool = True
 
     @property
     def fraction(self) -> float:
-        """Quantized share of MACs (of compute nodes on the "nodes" basis); 1.0 with no compute."""
+        """Quantized share of MACs (of compute nodes on the "nodes" basis); with no compute, 1.0
+        when something else is quantized and 0.0 when nothing is."""
+        if not self.anything_quantized:
+            return 0.0
         if self.basis == "macs" and self.macs_total:
             return (self.macs_quantized or 0) / self.macs_total
         if self.compute_nodes:
@@ -158,16 +163,19 @@ def measure_coverage(
 ) -> Coverage:
     """The share of `macs` (from `compute_macs`) that `plan` leaves quantized."""
     quantized = quantized_compute(model, plan)
+    anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
     if unknown:
         note = (
             f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
             f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
         )
-        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None, note)
+        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None, note,
+                        anything)
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
-    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done)
+    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done,
+                    anything_quantized=anything)
 
 
 # ------------------------------------------------------------------------------------ helpers
