@@ -131,3 +131,13 @@ def test_a_rank_2_output_not_computed_as_scores_has_no_agreement() -> None:
     out = compare_models(_scale_model(1.0, "Mul"), _scale_model(-1.0, "Mul"),
                          (({"x": d}, 2) for d in data)).outputs[0]
     assert out.top1_agreement is None and out.cosine == pytest.approx(-1.0)
+
+
+def test_non_finite_evaluation_inputs_are_refused_naming_the_sample() -> None:
+    from qcal.numerics.errors import DataError
+
+    good = np.ones((2, 5), np.float32)
+    bad = good.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(DataError, match=r"input 'x' holds NaN or infinite values in samples 2-3"):
+        compare_models(_scale_model(1.0), _scale_model(1.1), iter([({"x": good}, 2), ({"x": bad}, 2)]))

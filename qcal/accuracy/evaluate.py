@@ -188,6 +188,7 @@ def compare_models(
     accumulators = {name: _Accumulator(classifier=name in scores) for name in names}
     samples = 0
     for feed, n in batches:
+        _check_finite(feed, samples, n)
         x_outputs = float_session.run(names, dict(feed))
         y_outputs = quant_session.run(names, dict(feed))
         batch_labels = None
@@ -228,6 +229,16 @@ def _score_outputs(model: onnx.ModelProto) -> set[str]:
         if node is not None and node.op_type in _SCORE_OPS:
             found.add(output.name)
     return found
+
+
+def _check_finite(feed: Feed, first: int, n: int) -> None:
+    """Non-finite evaluation inputs make every figure meaningless: refuse them, naming where."""
+    for name, array in feed.items():
+        values = np.asarray(array)
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
+            raise DataError(f"evaluation data: input {name!r} holds NaN or infinite values in "
+                            f"{where} (0-based); the comparison would mean nothing")
 
 
 def _numeric(onnx_type: str) -> bool:
