@@ -17,11 +17,14 @@ name) and ``task.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,14 +232,14 @@ def check(out: Path, names: list[str]) -> int:
 
 
 def run_check(out: Path, names: list[str], ort_python: str | None) -> int:
-    """``check`` here if onnxruntime imports, else in ``ort_python`` (default: the qcal venv)."""
+    """``check`` here if onnxruntime imports, else in ``ort_python`` (default ``$QCAL_PYTHON``)."""
     try:
         import onnxruntime  # noqa: F401
     except ImportError:
         pass
     else:
         return check(out, names)
-    py = ort_python or (QCAL_PYTHON if Path(QCAL_PYTHON).exists() else "python3")
+    py = ort_python or QCAL_PYTHON
     print(f"checking in onnxruntime with {py}", flush=True)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import _export_common as c; "
@@ -252,7 +255,49 @@ def print_ops(task: dict) -> None:
     print(f"  ops ({sum(ops.values())} nodes): {dict(ops.most_common())}", flush=True)
 
 
-if (
-    __name__ == "__main__"
-):  # python _export_common.py OUT NAME[,NAME...]: the onnxruntime check alone
+
+
+def builder_main(
+    doc: str, all_models: list[str], build: Callable[[str, dict[str, Any]], tuple[Any, dict]],
+    export: Callable[[Any, dict, Path], dict],
+) -> int:
+    """The command line every build script shares: --out, --models, --check, --no-check,
+    --ort-python; trains and exports each model (`build(name, split)` returns the trained model
+    and its spec, `export(model, spec, out)` writes it), then checks the exports."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help=f"output folder [default: {DEFAULT_OUT}]")
+    ap.add_argument("--models", default=",".join(all_models),
+                    help="comma-separated subset of " + ",".join(all_models))
+    ap.add_argument("--check", action="store_true",
+                    help="only check existing exports in onnxruntime")
+    ap.add_argument("--no-check", action="store_true", help="skip the onnxruntime check")
+    ap.add_argument("--ort-python", help="interpreter with onnxruntime for the check")
+    args = ap.parse_args()
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in all_models]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(all_models)}")
+    if args.check:
+        return run_check(args.out, names, args.ort_python)
+    split = digits_split()
+    for name in names:
+        t0 = time.perf_counter()
+        model, spec = build(name, split)
+        t_train = time.perf_counter() - t0
+        task = export(model, spec, args.out)
+        acc = ", ".join(f"{k} {v:.3f}" for k, v in task["float_eval_accuracy"].items())
+        print(
+            f"{name}: float eval {acc}; train {t_train:.1f}s, "
+            f"total {time.perf_counter() - t0:.1f}s; opset {task['onnx_opset']}; "
+            f"inputs {task['input_shapes']} outputs {task['output_shapes']}",
+            flush=True,
+        )
+        print_ops(task)
+    if args.no_check:
+        return 0
+    return run_check(args.out, names, args.ort_python)
+
+
+if __name__ == "__main__":  # python _export_common.py OUT NAME[,NAME...]: the check alone
     sys.exit(check(Path(sys.argv[1]), sys.argv[2].split(",")))

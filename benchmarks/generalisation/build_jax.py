@@ -27,11 +27,9 @@ Run with the TensorFlow environment (see ``requirements-tf.txt``)::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -247,46 +245,7 @@ def export(params: dict, spec: dict, out: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=common.DEFAULT_OUT,
-        help=f"output folder [default: {common.DEFAULT_OUT}]",
-    )
-    ap.add_argument(
-        "--models",
-        default=",".join(ALL_MODELS),
-        help="comma-separated subset of " + ",".join(ALL_MODELS),
-    )
-    ap.add_argument(
-        "--check", action="store_true", help="only check existing exports in onnxruntime"
-    )
-    ap.add_argument("--no-check", action="store_true", help="skip the onnxruntime check")
-    ap.add_argument("--ort-python", help="interpreter with onnxruntime for the check")
-    args = ap.parse_args()
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in ALL_MODELS]
-    if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(ALL_MODELS)}")
-    if args.check:
-        return common.run_check(args.out, names, args.ort_python)
-    split = common.digits_split()
-    for name in names:
-        t0 = time.perf_counter()
-        params, spec = train(split)
-        t_train = time.perf_counter() - t0
-        task = export(params, spec, args.out)
-        acc = ", ".join(f"{k} {v:.3f}" for k, v in task["float_eval_accuracy"].items())
-        print(
-            f"{name}: float eval {acc}; train {t_train:.1f}s, total {time.perf_counter() - t0:.1f}s; "
-            f"opset {task['onnx_opset']}; inputs {task['input_shapes']} outputs {task['output_shapes']}",
-            flush=True,
-        )
-        common.print_ops(task)
-    if args.no_check:
-        return 0
-    return common.run_check(args.out, names, args.ort_python)
+    return common.builder_main(__doc__ or "", list(ALL_MODELS), lambda name, split: train(split), export)
 
 
 if __name__ == "__main__":

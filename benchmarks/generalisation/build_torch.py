@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -44,6 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _export_common as common
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = BENCH_DIR / ".cache" / "generalisation"
@@ -614,57 +616,6 @@ def write_model(spec: dict, out: Path) -> dict:
 # onnxruntime check (numpy + onnxruntime only)
 
 
-def check(out: Path, names: list[str]) -> int:
-    import onnxruntime as ort
-
-    bad = 0
-    for name in names:
-        d = out / name
-        task = json.loads((d / "task.json").read_text())
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        sess = ort.InferenceSession(str(d / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-        ev = np.load(d / "eval.npz")
-        ref = np.load(d / "reference_outputs.npz")
-        n = len(ev[task["inputs"][0]])
-        got: dict[str, list[np.ndarray]] = {o: [] for o in task["outputs"]}
-        for i in range(n):
-            res = sess.run(task["outputs"], {k: ev[k][i:i + 1] for k in task["inputs"]})
-            for o, r in zip(task["outputs"], res):
-                got[o].append(r)
-        worst = 0.0
-        parts = []
-        for o in task["outputs"]:
-            g = np.concatenate(got[o], 0)
-            r = ref[o]
-            if g.shape != r.shape:
-                raise SystemExit(f"{name}: output {o} has shape {g.shape} in onnxruntime, {r.shape} in torch")
-            err = float(np.abs(g - r).max() / max(1.0, float(np.abs(r).max())))
-            worst = max(worst, err)
-            parts.append(f"{o}: max|ort-torch|/max(1,|torch|) = {err:.2e}")
-        line = f"{name}: onnxruntime {ort.__version__} loads and runs; " + "; ".join(parts)
-        if task["metric"] == "top1" and (d / "eval.labels.npy").exists():
-            labels = np.load(d / "eval.labels.npy")
-            acc = float((np.concatenate(got[task["outputs"][0]], 0).argmax(-1) == labels).mean())
-            line += f"; ort top1 {acc:.3f}"
-        ok = worst <= ATOL
-        bad += not ok
-        print(("OK   " if ok else "FAIL ") + line, flush=True)
-    return 1 if bad else 0
-
-
-def run_check(out: Path, names: list[str], ort_python: str | None) -> int:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        return check(out, names)
-    py = ort_python or os.environ.get("QCAL_PYTHON", "python3")
-    print(f"checking in onnxruntime with {py}", flush=True)
-    return subprocess.run([py, __file__, "--check", "--out", str(out), "--models", ",".join(names)], check=False).returncode
-
-
 # --------------------------------------------------------------------------------------------
 
 
@@ -682,7 +633,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(ALL_MODELS)}")
     if args.check:
-        return check(args.out, names)
+        return common.check(args.out, names)
 
     import warnings
 
@@ -715,7 +666,7 @@ def main() -> int:
     print(f"built {len(names)} model(s) in {time.perf_counter() - t_all:.1f}s -> {args.out}", flush=True)
     if args.no_check:
         return 0
-    return run_check(args.out, names, args.ort_python)
+    return common.run_check(args.out, names, args.ort_python)
 
 
 if __name__ == "__main__":
