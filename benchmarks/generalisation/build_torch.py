@@ -47,36 +47,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _export_common as common
 
-BENCH_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = BENCH_DIR / ".cache" / "generalisation"
-SEED = 20240611
+DEFAULT_OUT, SEED, N_CALIB, N_EVAL = common.DEFAULT_OUT, common.SEED, common.N_CALIB, common.N_EVAL
 OPSET = 17
-N_CALIB = 64
-N_EVAL = 200
 THREADS = 1  # faster than 2 on this 2-core machine when anything else runs; bitwise-stable
-ATOL = 1e-4  # onnxruntime vs torch, max |diff| relative to max(1, max |torch output|)
 
 ALL_MODELS = ("torch_cnn_bn", "torch_dwsep", "torch_gru_stream", "torch_encoder", "torch_vit")
 
 
 # --------------------------------------------------------------------------------------------
 # data
-
-
-def digits_split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The digits as float32 [N, 8, 8] in [0, 1] and int64 labels, split train/calib/eval."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
-    order = np.random.default_rng(SEED).permutation(len(images))
-    parts = {
-        "calib": order[:N_CALIB],
-        "eval": order[N_CALIB:N_CALIB + N_EVAL],
-        "train": order[N_CALIB + N_EVAL:],
-    }
-    return {k: (images[idx], labels[idx]) for k, idx in parts.items()}
 
 
 def upsample(images: np.ndarray, size: int) -> np.ndarray:
@@ -646,7 +625,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    split = digits_split()
+    split = common.digits_split()
     print(f"torch {torch.__version__}, {args.threads} threads, digits split "
           + ", ".join(f"{k} {len(v[1])}" for k, v in split.items()), flush=True)
     t_all = time.perf_counter()
