@@ -513,3 +513,16 @@ class OutputAgreement:
 
 def median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if len(values) else None
+
+
+def variant_sessions(variants: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """An onnxruntime session (CPU, quiet) for every variant whose model was written."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return {
+        name: ort.InferenceSession(str(v["path"]), options, providers=["CPUExecutionProvider"])
+        for name, v in variants.items()
+        if v["ok"]
+    }

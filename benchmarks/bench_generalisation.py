@@ -53,6 +53,7 @@ from _common import (
     qcal_cli_cmd,
     run_child,
     run_worker,
+    variant_sessions,
     work_dir,
     write_results,
 )
@@ -337,15 +338,7 @@ def gen_metrics(
     model: GenModel, variants: dict[str, dict[str, Any]], n: int
 ) -> dict[str, dict[str, Any]]:
     """Task metric of output 0 against the float model on the first `n` evaluation samples."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    sessions = {
-        name: ort.InferenceSession(str(v["path"]), options, providers=["CPUExecutionProvider"])
-        for name, v in variants.items()
-        if v["ok"]
-    }
+    sessions = variant_sessions(variants)
     out0 = model.task["outputs"][0]
     refs, outs = [], {name: [] for name in sessions if name != "float"}
     for feed in model.feeds(n):

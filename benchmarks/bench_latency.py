@@ -37,6 +37,7 @@ from _common import (
     run_worker,
     split_args,
     summarize_optimized,
+    variant_sessions,
     work_dir,
     write_results,
 )
@@ -180,15 +181,7 @@ def agreement(
     model: BenchModel, variants: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
     """Output agreement of each quantized variant with the float model on the evaluation set."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    sessions = {
-        name: ort.InferenceSession(str(v["path"]), options, providers=["CPUExecutionProvider"])
-        for name, v in variants.items()
-        if v["ok"]
-    }
+    sessions = variant_sessions(variants)
     stats = {
         name: OutputAgreement(argmax=model.task in ARGMAX_TASKS)
         for name in sessions

@@ -43,6 +43,7 @@ from _common import (
     qcal_cli_cmd,
     run_child,
     run_worker,
+    variant_sessions,
     work_dir,
     write_results,
 )
@@ -408,15 +409,7 @@ def _qcal_variant(
 def evaluate(
     model: BenchModel, variants: dict[str, Any], eval_path: Path, truths: list[dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    sessions = {
-        name: ort.InferenceSession(str(v["path"]), options, providers=["CPUExecutionProvider"])
-        for name, v in variants.items()
-        if v["ok"]
-    }
+    sessions = variant_sessions(variants)
     characters = character_list(model.path) if model.task == "rec" else []
     stats: dict[str, dict[str, Any]] = {
         name: {
