@@ -114,6 +114,11 @@ def onnx_summary(path: Path) -> dict:
         "nodes": len(m.graph.node),
         "initializers": len(m.graph.initializer),
         "producer": f"{m.producer_name} {m.producer_version}".strip(),
+        "resize_modes": [
+            next((a.s.decode() for a in n.attribute if a.name == "mode"), "nearest")
+            for n in m.graph.node
+            if n.op_type == "Resize"
+        ],
     }
 
 

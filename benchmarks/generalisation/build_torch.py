@@ -38,7 +38,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -509,36 +508,6 @@ def torch_outputs(spec: dict) -> dict[str, np.ndarray]:
     return {o: np.concatenate(v, 0) for o, v in outs.items()}
 
 
-def onnx_summary(path: Path) -> dict:
-    import onnx
-
-    m = onnx.load(str(path))
-    ops: Counter = Counter()
-
-    def visit(graph: Any, prefix: str = "") -> None:
-        # ops inside subgraphs (If/Loop/Scan bodies) count too, as "Loop/Add"
-        for n in graph.node:
-            ops[prefix + n.op_type] += 1
-            for a in n.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                          a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-                    visit(g, f"{prefix}{n.op_type}/")
-
-    visit(m.graph)
-    for fn in m.functions:
-        ops.update(f"{fn.name}/{n.op_type}" for n in fn.node)
-    opset = {o.domain or "ai.onnx": o.version for o in m.opset_import}
-    shapes = {}
-    for vi in list(m.graph.input) + list(m.graph.output):
-        dims = [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
-        shapes[vi.name] = dims
-    return {"op_types": dict(sorted(ops.items())), "opset": opset, "shapes": shapes,
-            "nodes": len(m.graph.node), "initializers": len(m.graph.initializer),
-            "producer": f"{m.producer_name} {m.producer_version}".strip(),
-            "resize_modes": [next((a.s.decode() for a in n.attribute if a.name == "mode"), "nearest")
-                             for n in m.graph.node if n.op_type == "Resize"]}
-
-
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -565,7 +534,7 @@ def write_model(spec: dict, out: Path) -> dict:
     np.savez(d / "reference_outputs.npz", **torch_outputs(spec))
     if (d / "torch_outputs.npz").exists():  # the name of earlier builds
         (d / "torch_outputs.npz").unlink()
-    summary = onnx_summary(model_path)
+    summary = common.onnx_summary(model_path)
     task = {
         "name": spec["name"], "family": spec["family"],
         "exporter": f"torch.onnx.export(dynamo={used == 'dynamo'})",
