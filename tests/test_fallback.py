@@ -25,7 +25,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
-from qcal.accuracy.fallback import AccuracyTarget, Candidate, restrict_plan, search_fallback
+from qcal.accuracy.fallback import AccuracyTarget, Candidate, search_fallback
+from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.cli import main

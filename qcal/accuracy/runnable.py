@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from qcal.accuracy.fallback import restrict_plan
+from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.structure import all_graphs
