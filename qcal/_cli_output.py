@@ -3,7 +3,7 @@ metric tables of a run (the report's figures, formatted for a terminal)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,6 +72,7 @@ def _show_summary(result: Any) -> None:
         name = (gate["option"] if gate["option"] in ("finite-outputs", "accuracy-floor")
                 else f"--{gate['option']} {gate['threshold']:g}")
         stdout.print(f"gate {name}: {gate['measure']} {value} {verdict}")
+    _show_latency(report["timings_seconds"])
     for warning in report["warnings"]:
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
@@ -136,3 +137,19 @@ def _metrics_table(title: str, outputs: list[dict[str, Any]]) -> Table:
 
 def _fmt(value: float | None, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
+
+
+def _show_latency(timings: Mapping[str, float]) -> None:
+    """The measured speed of the written model (machine timings, so not in the warnings)."""
+    float_s = timings.get("latency_float_1_thread")
+    quant_s = timings.get("latency_quantized_1_thread")
+    if not float_s or quant_s is None:
+        return
+    ratio = quant_s / float_s
+    line = (f"latency at 1 thread on this machine: quantized {1000 * quant_s:.3g} ms, "
+            f"float {1000 * float_s:.3g} ms ({ratio:.2f}x)")
+    if ratio > 1.05:
+        stdout.print(f"[yellow]{line}: slower than the float model; on a model this small the "
+                     "Q/DQ pairs cost more than the integer kernels save[/]")
+    else:
+        stdout.print(line)

@@ -43,6 +43,7 @@ from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
+from qcal.accuracy.latency import measure_latency
 from qcal.accuracy.localise import localise_error
 from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
@@ -192,7 +193,7 @@ def calibrate(
         first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
         runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
                                  threads=config.threads)
-        del build, first_feed
+        del build
         plan, quant_model = runnable.plan, runnable.model
         if runnable.repaired:
             records = _planned_records(records, plan, quant_model)
@@ -223,6 +224,12 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     coverage = measure_coverage(prepared, plan, macs)
+    if weight_file is None:  # a large model is not timed: two more sessions would double memory
+        with timings.stage("latency"):
+            latency = measure_latency(prepared, quant_model, first_feed, providers=config.providers)
+        timings.seconds["latency_float_1_thread"] = round(latency.float_seconds, 6)
+        timings.seconds["latency_quantized_1_thread"] = round(latency.quantized_seconds, 6)
+    del first_feed
     gates = check_gates(_gates(config), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached)
 

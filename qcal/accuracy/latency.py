@@ -1,0 +1,60 @@
+"""Is the quantized model faster? Both models timed side by side on one sample, at one thread.
+
+Integer kernels pay on large convolutions and matmuls; on a model of a fraction of a
+millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times what it wrote
+instead of assuming: the float and the quantized model run on the same sample, interleaved (so
+both see the same machine load), at one intra-op thread, for about a second, and the medians are
+compared. The figures are machine timings: they go with the run's other timings, never into
+what must be byte-identical.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from qcal.calibration.runtime import create_session
+
+__all__ = ["Latency", "measure_latency"]
+
+_BUDGET_SECONDS = 1.0
+_MIN_PAIRS, _MAX_PAIRS = 3, 50
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Median seconds per run of each model at one thread, over `pairs` interleaved runs."""
+
+    float_seconds: float
+    quantized_seconds: float
+    pairs: int
+
+    @property
+    def ratio(self) -> float:
+        return self.quantized_seconds / self.float_seconds if self.float_seconds > 0 else 1.0
+
+
+def measure_latency(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    *, providers: tuple[str, ...],
+) -> Latency:
+    sessions = [create_session(m, providers=providers, threads=1, what=what)
+                for m, what in ((float_model, "float model"), (quant_model, "quantized model"))]
+    names = [[o.name for o in s.get_outputs()] for s in sessions]
+    for session, outputs in zip(sessions, names):  # warm-up: allocations, first-run costs
+        session.run(outputs, dict(feed))
+    times: list[list[float]] = [[], []]
+    started = time.perf_counter()
+    while len(times[0]) < _MAX_PAIRS and (
+        len(times[0]) < _MIN_PAIRS or time.perf_counter() - started < _BUDGET_SECONDS
+    ):
+        for i, (session, outputs) in enumerate(zip(sessions, names)):
+            begin = time.perf_counter()
+            session.run(outputs, dict(feed))
+            times[i].append(time.perf_counter() - begin)
+    return Latency(statistics.median(times[0]), statistics.median(times[1]), len(times[0]))
