@@ -135,7 +135,7 @@ def calibrate(
         if weight_file is not None:
             prepared = weight_file.offload(prepared)
             loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
-        opset = _default_opset(prepared)
+        opset = _default_opset(prepared, config.opset)
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
             config.data, model_path=model_path, inputs=inputs, synthetic=config.synthetic,
@@ -283,8 +283,11 @@ def _large_model(model: onnx.ModelProto) -> bool:
     return has_external_data(model) or needs_external_data(model)
 
 
-def _default_opset(model: onnx.ModelProto) -> int:
-    return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
+def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
+    """The model's ai.onnx opset; `otherwise` for a model that imports none (ai.onnx.ml only:
+    nothing in it is quantized, and Q/DQ would come with the opset asked for)."""
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    return int(versions[0]) if versions else otherwise
 
 
 def _stage_progress(progress: Progress | None, stage: str, total: int | None) -> Callable[[int], None] | None:

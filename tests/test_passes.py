@@ -351,3 +351,27 @@ def test_partial_inference_keeps_what_it_found() -> None:
     typed = {v.name for v in result.model.graph.value_info}
     assert "r" in typed and "f" not in typed
     assert "of 3 intermediate tensors" in result.detail
+
+
+def test_an_old_ir_model_is_converted_whole_and_says_so() -> None:
+    """IR 3 lists every initializer as a graph input too; the opset-13 model needs IR 7, where
+    such inputs would read as values a caller may override: they are dropped, and the step says
+    so. Outputs stay those of the original model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "old",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
+    result = UpgradeOpset(13)(model)
+    assert result.modified and "IR 3 -> 7" in result.detail
+    assert "1 initializers no longer listed as graph inputs" in result.detail
+    assert [v.name for v in result.model.graph.input] == ["x"]
+    onnx.checker.check_model(result.model, full_check=True)
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(result.model, {"x": x})[0], x @ w, rtol=1e-6)

@@ -66,7 +66,45 @@ class UpgradeOpset:
                 f"cannot convert opset {current} -> {target}: onnx's converter failed on "
                 f"{which} ({first_line})"
             ) from None
-        return StepResult(converted, True, f"opset {current} -> {target}")
+        _check_signature(model, converted, current, target)
+        detail = f"opset {current} -> {target}"
+        # Old IR versions list every initializer as a graph input too (IR < 4 requires it); the
+        # newer IR that the new opset needs does not, and such "inputs" would read as values a
+        # caller may override. As onnx's converter leaves both alone, qcal updates them.
+        ir_version = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", target)])
+        if converted.ir_version < ir_version:
+            detail += f", IR {converted.ir_version} -> {ir_version}"
+            if converted.ir_version < 4:
+                initializers = {t.name for t in converted.graph.initializer}
+                kept = [v for v in converted.graph.input if v.name not in initializers]
+                if len(kept) < len(converted.graph.input):
+                    detail += (f" ({len(converted.graph.input) - len(kept)} initializers no "
+                               "longer listed as graph inputs)")
+                    del converted.graph.input[:]
+                    converted.graph.input.extend(kept)
+            converted.ir_version = ir_version
+        return StepResult(converted, True, detail)
+
+
+def _check_signature(
+    before: onnx.ModelProto, after: onnx.ModelProto, current: int, target: int
+) -> None:
+    """The converted model must take the inputs the original takes (same ranks where known)."""
+    ranks = {v.name: _rank(v) for v in before.graph.input}
+    for value in after.graph.input:
+        old, new = ranks.get(value.name), _rank(value)
+        if old is not None and new is not None and old != new:
+            raise ModelError(
+                f"cannot convert opset {current} -> {target} keeping the model's inputs: onnx's "
+                f"converter changes input {value.name!r} from rank {old} to rank {new}"
+            )
+
+
+def _rank(value: onnx.ValueInfoProto) -> int | None:
+    kind = value.type.WhichOneof("value")
+    if kind != "tensor_type" or not value.type.tensor_type.HasField("shape"):
+        return None
+    return len(value.type.tensor_type.shape.dim)
 
 
 def _default_domain_ops(graph: onnx.GraphProto) -> Iterator[str]:

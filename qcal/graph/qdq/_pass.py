@@ -124,7 +124,9 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
                     raise self._error(f"tensor {tensor!r} is planned as {roles[tensor]} and {role}")
         opset = default_opset(model)
         if opset is None:
-            raise self._error("model imports no default-domain opset")
+            if self._activations or self._weights or self._biases:
+                raise self._error("model imports no default-domain opset")
+            return  # nothing to quantize (an ai.onnx.ml-only model): nothing needs an opset
         needed, why = self._required_opset(graph_element_types(model.graph))
         if opset < needed:
             raise self._error(
