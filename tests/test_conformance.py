@@ -73,7 +73,6 @@ QCAL_REFUSALS = (3, 4, 5, 6)
 # onnxruntime runs the float model. Anything else qcal refuses on a runnable model fails.
 INPUT_REFUSALS = {
     "sequence, optional or map model input": r"model input '.*' is an? (sequence|optional|map)_type",
-    "string calibration data": r"string tensors are not supported as calibration data",
     "already quantized": r"the model is already quantized",
     "non-finite data": r"holds NaN or infinite values|calibration data contains NaN",
     "model without inputs (empty data set)": r"no calibration data in this folder",

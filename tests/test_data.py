@@ -657,3 +657,34 @@ def test_scalar_input_needs_a_sample_axis(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         validate_data(source, [IMAGE, STEPS])
     assert_one_line_naming(err, "d.npz", "'steps'", "rank 0", "expected rank 1")
+
+
+def test_string_inputs_of_test_data_sets_are_passed_through(tmp_path: Path) -> None:
+    """Only float tensors are quantized: a string input is read and fed to the model as it is."""
+    from click.testing import CliRunner
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qcal.cli import main
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["s_out"], name="copy"),
+         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("s_out", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        initializer=[numpy_helper.from_array(np.ones((3, 2), np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, tmp_path / "m.onnx")
+    folder = tmp_path / "test_data_set_0"
+    folder.mkdir()
+    inputs = (np.array([["a", "b", "c"]], dtype=object), np.array([[1.0, -2.0, 0.5]], np.float32))
+    for i, (name, value) in enumerate(zip(("s", "x"), inputs)):
+        (folder / f"input_{i}.pb").write_bytes(numpy_helper.from_array(value, name).SerializeToString())
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+                                       str(folder), "-o", str(tmp_path / "q.onnx"), "--report",
+                                       str(tmp_path / "q.json"), "--no-fallback", "-q"])
+    assert result.exit_code == 0, result.output
+    quantized = onnx.load(tmp_path / "q.onnx")
+    assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
