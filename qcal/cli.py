@@ -213,7 +213,7 @@ _existing = click.Path(exists=False, path_type=Path)
               help="Keep harmful tensors in float until every output's SQNR is at least DB.")
 @click.option("--max-agreement-drop", type=float, metavar="PCT",
               help="Keep harmful tensors in float until top-1 agreement is at least 100-PCT %.")
-@click.option("--min-coverage", type=float, default=50.0, show_default=True, metavar="PCT",
+@click.option("--min-coverage", type=float, default=70.0, show_default=True, metavar="PCT",
               help="The fallback never keeps more than 100-PCT % of Conv/MatMul/Gemm MACs in float.")
 @click.option("--fail-under-sqnr", type=float, metavar="DB", help="Exit 7 if an output's SQNR is below DB.")
 @click.option("--fail-under-agreement", type=float, metavar="PCT",

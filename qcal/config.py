@@ -94,7 +94,7 @@ class CalibrationConfig:
     sensitivity_samples: int | None = None  # None: automatic (see pipeline)
     target_sqnr: float | None = None
     max_agreement_drop: float | None = None
-    min_coverage: float = 50.0
+    min_coverage: float = 70.0  # the fallback keeps at least 70 % of compute MACs integer
     fail_under_sqnr: float | None = None
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None

@@ -500,7 +500,9 @@ def test_a_run_that_meets_the_floor_pays_one_evaluation_and_nothing_more(tmp_pat
 
 def _outlier_mlp() -> onnx.ModelProto:
     """x -> MatMul -> Relu (one hidden channel 1000x the others) -> MatMul -> logits: one
-    per-tensor step for the hidden layer wipes out the small channels the logits rest on."""
+    per-tensor step for the hidden layer wipes out the small channels the logits rest on. The
+    second MatMul holds 38 % of the MACs, which keeping its input float costs (so the coverage
+    floor is set to 50 % here)."""
     rng = np.random.default_rng(5)
     w1 = rng.standard_normal((16, 32)).astype(np.float32)
     w1[:, 0] *= 1000.0
@@ -522,7 +524,7 @@ def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
     assert data is not None
     naive = calibrate(path, CalibrationConfig(fallback=False))
     assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
-    result = calibrate(path, CalibrationConfig())
+    result = calibrate(path, CalibrationConfig(min_coverage=50.0))
     report = result.report
     assert report["sensitivity"]["method"] == "error-jump"
     assert report["sensitivity"]["tensors"][0]["tensor"] == "h"  # where the error jumps
