@@ -15,11 +15,11 @@ import numpy as np
 import onnx
 
 from qcal.config import CalibrationConfig
-from qcal.graph.files.large import tensor_array
+from qcal.graph.files.large import WeightFile, tensor_array
 from qcal.graph.model import ActivationTarget, QuantPlan
-from qcal.graph.qdq import QuantizedWeight
-from qcal.graph.structure import all_graphs
-from qcal.numerics.errors import DataError, EmptyStatisticsError
+from qcal.graph.qdq import InsertQDQ, QuantizedWeight
+from qcal.graph.structure import FLOAT_TYPES, all_graphs
+from qcal.numerics.errors import DataError, EmptyStatisticsError, ModelError
 from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import TensorRecipe
@@ -112,8 +112,8 @@ def _quantize_weights(
         try:
             observer.update(array)
             choice = choose_range(observer, recipe, "minmax", config.histogram_settings())
-        except DataError as err:
-            raise type(err)(f"weight {target.tensor!r}: {err}") from None
+        except DataError as err:  # a weight is part of the model, not of the data
+            raise ModelError(f"weight {target.tensor!r}: {err}") from None
         qparams = recipe.qparams(choice.stats)
         onnx_qparams = recipe.to_onnx(qparams, opset=opset)
         codes = _quantize_in_blocks(recipe, array, qparams, opset)
@@ -196,3 +196,24 @@ def _planned_records(
     found = {name: r for name, r in records.items() if name in kept and r.role != "bias"}
     found.update(_bias_records(model, plan))
     return found
+
+
+def build_quantized(
+    prepared: onnx.ModelProto, act_params: Mapping[str, OnnxQParams],
+    weights: Mapping[str, QuantizedWeight], weight_file: WeightFile | None, plan: QuantPlan,
+) -> onnx.ModelProto:
+    built = InsertQDQ(plan, act_params, weights)(prepared).model
+    if weight_file is not None:  # its weight codes go to a file too
+        built = weight_file.offload(built)
+    return built
+
+
+def blame_nan_weights(model: onnx.ModelProto) -> None:
+    """Raise ModelError naming the first float initializer that holds a NaN (checked only once
+    calibration met a NaN: weights are read once more, on that path alone)."""
+    for tensor in model.graph.initializer:
+        if tensor.data_type in FLOAT_TYPES:
+            values = tensor_array(tensor)
+            if np.isnan(values).any():
+                raise ModelError(f"weight {tensor.name!r} holds NaN: the model computes NaN "
+                                 "whatever the data")

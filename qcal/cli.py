@@ -236,6 +236,11 @@ def calibrate(**params: Any) -> None:
     default_output, default_report = default_output_paths(model)
     output = Path(outputs["output"]) if outputs.get("output") else default_output
     report = Path(outputs["report"]) if outputs.get("report") else default_report
+    if params.get("config") is not None:  # the config file is an input too, --force or not
+        from qcal.graph.files.atomic import check_output_path
+
+        for path, what in ((output, "output"), (report, "report")):
+            check_output_path(path, inputs=[params["config"]], force=True, what=what)
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
         result = run_calibration(model, config, output=output, report_path=report,

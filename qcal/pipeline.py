@@ -38,6 +38,8 @@ from qcal._quantize_tensors import (
     _observed,
     _planned_records,
     _quantize_weights,
+    blame_nan_weights,
+    build_quantized,
 )
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, compare_models
@@ -51,7 +53,11 @@ from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, write_atomic
-from qcal.graph.files.large import WeightFile, has_external_data, load_external_data
+from qcal.graph.files.large import (
+    WeightFile,
+    has_external_data,
+    load_external_data,
+)
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.files.save import data_path, needs_external_data, stage_model
 from qcal.graph.model import (
@@ -63,7 +69,7 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
-from qcal.numerics.errors import ConfigError
+from qcal.numerics.errors import ConfigError, DataError
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report
@@ -169,12 +175,16 @@ def calibrate(
     with timings.stage("collect"):
         observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
                      for t in plan.activations if _observed(t, config)}
-        summary = collect(
-            prepared, observers,
-            data_mod.iter_batches(calib, inputs, config.batch_size),
-            providers=config.providers, threads=config.threads,
-            on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
-        )
+        try:
+            summary = collect(
+                prepared, observers,
+                data_mod.iter_batches(calib, inputs, config.batch_size),
+                providers=config.providers, threads=config.threads,
+                on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
+            )
+        except DataError:
+            blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
+            raise
 
     with timings.stage("qparams"):
         records = _activation_records(plan, observers, preset.activation, config, opset)
@@ -188,7 +198,7 @@ def calibrate(
 
     with timings.stage("qdq"):
         act_params = {name: rec.onnx for name, rec in records.items() if rec.role == "activation"}
-        build = partial(_build_quantized, prepared, act_params, weights, weight_file)
+        build = partial(build_quantized, prepared, act_params, weights, weight_file)
         # One sample through onnxruntime: a node it cannot run quantized is kept float.
         first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
         runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
@@ -266,16 +276,6 @@ def calibrate(
     if enforce_gates:  # after writing: a failed gate leaves the model and report as evidence
         raise_for_failed(gates, report_path)
     return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
-
-
-def _build_quantized(
-    prepared: onnx.ModelProto, act_params: Mapping[str, OnnxQParams],
-    weights: Mapping[str, QuantizedWeight], weight_file: WeightFile | None, plan: QuantPlan,
-) -> onnx.ModelProto:
-    built = InsertQDQ(plan, act_params, weights)(prepared).model
-    if weight_file is not None:  # its weight codes go to a file too
-        built = weight_file.offload(built)
-    return built
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

@@ -392,3 +392,29 @@ def test_a_model_with_nothing_to_quantize_says_so_and_fails_a_coverage_gate(tmp_
     assert "nothing was quantized" in " ".join(plain.output.split())
     gated = run(*base, "--fail-if-coverage-below", "1")
     _assert_error(gated, errors.AccuracyGateError.exit_code, "quantized share")
+
+
+def test_output_may_not_overwrite_the_config_file_even_with_force(tmp_path: Path) -> None:
+    config = tmp_path / "qcal.toml"
+    config.write_text('method = "minmax"\n')
+    before = config.read_bytes()
+    result = run("calibrate", DIGITS, "--config", config, "-o", config, "--report",
+                 tmp_path / "r.json", "--force")
+    _assert_error(result, errors.OutputError.exit_code, "same file as the input")
+    assert config.read_bytes() == before and not (tmp_path / "r.json").exists()
+
+
+def test_a_nan_inside_a_weight_is_the_model_s_fault(tmp_path: Path) -> None:
+    from onnx import numpy_helper
+
+    model = onnx.load(DIGITS)
+    weight = next(t for t in model.graph.initializer if len(t.dims) == 4)
+    values = numpy_helper.to_array(weight).copy()
+    values.flat[0] = np.nan
+    weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+    path = tmp_path / "nan.onnx"
+    onnx.save(model, path)
+    result = run("calibrate", path, "--data", SAMPLES / "digits_cnn.calib.npz", "-o",
+                 tmp_path / "q.onnx", "--report", tmp_path / "q.json")
+    _assert_error(result, errors.ModelError.exit_code, f"weight {weight.name!r}")
+    assert not (tmp_path / "q.onnx").exists()
