@@ -19,6 +19,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from qcal.accuracy.gates import BUILT_IN_GATES
+
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
 
@@ -69,7 +71,7 @@ def _show_summary(result: Any) -> None:
     for gate in report["gates"]:
         verdict = "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]"
         value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
-        name = (gate["option"] if gate["option"] in ("finite-outputs", "accuracy-floor")
+        name = (gate["option"] if gate["option"] in BUILT_IN_GATES
                 else f"--{gate['option']} {gate['threshold']:g}")
         stdout.print(f"gate {name}: {gate['measure']} {value} {verdict}")
     _show_latency(report["timings_seconds"])

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError
 
@@ -75,9 +76,13 @@ class Comparison:
     @property
     def worst_sqnr_db(self) -> float | None:
         """The lowest output SQNR; -inf when an output is broken (see `OutputMetrics.broken`)."""
-        if self.broken_outputs:
-            return -math.inf
-        values = [o.sqnr_db for o in self.outputs if o.sqnr_db is not None]
+        return -math.inf if self.broken_outputs else self.worst_finite_sqnr_db()
+
+    def worst_finite_sqnr_db(self, *, classifiers: bool = True) -> float | None:
+        """The lowest SQNR over the elements both models computed finite (None: identical
+        outputs); without `classifiers`, over the outputs that are not classifier-like."""
+        values = [o.sqnr_db for o in self.outputs if o.sqnr_db is not None
+                  and (classifiers or o.top1_agreement is None)]
         return min(values) if values else None
 
     @property
@@ -233,12 +238,11 @@ def _score_outputs(model: onnx.ModelProto) -> set[str]:
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:
     """Non-finite evaluation inputs make every figure meaningless: refuse them, naming where."""
-    for name, array in feed.items():
-        values = np.asarray(array)
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
-            where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
-            raise DataError(f"evaluation data: input {name!r} holds NaN or infinite values in "
-                            f"{where} (0-based); the comparison would mean nothing")
+    bad = find_nonfinite({name: np.asarray(array) for name, array in feed.items()})
+    if bad:
+        where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
+        raise DataError(f"evaluation data: input {bad[0]!r} holds NaN or infinite values in "
+                        f"{where} (0-based); the comparison would mean nothing")
 
 
 def _numeric(onnx_type: str) -> bool:

@@ -70,7 +70,7 @@ class AccuracyTarget:
             return math.inf
         gaps = [0.0]
         if self.min_sqnr_db is not None:
-            sqnr = self._worst_sqnr(comparison)
+            sqnr = comparison.worst_finite_sqnr_db(classifiers=self.sqnr_on_classifiers)
             if sqnr is not None:  # None: identical outputs
                 gaps.append((self.min_sqnr_db - sqnr) / 10.0)
         if self.max_agreement_drop is not None:
@@ -79,13 +79,6 @@ class AccuracyTarget:
                 # 1e-9: 198/200 agreement meets a 1 % drop, whatever 1 - 0.99 rounds to
                 gaps.append((1.0 - agreement) - self.max_agreement_drop - 1e-9)
         return max(gaps)
-
-    def _worst_sqnr(self, comparison: Comparison) -> float | None:
-        if self.sqnr_on_classifiers:
-            return comparison.worst_sqnr_db
-        values = [o.sqnr_db for o in comparison.outputs
-                  if o.sqnr_db is not None and o.top1_agreement is None]
-        return min(values) if values else None
 
     def describe(self) -> str:
         parts = []

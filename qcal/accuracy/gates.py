@@ -15,7 +15,10 @@ from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import worst_agreement
 from qcal.numerics.errors import AccuracyGateError
 
-__all__ = ["GateResult", "Gates", "check_gates", "raise_for_failed"]
+__all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
+
+# Gates every run checks, set by no option.
+BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor"})
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class GateResult:
     def describe(self) -> str:
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         verdict = "passed" if self.passed else "FAILED"
-        limit = ("always checked" if self.option in ("finite-outputs", "accuracy-floor")
+        limit = ("always checked" if self.option in BUILT_IN_GATES
                  else f"--{self.option} {self.threshold:g}")
         return f"{self.measure} {value} vs {limit}: {verdict}"
 
@@ -90,7 +93,7 @@ def check_gates(
                                   f"does not produce (outputs {names})", 0.0,
                                   float(introduced), False))
     if gates.fail_under_sqnr is not None:
-        sqnr = None if comparison is None else _worst_finite_sqnr(comparison)
+        sqnr = None if comparison is None else comparison.worst_finite_sqnr_db()
         passed = (comparison is not None and not broken
                   and (sqnr is None or sqnr >= gates.fail_under_sqnr))
         results.append(GateResult("fail-under-sqnr", "worst output SQNR (dB)",
@@ -115,12 +118,6 @@ def check_gates(
                    else "fallback target reached above the coverage floor (1 yes, 0 no)")
         results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
-
-
-def _worst_finite_sqnr(comparison: Comparison) -> float | None:
-    """The lowest SQNR over the elements both models computed finite."""
-    values = [o.sqnr_db for o in comparison.outputs if o.sqnr_db is not None]
-    return min(values) if values else None
 
 
 def raise_for_failed(results: Sequence[GateResult], report_path: object) -> None:

@@ -21,7 +21,7 @@ import onnx
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
-from qcal.graph.structure import element_types
+from qcal.graph.structure import exposing
 
 __all__ = ["localise_error"]
 
@@ -44,8 +44,8 @@ def localise_error(
     outputs = [o.name for o in float_model.graph.output]
     watched = sorted(({a.tensor for a in plan.activations} & produced & quant_produced)
                      - set(outputs)) + outputs
-    ratios = _error_ratios(float_model, quant_model, watched, batches, providers, threads)
-    samples = ratios.pop("", 0.0)
+    ratios, samples = _error_ratios(float_model, quant_model, watched, batches, providers,
+                                    threads)
 
     harm: dict[str, float] = {}
     inputs_of = {n.name: [v for v in n.input if v] for n in float_model.graph.node}
@@ -67,22 +67,22 @@ def localise_error(
     roles.update({w.tensor: "weight" for w in plan.weights})
     found = [
         TensorSensitivity(tensor, roles.get(tensor, "activation"), None, value, None, None,
-                          samples=int(samples))
+                          samples=samples)
         for tensor, value in harm.items()
     ]
     found.sort(key=lambda s: (-s.harm, s.tensor))
-    return SensitivityResult(int(samples), tuple(found), method="error-jump")
+    return SensitivityResult(samples, tuple(found), method="error-jump")
 
 
 def _error_ratios(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, names: list[str],
     batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...], threads: int,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], int]:
     """Tensor -> noise energy over signal energy of the quantized model's value, over the
-    elements both compute finite; key "" holds the sample count."""
-    float_session = create_session(_exposing(float_model, names), providers=providers,
+    elements both compute finite; and the number of samples."""
+    float_session = create_session(exposing(float_model, names), providers=providers,
                                    threads=threads, what="float model")
-    quant_session = create_session(_exposing(quant_model, names), providers=providers,
+    quant_session = create_session(exposing(quant_model, names), providers=providers,
                                    threads=threads, what="quantized model")
     signal = dict.fromkeys(names, 0.0)
     noise = dict.fromkeys(names, 0.0)
@@ -101,18 +101,4 @@ def _error_ratios(
             noise[name] += float((q64 - f64) @ (q64 - f64))
         samples += n
     ratios = {name: noise[name] / signal[name] if signal[name] > 0 else 0.0 for name in names}
-    ratios[""] = float(samples)
-    return ratios
-
-
-def _exposing(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """A copy of `model` whose outputs are `names` (tensors of its main graph)."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    del exposed.graph.output[:]
-    types = element_types(model.graph)
-    for name in names:
-        exposed.graph.output.append(
-            onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None)
-        )
-    return exposed
+    return ratios, samples

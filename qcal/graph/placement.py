@@ -31,6 +31,7 @@ accelerator toolchains do); so does an explicit ``--op-types`` list.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -80,8 +81,15 @@ def parameter_slots(node: onnx.NodeProto, opset: int) -> frozenset[int]:
     from the first output's). Unknown operators and variadic inputs: none."""
     if node.domain not in DEFAULT_DOMAINS:
         return frozenset()
+    return frozenset(s for s in _schema_parameter_slots(node.op_type, opset) if s < len(node.input))
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_parameter_slots(op_type: str, opset: int) -> frozenset[int]:
+    """The schema's parameter positions, looked up once per (op type, opset): planning asks
+    for every use of every tensor."""
     try:
-        schema = onnx.defs.get_schema(node.op_type, opset, "")
+        schema = onnx.defs.get_schema(op_type, opset, "")
     except onnx.defs.SchemaError:
         return frozenset()
     if not schema.outputs:
@@ -91,7 +99,7 @@ def parameter_slots(node: onnx.NodeProto, opset: int) -> frozenset[int]:
     for slot, formal in enumerate(schema.inputs):
         if formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
             break
-        if formal.type_str != value_type and slot < len(node.input):
+        if formal.type_str != value_type:
             slots.add(slot)
     return frozenset(slots)
 
@@ -150,6 +158,7 @@ def place(
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
+    by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
     fused = _fused_activations(nodes, anchors, index)
     group_of = {activation: anchor for anchor, activation in fused.items()}
@@ -180,14 +189,12 @@ def place(
         if node.name in quantized:
             continue
         placement.nodes[node.name] = "placement auto: not between quantized anchors"
-    for anchor in anchors:
-        node = next(n for n in nodes if n.name == anchor)
+    for anchor in sorted(anchors):
+        node = by_name[anchor]
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
             continue
         tail = fused.get(anchor)
-        output = (
-            next(n for n in nodes if n.name == tail).output[0] if tail else node.output[0]
-        )
+        output = by_name[tail].output[0] if tail else node.output[0]
         if not any(r.name in quantized for r in index.readers(output)):
             placement.tensors[output] = "placement auto: no quantized node reads it"
     return placement

@@ -23,6 +23,7 @@ __all__ = [
     "check_wiring",
     "default_opset",
     "element_types",
+    "exposing",
     "graph_element_types",
     "subgraph_reads",
 ]
@@ -205,6 +206,20 @@ def element_types(graph: onnx.GraphProto) -> dict[str, int]:
                 if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = attribute.t.data_type
     return types
+
+
+def exposing(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of `model` with the main-graph tensors `names` added as outputs (those that are
+    outputs already stay as they are), typed where the type is known."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    types = element_types(model.graph)
+    present = {o.name for o in model.graph.output}
+    exposed.graph.output.extend(
+        onnx.helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.FLOAT), None)
+        for name in names if name not in present
+    )
+    return exposed
 
 
 def graph_element_types(graph: onnx.GraphProto) -> dict[str, int]:

@@ -21,7 +21,7 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator
 from qcal.graph.qdq import QuantizedWeight
-from qcal.graph.structure import UseIndex, element_types
+from qcal.graph.structure import UseIndex, element_types, exposing
 from qcal.numerics.errors import ModelError
 from qcal.numerics.onnx_mapping import OnnxQParams
 
@@ -55,13 +55,7 @@ class _Models:
     ) -> _Models:
         logits = _softmax_logits(model)
         if logits:
-            exposed = onnx.ModelProto()
-            exposed.CopyFrom(model)
-            types = element_types(model.graph)
-            exposed.graph.output.extend(
-                helper.make_tensor_value_info(t, types.get(t, TensorProto.FLOAT), None)
-                for t in logits)
-            model = exposed
+            model = exposing(model, logits)
         chains = _Chains(model)
         # Sensitivity is measured on the main graph: tensors of If/Loop/Scan bodies are not
         # switched (they stay as planned, and are no fallback candidates).
