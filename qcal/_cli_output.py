@@ -50,6 +50,27 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[str, int, int | None], No
         yield update
 
 
+_FALLBACK_REASON = "by the accuracy fallback"
+_MAX_REASONS = 12
+
+
+def _float_reasons(by_reason: dict[str, int]) -> list[tuple[int, str]]:
+    """The report's reasons for float nodes, most frequent first; the fallback's per-tensor
+    reasons as one line, and the rarest folded into one when there are many."""
+    fallback = sum(n for reason, n in by_reason.items() if _FALLBACK_REASON in reason)
+    rows = sorted(((n, reason) for reason, n in by_reason.items()
+                   if _FALLBACK_REASON not in reason), key=lambda row: (-row[0], row[1]))
+    if fallback:
+        why = (f"kept float {_FALLBACK_REASON} (each tensor's reason: the report's "
+               "fallback.kept_float)")
+        rows.insert(0, (fallback, why))
+    if len(rows) > _MAX_REASONS:
+        rest = rows[_MAX_REASONS - 1:]
+        why = f"for {len(rest)} other reasons (the report's coverage.skipped_by_reason)"
+        rows = rows[:_MAX_REASONS - 1] + [(sum(n for n, _ in rest), why)]
+    return rows
+
+
 def _show_summary(result: Any) -> None:
     report = result.report
     cov = report["coverage"]
@@ -59,9 +80,8 @@ def _show_summary(result: Any) -> None:
         f"{len(report['tensors'])} tensors; calibrated on {report['data']['samples']} samples"
         f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
     )
-    if cov["skipped_by_reason"]:
-        for reason, count in cov["skipped_by_reason"].items():
-            stdout.print(f"  kept in float: {count} × {reason}")
+    for count, reason in _float_reasons(cov["skipped_by_reason"]):
+        stdout.print(f"  kept in float: {count} × {reason}")
     _show_accuracy(report)
     evaluation = report["evaluation"]
     if evaluation:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.accuracy.evaluate import decision_outputs, per_position
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
@@ -69,18 +70,20 @@ def _check_overrides(config: CalibrationConfig, plan: QuantPlan) -> None:
 
 
 def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) -> None:
-    """Agreement options need a classifier-like output (rank 2); say so before anything runs."""
+    """Agreement options need a classifier-like output; say so before anything runs."""
     asked = [key for key, value in (("fail-under-agreement", config.fail_under_agreement),
                                     ("max-agreement-drop", config.max_agreement_drop))
              if value is not None]
     if not asked:
         return
-    ranks = [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
-             for o in model.graph.output]
-    if all(rank is not None and rank != 2 for rank in ranks):
+    decisions = decision_outputs(model)
+    ranks = {o.name: len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape")
+             else None for o in model.graph.output}
+    if not any(rank is None or rank == 2 or per_position(decisions[name], rank)
+               for name, rank in ranks.items() if name in decisions):
         raise ConfigError(
-            f"{asked[0]}: no model output is classifier-like ([N, classes]), so top-1 "
-            "agreement is not measured; use a SQNR option instead"
+            f"{asked[0]}: no model output is classifier-like ([N, classes] scores, or a softmax "
+            "over the last axis), so top-1 agreement is not measured; use a SQNR option instead"
         )
 
 

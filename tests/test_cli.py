@@ -418,3 +418,26 @@ def test_a_nan_inside_a_weight_is_the_model_s_fault(tmp_path: Path) -> None:
                  tmp_path / "q.onnx", "--report", tmp_path / "q.json")
     _assert_error(result, errors.ModelError.exit_code, f"weight {weight.name!r}")
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_the_summary_folds_the_fallback_reasons_and_the_rarest_ones() -> None:
+    """Per-tensor fallback reasons are one line; beyond a dozen reasons the rest are one line."""
+    from qcal._cli_output import _float_reasons
+
+    reasons = {f"'t{i}' kept float by the accuracy fallback: jump {i}": 1 for i in range(40)}
+    reasons |= {f"no quantization rule for op Op{i}": 20 - i for i in range(15)}
+    rows = _float_reasons(reasons)
+    assert len(rows) == 12
+    assert rows[0][0] == 40 and "accuracy fallback" in rows[0][1]
+    assert rows[1] == (20, "no quantization rule for op Op0")
+    assert sum(n for n, _ in rows) == sum(reasons.values())
+    assert "5 other reasons" in rows[-1][1]
+
+
+def test_a_missed_accuracy_floor_reads_as_a_verdict() -> None:
+    from qcal.accuracy.gates import GateResult
+
+    line = GateResult("accuracy-floor", "accuracy floor (see README) reached above the coverage "
+                      "floor (1 yes, 0 no)", 0.0, 0.0, False).describe()
+    assert line == ("accuracy floor (see README) reached above the coverage floor "
+                    "(always checked): FAILED")

@@ -141,3 +141,66 @@ def test_non_finite_evaluation_inputs_are_refused_naming_the_sample() -> None:
     bad[1, 2] = np.nan
     with pytest.raises(DataError, match=r"input 'x' holds NaN or infinite values in samples 2-3"):
         compare_models(_scale_model(1.0), _scale_model(1.1), iter([({"x": good}, 2), ({"x": bad}, 2)]))
+
+
+def _sequence_model(factor: np.ndarray, last: str, *, opset: int = 17,
+                    axis: int | None = None) -> onnx.ModelProto:
+    """[N, T, 5] scores: x · diag(factor), then `last` (Softmax over `axis`, or Identity). The
+    input's rank is not declared (as in many exports with dynamic shapes)."""
+    nodes = [helper.make_node("Mul", ["x", "k"], ["t"], name="scale")]
+    attrs = {} if axis is None else {"axis": axis}
+    nodes.append(helper.make_node(last, ["t"], ["y"], name="last", **attrs))
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 5])],
+        initializer=[onnx.numpy_helper.from_array(factor.astype(np.float32), "k")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _sequence_data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Data, and two scalings of its classes whose argmax differs at some positions."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 5)).astype(np.float32)
+    other = np.array([1.0, 1.0, 1.0, 1.0, 2.5], np.float32)  # boosts class 4
+    return x, np.ones(5, np.float32), other
+
+
+def _expected_positions(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(np.argmax(x * a, -1) == np.argmax(x * b, -1)))
+
+
+def test_a_softmax_over_the_last_axis_is_compared_per_position() -> None:
+    """A CTC recognizer or token classifier ([N, T, classes] softmax) is read by the argmax of
+    every position: its agreement counts positions, as an independent argmax says."""
+    x, a, b = _sequence_data()
+    expected = _expected_positions(x, a, b)
+    assert 0.0 < expected < 1.0
+    out = compare_models(_sequence_model(a, "Softmax"), _sequence_model(b, "Softmax"),
+                         [({"x": x}, 4)]).outputs[0]
+    assert out.top1_agreement == pytest.approx(expected)
+
+
+def test_a_softmax_of_opset_12_upgraded_by_the_converter_is_still_per_position() -> None:
+    """onnx's version converter writes an opset-12 softmax over the last axis as Flatten,
+    Softmax, Reshape: still a distribution at every position. Over axis 1 of a rank-3 input it
+    is one distribution per sample, and no per-position decision."""
+    from onnx import version_converter
+
+    x, a, b = _sequence_data()
+    upgraded = [version_converter.convert_version(_sequence_model(f, "Softmax", opset=12, axis=2),
+                                                  17) for f in (a, b)]
+    assert "Flatten" in {n.op_type for n in upgraded[0].graph.node}
+    out = compare_models(upgraded[0], upgraded[1], [({"x": x}, 4)]).outputs[0]
+    assert out.top1_agreement == pytest.approx(_expected_positions(x, a, b))
+    whole = [_sequence_model(f, "Softmax", opset=12, axis=1) for f in (a, b)]
+    assert compare_models(*whole, [({"x": x}, 4)]).outputs[0].top1_agreement is None
+
+
+def test_hidden_states_of_rank_3_have_no_agreement() -> None:
+    """A linear layer's [N, T, D] output is hidden states, not scores: SQNR and cosine only."""
+    x, a, b = _sequence_data()
+    out = compare_models(_sequence_model(a, "Identity"), _sequence_model(b, "Identity"),
+                         [({"x": x}, 4)]).outputs[0]
+    assert out.top1_agreement is None and out.sqnr_db is not None

@@ -2,10 +2,12 @@
 
 Per output, with x the float output and y the quantized one, accumulated over all samples:
 SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical), cosine = Σxy / √(Σx²·Σy²),
-max abs error = max|x−y|, and, for classifier-like outputs (rank 2, at least 2 classes, computed
-by a linear layer or a softmax), top-1 agreement = share of samples whose argmax over the last
-axis is the same. With labels, top-1
-accuracy of both models against them. Only running sums are kept, never the outputs.
+max abs error = max|x−y|, and, for classifier-like outputs, top-1 agreement = share of decisions
+(argmax over the last axis) that are the same. Classifier-like: [N, classes] (at least 2) computed
+by a linear layer or a softmax, one decision per sample; or a softmax over the last axis of a
+higher rank (a CTC recognizer's [N, T, classes], a token classifier), one decision per position,
+since the argmax of each position is what such a model is read by. With labels (one per sample),
+top-1 accuracy of both models on the rank-2 outputs. Only running sums are kept, never outputs.
 
 Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
 elements both models computed finite. A quantized model that produces a non-finite value where
@@ -27,7 +29,8 @@ from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError
 
-__all__ = ["Comparison", "OutputMetrics", "compare_models", "is_classifier_like"]
+__all__ = ["Comparison", "OutputMetrics", "compare_models", "decision_outputs", "is_classifier_like",
+           "per_position"]
 
 Feed = Mapping[str, np.ndarray]
 
@@ -98,8 +101,9 @@ def _round(value: float | None) -> float | None:
     return float(f"{value:.9g}")
 
 
-def is_classifier_like(shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and shape[1] >= 2
+def is_classifier_like(shape: tuple[int, ...], *, per_position: bool = False) -> bool:
+    """[N, classes]; with `per_position` (a softmax over the last axis), any rank from 2."""
+    return (len(shape) == 2 or (per_position and len(shape) > 2)) and shape[-1] >= 2
 
 
 @dataclass
@@ -112,6 +116,7 @@ class _Accumulator:
     agree: int = 0
     rows: int = 0
     classifier: bool = True
+    softmax_axis: int | None = None
     correct_float: int = 0
     correct_quant: int = 0
     labelled: int = 0
@@ -137,12 +142,13 @@ class _Accumulator:
         self.quant_energy += float(y64 @ y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
-        self.classifier = self.classifier and is_classifier_like(x.shape)
+        self.classifier = self.classifier and is_classifier_like(
+            x.shape, per_position=per_position(self.softmax_axis, x.ndim))
         if self.classifier:
             fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
             self.agree += int(np.sum(fx == fy))
             self.rows += int(fx.size)
-            if labels is not None:
+            if labels is not None and fx.ndim == 1:
                 if labels.shape[0] != fx.shape[0]:
                     raise DataError(
                         f"labels: {labels.shape[0]} labels for a batch of {fx.shape[0]} outputs"
@@ -189,8 +195,10 @@ def compare_models(
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
-    scores = _score_outputs(float_model)
-    accumulators = {name: _Accumulator(classifier=name in scores) for name in names}
+    decisions = decision_outputs(float_model)
+    accumulators = {name: _Accumulator(classifier=name in decisions,
+                                       softmax_axis=decisions.get(name))
+                    for name in names}
     samples = 0
     for feed, n in batches:
         _check_finite(feed, samples, n)
@@ -218,22 +226,51 @@ def compare_models(
 
 
 # What a classifier's scores come out of: a linear layer (and its bias), or a softmax. A rank-2
-# output computed otherwise (a pooled or normalized embedding) has no meaningful argmax.
+# output computed otherwise (a pooled or normalized embedding) has no meaningful argmax; nor has a
+# linear layer's output of higher rank (hidden states), while a softmax over the last axis is a
+# distribution over classes at every position.
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Add", "Softmax", "LogSoftmax", "Sigmoid"})
+_SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
 
 
-def _score_outputs(model: onnx.ModelProto) -> set[str]:
-    """Outputs of the main graph computed by a linear layer or a softmax (through reshapes)."""
+def decision_outputs(model: onnx.ModelProto) -> dict[str, int | None]:
+    """Main-graph outputs computed by a linear layer or a softmax (through reshapes) -> the
+    softmax's axis when a softmax computes it unreshaped (its positions may be decisions), else
+    None."""
     producer = {v: n for n in model.graph.node for v in n.output}
-    found = set()
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    found = {}
     for output in model.graph.output:
         node = producer.get(output.name)
+        reshaped = False
         while node is not None and node.op_type in _PASS_THROUGH and node.input:
+            reshaped = reshaped or node.op_type != "Identity"
             node = producer.get(node.input[0])
         if node is not None and node.op_type in _SCORE_OPS:
-            found.add(output.name)
+            found[output.name] = _softmax_axis(node, producer, opset, reshaped)
     return found
+
+
+def _softmax_axis(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto], opset: int,
+                  reshaped: bool) -> int | None:
+    if node.op_type not in _SOFTMAX_OPS:
+        return None
+    # Before opset 13 a softmax flattens its input to 2-D at `axis` (default 1).
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
+    if not reshaped:
+        return axis
+    # Reshaped back after a Flatten at k (how onnx's version converter writes an old softmax):
+    # a softmax over the dimensions from k.
+    flatten = producer.get(node.input[0]) if node.input else None
+    if flatten is None or flatten.op_type != "Flatten" or axis not in (-1, 1):
+        return None
+    return next((a.i for a in flatten.attribute if a.name == "axis"), 1)
+
+
+def per_position(softmax_axis: int | None, rank: int) -> bool:
+    """A softmax over the last axis of a rank above 2: every position is a decision."""
+    return softmax_axis is not None and rank > 2 and softmax_axis in (-1, rank - 1)
 
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:

@@ -19,6 +19,9 @@ __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_fa
 
 # Gates every run checks, set by no option.
 BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor"})
+# Gates whose value is a yes/no: whether the fallback reached its target.
+_REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
+_YES_NO = " (1 yes, 0 no)"
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,11 @@ class GateResult:
     passed: bool
 
     def describe(self) -> str:
-        value = "infinite" if self.value is None else f"{self.value:.2f}"
         verdict = "passed" if self.passed else "FAILED"
+        if self.option in _REACHED_GATES:  # a yes/no: the value says nothing more
+            limit = "always checked" if self.option in BUILT_IN_GATES else f"--{self.option}"
+            return f"{self.measure.removesuffix(_YES_NO)} ({limit}): {verdict}"
+        value = "infinite" if self.value is None else f"{self.value:.2f}"
         limit = ("always checked" if self.option in BUILT_IN_GATES
                  else f"--{self.option} {self.threshold:g}")
         return f"{self.measure} {value} vs {limit}: {verdict}"
@@ -113,9 +119,8 @@ def check_gates(
                                   value >= gates.fail_if_coverage_below and not broken))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
-        measure = ("accuracy floor (see README) reached above the coverage floor (1 yes, 0 no)"
-                   if option == "accuracy-floor"
-                   else "fallback target reached above the coverage floor (1 yes, 0 no)")
+        what = "accuracy floor (see README)" if option == "accuracy-floor" else "fallback target"
+        measure = f"{what} reached above the coverage floor{_YES_NO}"
         results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
 

@@ -24,7 +24,7 @@ Per tensor, with x the float outputs and y the outputs with only that tensor qua
 * output SQNR = ``10 log10(sum x^2 / sum (x - y)^2)`` per model output, the worst output kept;
   ``noise_ratio`` is its linear form ``sum (x - y)^2 / sum x^2`` (the harm, additive to first
   order over tensors whose errors are independent);
-* top-1 agreement of classifier-like outputs (rank 2), the worst output kept;
+* top-1 agreement of classifier-like outputs (`qcal.accuracy.evaluate`), the worst kept;
 * local SQNR = ``10 log10(sum t^2 / sum (t - fq(t))^2)`` over the tensor itself;
 * for outputs computed by Softmax or LogSoftmax (through reshapes), the same noise ratio over
   the logits the softmax reads (``logit_noise_ratio``), and that is the tensor's ``harm``.
@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import onnx
 
+from qcal.accuracy.evaluate import decision_outputs
 from qcal.accuracy.sensitivity._models import _Models
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
@@ -106,7 +107,9 @@ def measure_sensitivity(
     outputs = [o.name for o in model.graph.output] + list(models.logits)
     probes = [name for pair in models.probes.values() for name in pair]
     units = models.units
-    noise = {u: _OutputNoise.empty(len(outputs), len(model.graph.output)) for u, _ in units}
+    decisions = decision_outputs(model)
+    scores = [(o.name in decisions, decisions.get(o.name)) for o in model.graph.output]
+    noise = {u: _OutputNoise.empty(len(outputs), scores) for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
     active = list(range(len(units)))  # unit indices still run; position = selector value

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.accuracy.evaluate import is_classifier_like
+from qcal.accuracy.evaluate import is_classifier_like, per_position
 
 __all__ = ["SensitivityResult", "TensorSensitivity"]
 
@@ -87,11 +87,17 @@ class _OutputNoise:
     rows: list[int]
     classifier: list[bool] = field(default_factory=list)
     real: int = 0  # the first `real` are model outputs, the rest softmax logits
+    softmax_axes: list[int | None] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, outputs: int, real: int) -> _OutputNoise:
+    def empty(cls, outputs: int, decisions: list[tuple[bool, int | None]]) -> _OutputNoise:
+        """`decisions`: per model output, whether it is computed as a classifier's scores and
+        the axis of the softmax computing it (`qcal.accuracy.evaluate.decision_outputs`)."""
+        real = len(decisions)
+        scores = [d[0] for d in decisions] + [True] * (outputs - real)
+        axes = [d[1] for d in decisions] + [None] * (outputs - real)
         return cls([0.0] * outputs, [0.0] * outputs, [0] * outputs, [0] * outputs,
-                   [True] * outputs, real)
+                   scores, real, axes)
 
     def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
         for i, (x, y) in enumerate(zip(reference, quantized)):
@@ -99,10 +105,12 @@ class _OutputNoise:
             d = x64 - np.asarray(y, dtype=np.float64).ravel()
             self.signal[i] += float(x64 @ x64)
             self.noise[i] += float(d @ d)
-            self.classifier[i] = self.classifier[i] and is_classifier_like(np.shape(x))
+            shape = np.shape(x)
+            self.classifier[i] = self.classifier[i] and is_classifier_like(
+                shape, per_position=per_position(self.softmax_axes[i], len(shape)))
             if self.classifier[i]:
                 self.agree[i] += int(np.sum(np.argmax(x, -1) == np.argmax(y, -1)))
-                self.rows[i] += int(np.shape(x)[0])
+                self.rows[i] += int(np.prod(shape[:-1]))
 
     def worst_ratio(self, logits: bool = False) -> float:
         chosen = slice(self.real, None) if logits else slice(0, self.real)
