@@ -42,7 +42,7 @@ from qcal._quantize_tensors import (
     build_quantized,
 )
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
-from qcal.accuracy.evaluate import Comparison, compare_models
+from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
 from qcal.accuracy.latency import measure_latency
@@ -212,11 +212,13 @@ def calibrate(
     source = eval_source if eval_source is not None else calib
     eval_labels = labels if eval_source is not None or config.labels else None
 
+    reference = FloatReference()  # every evaluation below compares with the same float run
+
     def evaluate(model: onnx.ModelProto, stage: str = "evaluate") -> Comparison:
         return compare_models(
             prepared, model, data_mod.iter_batches(source, inputs, config.batch_size),
             labels=eval_labels, providers=config.providers, threads=config.threads,
-            on_batch=_stage_progress(progress, stage, source.num_samples()),
+            on_batch=_stage_progress(progress, stage, source.num_samples()), reference=reference,
         )
 
     accuracy = _improve_accuracy(
@@ -233,6 +235,7 @@ def calibrate(
     else:
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
+    reference.release()
     coverage = measure_coverage(prepared, plan, macs)
     if weight_file is None:  # a large model is not timed: two more sessions would double memory
         with timings.stage("latency"):

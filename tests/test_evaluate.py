@@ -204,3 +204,32 @@ def test_hidden_states_of_rank_3_have_no_agreement() -> None:
     out = compare_models(_sequence_model(a, "Identity"), _sequence_model(b, "Identity"),
                          [({"x": x}, 4)]).outputs[0]
     assert out.top1_agreement is None and out.sqnr_db is not None
+
+
+def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() -> None:
+    from qcal.accuracy.evaluate import FloatReference
+
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal((2, 5)).astype(np.float32) for _ in range(3)]
+
+    def batches() -> list[tuple[dict[str, np.ndarray], int]]:
+        return [({"x": d}, 2) for d in data]
+
+    alone = compare_models(_scale_model(1.0), _scale_model(1.1), batches())
+    reference = FloatReference()
+    first = compare_models(_scale_model(1.0), _scale_model(1.1), batches(), reference=reference)
+    assert len(reference.outputs) == 3 and first == alone
+
+    class NoRuns:  # the float outputs must come from the reference now
+        def get_outputs(self) -> object:
+            return real.get_outputs()
+
+        def run(self, *_: object) -> object:
+            raise AssertionError("the float model ran again")
+
+    real, reference.session = reference.session, NoRuns()
+    assert compare_models(_scale_model(1.0), _scale_model(1.1), batches(),
+                          reference=reference) == alone
+    small = FloatReference(budget_bytes=2 * 5 * 4)  # room for one batch's output only
+    compare_models(_scale_model(1.0), _scale_model(1.1), batches(), reference=small)
+    assert len(small.outputs) == 1

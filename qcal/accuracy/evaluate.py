@@ -29,7 +29,7 @@ from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError
 
-__all__ = ["Comparison", "OutputMetrics", "compare_models", "decision_outputs", "is_classifier_like",
+__all__ = ["Comparison", "FloatReference", "OutputMetrics", "compare_models", "decision_outputs", "is_classifier_like",
            "per_position"]
 
 Feed = Mapping[str, np.ndarray]
@@ -177,6 +177,33 @@ class _Accumulator:
         )
 
 
+class FloatReference:
+    """The float model's session and its outputs on the evaluation data, made once for several
+    comparisons on the same data (the fallback checks many QDQ models against one float model).
+    Outputs are kept while they fit in `budget_bytes`; past it they are recomputed each time, so
+    memory stays bounded whatever the data size."""
+
+    def __init__(self, budget_bytes: int = 256 << 20) -> None:
+        self.session: Any = None
+        self.outputs: list[list[np.ndarray]] = []
+        self.budget = budget_bytes
+        self.kept_bytes = 0
+
+    def release(self) -> None:
+        """Drop the session and the outputs (a later comparison makes them again)."""
+        self.session, self.outputs, self.kept_bytes = None, [], 0
+
+    def run(self, batch: int, names: list[str], feed: Feed) -> list[np.ndarray]:
+        if batch < len(self.outputs):
+            return self.outputs[batch]
+        outputs = [np.asarray(x) for x in self.session.run(names, dict(feed))]
+        size = sum(x.nbytes for x in outputs)
+        if batch == len(self.outputs) and self.kept_bytes + size <= self.budget:
+            self.outputs.append(outputs)
+            self.kept_bytes += size
+        return outputs
+
+
 def compare_models(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,
@@ -186,10 +213,15 @@ def compare_models(
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
+    reference: FloatReference | None = None,
 ) -> Comparison:
-    """Run both models on every batch; labels (one int per sample, in data order) are optional."""
-    float_session = create_session(float_model, providers=providers, threads=threads,
-                                   what="float model")
+    """Run both models on every batch; labels (one int per sample, in data order) are optional.
+    A `reference` shared by calls on the same float model, data and settings saves rerunning it."""
+    reference = reference if reference is not None else FloatReference(budget_bytes=0)
+    if reference.session is None:
+        reference.session = create_session(float_model, providers=providers, threads=threads,
+                                           what="float model")
+    float_session = reference.session
     quant_session = create_session(quant_model, providers=providers, threads=threads,
                                    what="quantized model")
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
@@ -200,9 +232,9 @@ def compare_models(
                                        softmax_axis=decisions.get(name))
                     for name in names}
     samples = 0
-    for feed, n in batches:
+    for batch, (feed, n) in enumerate(batches):
         _check_finite(feed, samples, n)
-        x_outputs = float_session.run(names, dict(feed))
+        x_outputs = reference.run(batch, names, feed)
         y_outputs = quant_session.run(names, dict(feed))
         batch_labels = None
         if labels is not None:
