@@ -52,7 +52,7 @@ from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
 from qcal.config import CalibrationConfig
-from qcal.graph.files.atomic import check_output_path, write_atomic
+from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
     WeightFile,
     has_external_data,
@@ -69,10 +69,10 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
-from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import build_preset
-from qcal.report import build_report
+from qcal.report import build_report, dump_report
 
 __all__ = [
     "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
@@ -267,12 +267,19 @@ def calibrate(
             providers_used=summary.providers,
             external_data=staged.external if staged is not None else None,
         )
-        if staged is not None:
-            staged.commit()
-    if report_path is not None:
-        from qcal.report import dump_report
-
-        write_atomic(report_path, dump_report(report))
+        # Both files are written whole under temporary names before either gets its own: a
+        # failed write (a full disk) leaves neither.
+        with (stage_file(report_path, dump_report(report)) if report_path is not None
+              else nullcontext(None)) as staged_report:
+            if staged is not None:
+                staged.commit()
+            if staged_report is not None:
+                try:
+                    staged_report.commit()
+                except OutputError:
+                    if staged is not None:
+                        staged.remove_committed()
+                    raise
     if weight_file is not None:  # the caller gets the model whole, as for any model
         load_external_data(quant_model)
         weight_file.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qcal.numerics.errors import OutputError
 
-__all__ = ["check_output_path", "sha256_of_file", "write_atomic"]
+__all__ = ["StagedFile", "check_output_path", "sha256_of_file", "stage_file", "write_atomic"]
 
 
 def check_output_path(path: Path, *, inputs: Iterable[Path], force: bool, what: str) -> None:
@@ -33,8 +33,42 @@ def check_output_path(path: Path, *, inputs: Iterable[Path], force: bool, what: 
         raise OutputError(f"{what} {path}: already exists (use --force to overwrite)")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temp file beside `path`, then rename it over `path`."""
+class StagedFile:
+    """Bytes written whole to a temporary file beside `path`, until `commit` renames it there
+    or `discard` (also on leaving a ``with`` block) removes it."""
+
+    def __init__(self, path: Path, staged: Path) -> None:
+        self.path = path
+        self._staged: Path | None = staged
+
+    def commit(self) -> None:
+        if self._staged is None:
+            return
+        try:
+            os.replace(self._staged, self.path)
+        except OSError as err:
+            self.discard()
+            raise OutputError(f"cannot write {self.path}: {err.strerror or err}") from None
+        self._staged = None
+
+    def discard(self) -> None:
+        if self._staged is not None:
+            self._staged.unlink(missing_ok=True)
+            self._staged = None
+
+    def __enter__(self) -> StagedFile:  # noqa: PYI034  (typing.Self needs Python 3.11)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+def stage_file(path: Path, data: bytes) -> StagedFile:
+    """Write `data` to a temporary file beside `path` (synced to disk).
+
+    Raises:
+        OutputError: the write failed (a full disk, a quota, an I/O error); nothing is left.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -42,13 +76,21 @@ def write_atomic(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; outputs get ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
         raise
+    return StagedFile(path, Path(tmp))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temp file beside `path`, then rename it over `path`.
+
+    Raises:
+        OutputError: the write failed; `path` is unchanged and no temporary file is left.
+    """
+    stage_file(path, data).commit()
 
 
 def _umask() -> int:

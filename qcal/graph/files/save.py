@@ -107,6 +107,12 @@ class StagedModel:
                 self.external.path.unlink(missing_ok=True)
             raise
 
+    def remove_committed(self) -> None:
+        """Remove the committed files again (an output written beside it failed)."""
+        self.path.unlink(missing_ok=True)
+        if self.external is not None:
+            self.external.path.unlink(missing_ok=True)
+
     def discard(self) -> None:
         """Remove what was staged (nothing was written under the final names)."""
         if self._staged_data is not None:
