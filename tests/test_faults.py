@@ -14,8 +14,8 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import qcal.graph.files.atomic as atomic
 from qcal.cli import main
+from qcal.graph.files import atomic
 from qcal.numerics import errors
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
