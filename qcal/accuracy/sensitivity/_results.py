@@ -102,7 +102,13 @@ class _OutputNoise:
     def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
         for i, (x, y) in enumerate(zip(reference, quantized)):
             x64 = np.asarray(x, dtype=np.float64).ravel()
-            d = x64 - np.asarray(y, dtype=np.float64).ravel()
+            y64 = np.asarray(y, dtype=np.float64).ravel()
+            both = np.isfinite(x64) & np.isfinite(y64)
+            if not both.all():  # as in the evaluation: sums over what both compute finite,
+                if np.any(np.isfinite(x64) & ~np.isfinite(y64)):  # and a value made non-finite
+                    self.noise[i] = math.inf                     # is unbounded harm
+                x64, y64 = x64[both], y64[both]
+            d = x64 - y64
             self.signal[i] += float(x64 @ x64)
             self.noise[i] += float(d @ d)
             shape = np.shape(x)

@@ -112,5 +112,5 @@ def open_data(
         else _discover(model_path, inputs, limit)
     )
     if source.num_samples() == 0:
-        raise DataError(f"{source.path}: the calibration data holds no samples")
+        raise DataError(f"{source.path}: holds no samples")
     return source
