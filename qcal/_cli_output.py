@@ -170,8 +170,14 @@ def _show_latency(timings: Mapping[str, float]) -> None:
     ratio = quant_s / float_s
     line = (f"latency at 1 thread on this machine: quantized {1000 * quant_s:.3g} ms, "
             f"float {1000 * float_s:.3g} ms ({ratio:.2f}x)")
+    two_float, two_quant = (timings.get("latency_float_2_threads"),
+                            timings.get("latency_quantized_2_threads"))
+    if two_float and two_quant is not None:
+        line += f"; at 2 threads {two_quant / two_float:.2f}x"
+        ratio = max(ratio, two_quant / two_float)
     if ratio > 1.05:
         stdout.print(f"[yellow]{line}: slower than the float model; on a model this small the "
-                     "Q/DQ pairs cost more than the integer kernels save[/]")
+                     "Q/DQ pairs cost more than the integer kernels save (--fail-if-slower "
+                     "makes this a failed gate)[/]")
     else:
         stdout.print(line)

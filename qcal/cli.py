@@ -220,6 +220,9 @@ _existing = click.Path(exists=False, path_type=Path)
               help="Exit 7 if top-1 agreement is below PCT %.")
 @click.option("--fail-if-coverage-below", type=float, metavar="PCT",
               help="Exit 7 if less than PCT % of Conv/MatMul/Gemm MACs are quantized.")
+@click.option("--fail-if-slower", type=float, metavar="RATIO",
+              help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
+                   "at 1 or 2 threads on this machine (e.g. 1.0).")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")

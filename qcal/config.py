@@ -98,6 +98,7 @@ class CalibrationConfig:
     fail_under_sqnr: float | None = None
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
+    fail_if_slower: float | None = None  # quantized/float latency ratio at 1 and 2 threads
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -143,12 +144,15 @@ class CalibrationConfig:
                 continue
             if math.isnan(value):
                 raise ConfigError(f"{key.replace('_', '-')}: NaN is not a value")
-            if key == "fail_under_sqnr" and value < 0:  # -inf: no output fails it, the gate is off
+            if (key == "fail_under_sqnr" and value < 0) or (key == "fail_if_slower" and value > 0):
+                # -inf SQNR / +inf ratio: nothing fails it, the gate is off
                 object.__setattr__(self, key, None)
                 continue
             raise ConfigError(f"{key.replace('_', '-')}: {value} is not a finite number")
         if self.seed < 0:
             raise ConfigError(f"seed: {self.seed} must be 0 or more")
+        if self.fail_if_slower is not None and self.fail_if_slower <= 0:
+            raise ConfigError(f"fail-if-slower: {self.fail_if_slower} is not a positive ratio")
 
     def _check_accuracy_options(self) -> None:
         if self.sensitivity_samples is not None and self.sensitivity_samples < 1:
@@ -235,7 +239,7 @@ _INT_KEYS = {
 }
 _FLOAT_KEYS = {
     "percentile", "target_sqnr", "max_agreement_drop", "min_coverage", "fail_under_sqnr",
-    "fail_under_agreement", "fail_if_coverage_below",
+    "fail_under_agreement", "fail_if_coverage_below", "fail_if_slower",
 }
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,

@@ -237,14 +237,22 @@ def calibrate(
             comparison = evaluate(quant_model)
     reference.release()
     coverage = measure_coverage(prepared, plan, macs)
-    if weight_file is None:  # a large model is not timed: two more sessions would double memory
+    latency_ratio = None
+    # A large model is timed only for the gate: two more sessions would double memory.
+    if weight_file is None or config.fail_if_slower is not None:
         with timings.stage("latency"):
-            latency = measure_latency(prepared, quant_model, first_feed, providers=config.providers)
-        timings.seconds["latency_float_1_thread"] = round(latency.float_seconds, 6)
-        timings.seconds["latency_quantized_1_thread"] = round(latency.quantized_seconds, 6)
+            for threads in (1, 2) if config.fail_if_slower is not None else (1,):
+                latency = measure_latency(prepared, quant_model, first_feed,
+                                          providers=config.providers, threads=threads)
+                unit = "thread" if threads == 1 else "threads"
+                timings.seconds[f"latency_float_{threads}_{unit}"] = round(latency.float_seconds, 6)
+                timings.seconds[f"latency_quantized_{threads}_{unit}"] = round(
+                    latency.quantized_seconds, 6)
+                latency_ratio = max(latency_ratio or 0.0, latency.ratio)
     del first_feed
     gates = check_gates(_gates(config), comparison, coverage,
-                        None if accuracy.fallback is None else accuracy.fallback.reached)
+                        None if accuracy.fallback is None else accuracy.fallback.reached,
+                        latency_ratio)
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.
@@ -315,7 +323,7 @@ def _gates(config: CalibrationConfig) -> Gates:
     else:  # the default floor: failing it is a failed gate even when no gate is set
         target = ("accuracy-floor", 0.0)
     return Gates(config.fail_under_sqnr, config.fail_under_agreement,
-                 config.fail_if_coverage_below, target,
+                 config.fail_if_coverage_below, config.fail_if_slower, target,
                  floor_is_gate=not config.has_fallback_target)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -441,3 +442,44 @@ def test_a_missed_accuracy_floor_reads_as_a_verdict() -> None:
                       "floor (1 yes, 0 no)", 0.0, 0.0, False).describe()
     assert line == ("accuracy floor (see README) reached above the coverage floor "
                     "(always checked): FAILED")
+
+
+def test_fail_if_slower_is_a_gate_on_the_measured_latency_ratio(tmp_path: Path) -> None:
+    """No assumption on this machine's speed: a ratio no model can stay under fails the gate
+    (exit 7, both files written, the ratio at 1 and 2 threads recorded); one every model stays
+    under passes it."""
+    def run(ratio: str, name: str) -> tuple[int, dict[str, Any]]:
+        result = CliRunner().invoke(main, [
+            "calibrate", str(DIGITS), "--data", str(SAMPLES / "digits_cnn.calib.npz"),
+            "--limit", "8", "-o", str(tmp_path / f"{name}.onnx"),
+            "--report", str(tmp_path / f"{name}.json"), "-q", "--fail-if-slower", ratio])
+        return result.exit_code, json.loads((tmp_path / f"{name}.json").read_text())
+
+    code, report = run("1e-6", "strict")
+    assert code == errors.AccuracyGateError.exit_code and (tmp_path / "strict.onnx").exists()
+    (gate,) = [g for g in report["gates"] if g["option"] == "fail-if-slower"]
+    timings = report["timings_seconds"]
+    ratios = [timings[f"latency_quantized_{t}"] / timings[f"latency_float_{t}"]
+              for t in ("1_thread", "2_threads")]
+    rounding = 1e-6 / min(timings[k] for k in timings if k.startswith("latency_"))  # µs figures
+    assert not gate["passed"] and gate["value"] == pytest.approx(max(ratios), rel=3 * rounding)
+    code, report = run("1e6", "loose")
+    assert code == 0 and [g["passed"] for g in report["gates"]
+                          if g["option"] == "fail-if-slower"] == [True]
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "not a positive ratio"),
+                                                ("-1", "not a positive ratio"),
+                                                ("nan", "NaN is not a value")])
+def test_fail_if_slower_needs_a_positive_ratio(tmp_path: Path, value: str, message: str) -> None:
+    result = CliRunner().invoke(main, [
+        "calibrate", str(DIGITS), "--data", str(SAMPLES / "digits_cnn.calib.npz"),
+        "-o", str(tmp_path / "q.onnx"), "--fail-if-slower", value])
+    assert result.exit_code == errors.ConfigError.exit_code and message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fail_if_slower_inf_is_off() -> None:
+    from qcal.config import CalibrationConfig
+
+    assert CalibrationConfig(fail_if_slower=math.inf).fail_if_slower is None

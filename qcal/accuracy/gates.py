@@ -32,6 +32,7 @@ class Gates:
     fail_under_sqnr: float | None = None
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
+    fail_if_slower: float | None = None
     fallback_target: tuple[str, float] | None = None
     floor_is_gate: bool = False  # the default accuracy floor: missing it fails the run
 
@@ -79,8 +80,9 @@ def check_gates(
     comparison: Comparison | None,
     coverage: Coverage,
     fallback_reached: bool | None = None,
+    latency_ratio: float | None = None,
 ) -> list[GateResult]:
-    """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage).
+    """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage, latency).
 
     When any gate is set and the fallback ran without reaching its target above the coverage
     floor, that is a failed gate too (named after the target's option).
@@ -117,6 +119,11 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
                                   value >= gates.fail_if_coverage_below and not broken))
+    if gates.fail_if_slower is not None:
+        results.append(GateResult(
+            "fail-if-slower", "quantized/float latency, worst of 1 and 2 threads (x)",
+            gates.fail_if_slower, latency_ratio,
+            latency_ratio is not None and latency_ratio <= gates.fail_if_slower and not broken))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what = "accuracy floor (see README)" if option == "accuracy-floor" else "fallback target"
