@@ -41,7 +41,7 @@ DOCUMENTED = {0, 2} | {
     for cls in (errors.ConfigError, errors.ModelError, errors.DataError, errors.OutputError,
                 errors.AccuracyGateError)
 }
-EXAMPLES = int(os.environ.get("QCAL_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("QCAL_FUZZ_EXAMPLES", "150"))
 F32_MAX = np.finfo(np.float32).max
 
 

@@ -705,20 +705,23 @@ def test_sigint_mid_calibration_exits_130_and_leaves_nothing(tmp_path: Path, met
     assert after == before
 
 
-def test_a_range_wider_than_float32_is_refused_naming_the_tensor(tmp_path: Path) -> None:
-    """Finite values near the float32 maximum (padding sentinels) make a range whose width
-    overflows float32 downstream: no finite step exists. The data is at fault (exit 5, the
-    tensor named), and nothing is written."""
+@pytest.mark.parametrize("low", [-1.0, 0.0])
+def test_a_range_reaching_the_float32_maximum_is_refused_naming_the_tensor(
+    tmp_path: Path, low: float
+) -> None:
+    """Finite values near the float32 maximum (padding sentinels) leave no finite step (a width
+    past float32) or a grid whose end overflows: the data is at fault (exit 5, the tensor
+    named), and nothing is written."""
     big = np.float32(np.finfo(np.float32).max)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm")]
     model = build_model(nodes, [float_input("x", ["N", 2])], [float_input("h", ["N", 2])],
                         {"w": np.array([[1.0, -0.9], [0.0, 1.0]], np.float32)})
     onnx.save(model, tmp_path / "m.onnx")
-    x = np.array([[[big, 0.5]], [[-big, -0.2]]], np.float32)  # ±max: padding sentinels
+    x = np.array([[[big, 0.5]], [[low * big, -0.2]]], np.float32)  # sentinels
     np.savez(tmp_path / "d.npz", x=x)
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
                                        str(tmp_path / "d.npz"), "-o", str(tmp_path / "q.onnx"),
                                        "--report", str(tmp_path / "q.json"), "-q"])
     assert result.exit_code == errors.DataError.exit_code
-    assert "tensor 'x'" in result.stderr and "wider than float32" in result.stderr
+    assert "tensor 'x'" in result.stderr and "reaches the float32 maximum" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "m.onnx"]

@@ -253,8 +253,13 @@ def to_onnx_qparams(qparams: QParams, scheme: Scheme, *, opset: int = DEFAULT_OP
     type_low, type_high = ONNX_CODE_LIMITS[dtype]
     clip_min = clip_max = None
     if (grid.low, grid.high) != (type_low, type_high):
-        clip_min = np.asarray(np.asarray(grid.low - zero_point, dtype=_F32) * scale, dtype=_F32)
-        clip_max = np.asarray(np.asarray(grid.high - zero_point, dtype=_F32) * scale, dtype=_F32)
+        # A bound past the float32 range (a range near its maximum) is infinite: no clipping
+        # on that side, as float32 arithmetic gives.
+        with np.errstate(over="ignore"):
+            clip_min = np.asarray(np.asarray(grid.low - zero_point, dtype=_F32) * scale,
+                                  dtype=_F32)
+            clip_max = np.asarray(np.asarray(grid.high - zero_point, dtype=_F32) * scale,
+                                  dtype=_F32)
     deviations = grid.deviations + ((replacement,) if replacement else ())
     if dtype in (TensorProto.INT8, TensorProto.UINT8):
         min_opset = 13 if qparams.axis is not None else 10

@@ -78,12 +78,12 @@ def choose_range(
         choice = RangeChoice(observed=state, stats=state, summary={"method": method})
     if not (np.all(np.isfinite(choice.stats.min)) and np.all(np.isfinite(choice.stats.max))):
         raise DataError("its range is not finite: the data holds infinite or NaN values")
-    # A range wider than float32 can hold has no finite step (values near the float32 maximum:
-    # padding sentinels, or an overflow upstream).
+    # Values near the float32 maximum (padding sentinels, an overflow upstream) leave no finite
+    # step, or one whose grid ends past float32: no data that means numbers does that.
     low = np.minimum(np.asarray(choice.stats.min, np.float64), 0.0)
     high = np.maximum(np.asarray(choice.stats.max, np.float64), 0.0)
-    if np.any(high - low > _FLOAT32_MAX):
-        raise DataError(f"its range [{float(np.min(low)):.4g}, {float(np.max(high)):.4g}] is "
-                        "wider than float32 can hold: the data holds values near the float32 "
-                        "maximum (padding sentinels?)")
+    if np.any(high - low > _FLOAT32_MAX / 2):
+        raise DataError(f"its range [{float(np.min(low)):.4g}, {float(np.max(high)):.4g}] "
+                        "reaches the float32 maximum: the data holds sentinel-like values "
+                        "(padding?) that no quantization grid can represent")
     return choice
