@@ -23,6 +23,7 @@ the wall time of the calibration process.
     python benchmarks/bench_generalisation.py
     python benchmarks/bench_generalisation.py --quick --markdown
     python benchmarks/bench_generalisation.py --models torch_vit,keras_lstm,ppocr_cls
+    python benchmarks/bench_generalisation.py --quick --variant "mse=--method mse --no-fallback"
 """
 
 from __future__ import annotations
@@ -539,6 +540,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--max-rss-mib", type=float, default=default_max_rss_mib())
     parser.add_argument("--no-install", action="store_true")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="an extra qcal variant: its name and `qcal calibrate` flags, e.g. "
+        "'mse=--method mse --no-fallback' (repeatable)",
+    )
     return parse_with_quick(parser, argv, QUICK)  # type: ignore[no-any-return]
 
 
@@ -566,7 +572,13 @@ def main(argv: list[str] | None = None) -> int:
 
     qcal_variants: dict[str, list[str]] = {}
     help_text = ""
-    for name, extra in QCAL_VARIANTS.items():
+    extra_variants = {}
+    for spec in args.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--variant {spec!r}: expected NAME=FLAGS")
+        extra_variants[f"qcal {name.strip()}"] = flags.split()
+    for name, extra in {**QCAL_VARIANTS, **extra_variants}.items():
         if not extra:
             qcal_variants[name] = extra
             continue

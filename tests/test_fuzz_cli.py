@@ -12,7 +12,8 @@ random combination of options, and runs `qcal calibrate` in-process. Whatever it
 
 The default run draws a bounded number of examples with a fixed seed (CI keeps it under two
 minutes); ``QCAL_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_cli.py`` draws many more, and
-``QCAL_FUZZ_DUMP=folder`` copies the files of a failing example there with its arguments.
+``QCAL_FUZZ_DUMP=folder`` copies the files of a failing example there with its arguments
+(``QCAL_FUZZ_LAST=folder``: of every example before it runs, for a crash of the process).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def test_the_command_line_never_reaches_an_internal_error(case: Case, data: st.D
             args += ["--eval-data", str(folder / "eval.npz")]
         args += [word for option in options for word in option]  # later options win
         before = _digest(folder, inputs)
+        if os.environ.get("QCAL_FUZZ_LAST"):  # what a crash of the process itself leaves to see
+            shutil.copytree(folder, os.environ["QCAL_FUZZ_LAST"], dirs_exist_ok=True)
+            Path(os.environ["QCAL_FUZZ_LAST"], "args.json").write_text(json.dumps(args))
 
         result = CliRunner().invoke(main, args)
 
