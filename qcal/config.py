@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from qcal.accuracy.fallback import AccuracyTarget
+from qcal.accuracy.gates import Gates
 from qcal.graph.placement import PLACEMENTS
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
@@ -182,6 +183,17 @@ class CalibrationConfig:
         return AccuracyTarget(min_sqnr_db=DEFAULT_FLOOR_SQNR_DB,
                               max_agreement_drop=DEFAULT_FLOOR_AGREEMENT_DROP / 100.0,
                               sqnr_on_classifiers=False)
+
+    def gates(self) -> Gates:
+        """The gates of this run; missing the default floor is one even when no gate is set."""
+        if self.target_sqnr is not None:
+            target = ("target-sqnr", self.target_sqnr)
+        elif self.max_agreement_drop is not None:
+            target = ("max-agreement-drop", self.max_agreement_drop)
+        else:
+            target = ("accuracy-floor", 0.0)
+        return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
+                     self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target)
 
     @property
     def has_fallback_target(self) -> bool:

@@ -44,8 +44,8 @@ from qcal._quantize_tensors import (
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
-from qcal.accuracy.gates import GateResult, Gates, check_gates, raise_for_failed
-from qcal.accuracy.latency import measure_latency
+from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
+from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.localise import localise_error
 from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
@@ -241,16 +241,12 @@ def calibrate(
     # A large model is timed only for the gate: two more sessions would double memory.
     if weight_file is None or config.fail_if_slower is not None:
         with timings.stage("latency"):
-            for threads in (1, 2) if config.fail_if_slower is not None else (1,):
-                latency = measure_latency(prepared, quant_model, first_feed,
-                                          providers=config.providers, threads=threads)
-                unit = "thread" if threads == 1 else "threads"
-                timings.seconds[f"latency_float_{threads}_{unit}"] = round(latency.float_seconds, 6)
-                timings.seconds[f"latency_quantized_{threads}_{unit}"] = round(
-                    latency.quantized_seconds, 6)
-                latency_ratio = max(latency_ratio or 0.0, latency.ratio)
+            figures, latency_ratio = time_side_by_side(
+                prepared, quant_model, first_feed, providers=config.providers,
+                threads=(1, 2) if config.fail_if_slower is not None else (1,))
+        timings.seconds.update(figures)
     del first_feed
-    gates = check_gates(_gates(config), comparison, coverage,
+    gates = check_gates(config.gates(), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached,
                         latency_ratio)
 
@@ -313,18 +309,6 @@ def _stage_progress(progress: Progress | None, stage: str, total: int | None) ->
         return None
     progress(stage, 0, total)
     return lambda n: progress(stage, n, total)
-
-
-def _gates(config: CalibrationConfig) -> Gates:
-    if config.target_sqnr is not None:
-        target = ("target-sqnr", config.target_sqnr)
-    elif config.max_agreement_drop is not None:
-        target = ("max-agreement-drop", config.max_agreement_drop)
-    else:  # the default floor: failing it is a failed gate even when no gate is set
-        target = ("accuracy-floor", 0.0)
-    return Gates(config.fail_under_sqnr, config.fail_under_agreement,
-                 config.fail_if_coverage_below, config.fail_if_slower, target,
-                 floor_is_gate=not config.has_fallback_target)
 
 
 # ------------------------------------------------------------------ accuracy: sensitivity, fallback

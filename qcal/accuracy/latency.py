@@ -21,7 +21,7 @@ import onnx
 
 from qcal.calibration.runtime import create_session
 
-__all__ = ["Latency", "measure_latency"]
+__all__ = ["Latency", "measure_latency", "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
 _MIN_PAIRS, _MAX_PAIRS = 3, 2000
@@ -60,3 +60,21 @@ def measure_latency(
             session.run(outputs, dict(feed))
             times[i].append(time.perf_counter() - begin)
     return Latency(statistics.median(times[0]), statistics.median(times[1]), len(times[0]))
+
+
+def time_side_by_side(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    *, providers: tuple[str, ...], threads: tuple[int, ...],
+) -> tuple[dict[str, float], float]:
+    """Both models at each thread count: the report's figures (seconds, microsecond precision,
+    ``latency_float_1_thread``, ``latency_quantized_2_threads``, ...) and the worst ratio."""
+    figures: dict[str, float] = {}
+    worst = 0.0
+    for count in threads:
+        latency = measure_latency(float_model, quant_model, feed, providers=providers,
+                                  threads=count)
+        unit = "thread" if count == 1 else "threads"
+        figures[f"latency_float_{count}_{unit}"] = round(latency.float_seconds, 6)
+        figures[f"latency_quantized_{count}_{unit}"] = round(latency.quantized_seconds, 6)
+        worst = max(worst, latency.ratio)
+    return figures, worst
