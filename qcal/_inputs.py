@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal.accuracy.evaluate import decision_outputs, per_position
+from qcal.accuracy.decisions import decision_rules
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
@@ -76,14 +76,17 @@ def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) 
              if value is not None]
     if not asked:
         return
-    decisions = decision_outputs(model)
-    ranks = {o.name: len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape")
-             else None for o in model.graph.output}
-    if not any(rank is None or rank == 2 or per_position(decisions[name], rank)
-               for name, rank in ranks.items() if name in decisions):
+    rules = decision_rules(model)
+    shapes = {o.name: o.type.tensor_type.shape for o in model.graph.output
+              if o.type.tensor_type.HasField("shape")}
+    # An unknown dimension could be anything from 2 on; an unknown rank could be any rank.
+    if not any(name not in shapes or rule.applies(tuple(
+                   d.dim_value if d.HasField("dim_value") else 2 for d in shapes[name].dim))
+               for name, rule in rules.items()):
         raise ConfigError(
-            f"{asked[0]}: no model output is classifier-like ([N, classes] scores, or a softmax "
-            "over the last axis), so top-1 agreement is not measured; use a SQNR option instead"
+            f"{asked[0]}: no model output holds decisions ([N, classes] scores, a softmax over "
+            "the last axis, a sigmoid), so top-1 agreement is not measured; use a SQNR option "
+            "instead"
         )
 
 

@@ -43,8 +43,9 @@ DEFAULT_PRESET = "pytorch"
 # Presets of accelerators whose toolchains quantize every operator: their users emulate that
 # arithmetic, so Q/DQ goes on every node with a rule (placement "all") unless they say otherwise.
 ACCELERATOR_PRESETS = frozenset({"horizon", "horizon-rne"})
-# The accuracy floor every run checks on held-back data unless --no-fallback: top-1 agreement of
-# classifier-like outputs at least 99 %, SQNR of the other outputs at least 10 dB (error energy
+# The accuracy floor every run checks on held-back data unless --no-fallback: agreement of the
+# decisions of outputs that hold them (scores, softmax positions, sigmoid yes/no;
+# `qcal.accuracy.decisions`) at least 99 %, SQNR of the other outputs at least 10 dB (error energy
 # under a tenth of the signal: below it an output is broken, not merely coarse). The figures
 # behind these values are in the README (Accuracy).
 DEFAULT_FLOOR_AGREEMENT_DROP = 1.0  # percent

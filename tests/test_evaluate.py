@@ -233,3 +233,24 @@ def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() 
     small = FloatReference(budget_bytes=2 * 5 * 4)  # room for one batch's output only
     compare_models(_scale_model(1.0), _scale_model(1.1), batches(), reference=small)
     assert len(small.outputs) == 1
+
+
+def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
+    """Voice activity per frame, multi-label tags: every element of a sigmoid's output is a
+    decision (p > 0.5), and the agreement counts them, as an independent threshold says."""
+    x, _, _ = _sequence_data()
+    shift = np.float32(0.3)
+
+    def model(bias: np.float32) -> onnx.ModelProto:
+        nodes = [helper.make_node("Add", ["x", "b"], ["t"], name="shift"),
+                 helper.make_node("Sigmoid", ["t"], ["p"], name="sigmoid")]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5])],
+            [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 3, 5])],
+            initializer=[onnx.numpy_helper.from_array(np.asarray(bias, np.float32), "b")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    expected = float(np.mean((x > 0) == (x + shift > 0)))  # sigmoid(t) > 0.5 iff t > 0
+    assert 0.0 < expected < 1.0
+    out = compare_models(model(np.float32(0.0)), model(shift), [({"x": x}, 4)]).outputs[0]
+    assert out.top1_agreement == pytest.approx(expected)

@@ -2,12 +2,10 @@
 
 Per output, with x the float output and y the quantized one, accumulated over all samples:
 SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical), cosine = Σxy / √(Σx²·Σy²),
-max abs error = max|x−y|, and, for classifier-like outputs, top-1 agreement = share of decisions
-(argmax over the last axis) that are the same. Classifier-like: [N, classes] (at least 2) computed
-by a linear layer or a softmax, one decision per sample; or a softmax over the last axis of a
-higher rank (a CTC recognizer's [N, T, classes], a token classifier), one decision per position,
-since the argmax of each position is what such a model is read by. With labels (one per sample),
-top-1 accuracy of both models on the rank-2 outputs. Only running sums are kept, never outputs.
+max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
+classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
+decisions that are the same. With labels (one per sample), top-1 accuracy of both models on the
+per-sample classifier outputs. Only running sums are kept, never the outputs.
 
 Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
 elements both models computed finite. A quantized model that produces a non-finite value where
@@ -25,12 +23,12 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.accuracy.decisions import DecisionRule, decision_rules
 from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError
 
-__all__ = ["Comparison", "FloatReference", "OutputMetrics", "compare_models", "decision_outputs", "is_classifier_like",
-           "per_position"]
+__all__ = ["Comparison", "FloatReference", "OutputMetrics", "compare_models"]
 
 Feed = Mapping[str, np.ndarray]
 
@@ -101,11 +99,6 @@ def _round(value: float | None) -> float | None:
     return float(f"{value:.9g}")
 
 
-def is_classifier_like(shape: tuple[int, ...], *, per_position: bool = False) -> bool:
-    """[N, classes]; with `per_position` (a softmax over the last axis), any rank from 2."""
-    return (len(shape) == 2 or (per_position and len(shape) > 2)) and shape[-1] >= 2
-
-
 @dataclass
 class _Accumulator:
     signal: float = 0.0
@@ -115,8 +108,7 @@ class _Accumulator:
     max_abs: float = 0.0
     agree: int = 0
     rows: int = 0
-    classifier: bool = True
-    softmax_axis: int | None = None
+    rule: DecisionRule | None = None  # None: no decisions, SQNR and cosine only
     correct_float: int = 0
     correct_quant: int = 0
     labelled: int = 0
@@ -142,18 +134,19 @@ class _Accumulator:
         self.quant_energy += float(y64 @ y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
-        self.classifier = self.classifier and is_classifier_like(
-            x.shape, per_position=per_position(self.softmax_axis, x.ndim))
-        if self.classifier:
-            fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
-            self.agree += int(np.sum(fx == fy))
-            self.rows += int(fx.size)
-            if labels is not None and fx.ndim == 1:
-                if labels.shape[0] != fx.shape[0]:
+        if self.rule is not None and not self.rule.applies(x.shape):
+            self.rule = None  # a shape without decisions (first batch or any later one)
+        if self.rule is not None:
+            agree, decisions, classes = self.rule.count(x, y)
+            self.agree += agree
+            self.rows += decisions
+            if labels is not None and classes is not None:
+                if labels.shape[0] != classes.shape[0]:
                     raise DataError(
-                        f"labels: {labels.shape[0]} labels for a batch of {fx.shape[0]} outputs"
+                        f"labels: {labels.shape[0]} labels for a batch of {classes.shape[0]} outputs"
                     )
-                self.correct_float += int(np.sum(fx == labels))
+                fy = np.argmax(y, axis=-1)
+                self.correct_float += int(np.sum(classes == labels))
                 self.correct_quant += int(np.sum(fy == labels))
                 self.labelled += int(labels.shape[0])
 
@@ -161,8 +154,8 @@ class _Accumulator:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
         denom = math.sqrt(self.signal * self.quant_energy)
         cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
-        agreement = self.agree / self.rows if self.classifier and self.rows else None
-        has_labels = self.classifier and self.labelled > 0
+        agreement = self.agree / self.rows if self.rule is not None and self.rows else None
+        has_labels = self.rule is not None and self.labelled > 0
         return OutputMetrics(
             name=name,
             sqnr_db=sqnr,
@@ -227,10 +220,8 @@ def compare_models(
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
-    decisions = decision_outputs(float_model)
-    accumulators = {name: _Accumulator(classifier=name in decisions,
-                                       softmax_axis=decisions.get(name))
-                    for name in names}
+    rules = decision_rules(float_model)
+    accumulators = {name: _Accumulator(rule=rules.get(name)) for name in names}
     samples = 0
     for batch, (feed, n) in enumerate(batches):
         _check_finite(feed, samples, n)
@@ -255,54 +246,6 @@ def compare_models(
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
     return Comparison(samples, tuple(accumulators[n].metrics(n) for n in names))
-
-
-# What a classifier's scores come out of: a linear layer (and its bias), or a softmax. A rank-2
-# output computed otherwise (a pooled or normalized embedding) has no meaningful argmax; nor has a
-# linear layer's output of higher rank (hidden states), while a softmax over the last axis is a
-# distribution over classes at every position.
-_SCORE_OPS = frozenset({"Gemm", "MatMul", "Add", "Softmax", "LogSoftmax", "Sigmoid"})
-_SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
-_PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
-
-
-def decision_outputs(model: onnx.ModelProto) -> dict[str, int | None]:
-    """Main-graph outputs computed by a linear layer or a softmax (through reshapes) -> the
-    softmax's axis when a softmax computes it unreshaped (its positions may be decisions), else
-    None."""
-    producer = {v: n for n in model.graph.node for v in n.output}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
-    found = {}
-    for output in model.graph.output:
-        node = producer.get(output.name)
-        reshaped = False
-        while node is not None and node.op_type in _PASS_THROUGH and node.input:
-            reshaped = reshaped or node.op_type != "Identity"
-            node = producer.get(node.input[0])
-        if node is not None and node.op_type in _SCORE_OPS:
-            found[output.name] = _softmax_axis(node, producer, opset, reshaped)
-    return found
-
-
-def _softmax_axis(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto], opset: int,
-                  reshaped: bool) -> int | None:
-    if node.op_type not in _SOFTMAX_OPS:
-        return None
-    # Before opset 13 a softmax flattens its input to 2-D at `axis` (default 1).
-    axis = next((a.i for a in node.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
-    if not reshaped:
-        return axis
-    # Reshaped back after a Flatten at k (how onnx's version converter writes an old softmax):
-    # a softmax over the dimensions from k.
-    flatten = producer.get(node.input[0]) if node.input else None
-    if flatten is None or flatten.op_type != "Flatten" or axis not in (-1, 1):
-        return None
-    return next((a.i for a in flatten.attribute if a.name == "axis"), 1)
-
-
-def per_position(softmax_axis: int | None, rank: int) -> bool:
-    """A softmax over the last axis of a rank above 2: every position is a decision."""
-    return softmax_axis is not None and rank > 2 and softmax_axis in (-1, rank - 1)
 
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:

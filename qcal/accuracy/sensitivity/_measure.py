@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import onnx
 
-from qcal.accuracy.evaluate import decision_outputs
+from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.sensitivity._models import _Models
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
@@ -107,9 +107,9 @@ def measure_sensitivity(
     outputs = [o.name for o in model.graph.output] + list(models.logits)
     probes = [name for pair in models.probes.values() for name in pair]
     units = models.units
-    decisions = decision_outputs(model)
-    scores = [(o.name in decisions, decisions.get(o.name)) for o in model.graph.output]
-    noise = {u: _OutputNoise.empty(len(outputs), scores) for u, _ in units}
+    rules = decision_rules(model)
+    noise = {u: _OutputNoise.empty(len(outputs), [rules.get(o.name) for o in model.graph.output])
+             for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
     active = list(range(len(units)))  # unit indices still run; position = selector value

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.accuracy.evaluate import is_classifier_like, per_position
+from qcal.accuracy.decisions import DecisionRule
 
 __all__ = ["SensitivityResult", "TensorSensitivity"]
 
@@ -85,19 +85,16 @@ class _OutputNoise:
     noise: list[float]
     agree: list[int]
     rows: list[int]
-    classifier: list[bool] = field(default_factory=list)
+    rules: list[DecisionRule | None] = field(default_factory=list)
     real: int = 0  # the first `real` are model outputs, the rest softmax logits
-    softmax_axes: list[int | None] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, outputs: int, decisions: list[tuple[bool, int | None]]) -> _OutputNoise:
-        """`decisions`: per model output, whether it is computed as a classifier's scores and
-        the axis of the softmax computing it (`qcal.accuracy.evaluate.decision_outputs`)."""
-        real = len(decisions)
-        scores = [d[0] for d in decisions] + [True] * (outputs - real)
-        axes = [d[1] for d in decisions] + [None] * (outputs - real)
+    def empty(cls, outputs: int, rules: list[DecisionRule | None]) -> _OutputNoise:
+        """`rules`: per model output, how it is read (`qcal.accuracy.decisions`); the logits
+        after them are read as scores."""
+        real = len(rules)
         return cls([0.0] * outputs, [0.0] * outputs, [0] * outputs, [0] * outputs,
-                   scores, real, axes)
+                   list(rules) + [DecisionRule()] * (outputs - real), real)
 
     def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
         for i, (x, y) in enumerate(zip(reference, quantized)):
@@ -111,12 +108,13 @@ class _OutputNoise:
             d = x64 - y64
             self.signal[i] += float(x64 @ x64)
             self.noise[i] += float(d @ d)
-            shape = np.shape(x)
-            self.classifier[i] = self.classifier[i] and is_classifier_like(
-                shape, per_position=per_position(self.softmax_axes[i], len(shape)))
-            if self.classifier[i]:
-                self.agree[i] += int(np.sum(np.argmax(x, -1) == np.argmax(y, -1)))
-                self.rows[i] += int(np.prod(shape[:-1]))
+            rule = self.rules[i]
+            if rule is not None and not rule.applies(np.shape(x)):
+                rule = self.rules[i] = None
+            if rule is not None:
+                agree, decisions, _ = rule.count(np.asarray(x), np.asarray(y))
+                self.agree[i] += agree
+                self.rows[i] += decisions
 
     def worst_ratio(self, logits: bool = False) -> float:
         chosen = slice(self.real, None) if logits else slice(0, self.real)
@@ -131,7 +129,7 @@ class _OutputNoise:
                local_noise: float, samples: int | None = None) -> TensorSensitivity:
         worst = self.worst_ratio()
         agreements = [a / r for a, r, c in zip(self.agree[:self.real], self.rows[:self.real],
-                                                 self.classifier[:self.real]) if c and r]
+                                                 self.rules[:self.real]) if c is not None and r]
         return TensorSensitivity(
             tensor=tensor,
             role=role,
