@@ -552,3 +552,26 @@ def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path
     assert not report["fallback"]["reached"]
     assert [g["option"] for g in report["gates"]] == ["accuracy-floor"]
     assert out.is_file()
+
+
+def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
+    trap: Path, tmp_path: Path
+) -> None:
+    """Below the floor the summary names the measured agreement and the options that act on it;
+    within it, the figure and the verdict."""
+    out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
+    below = CliRunner().invoke(main, ["calibrate", str(trap), "-o", str(out), "--report", str(rep),
+                                      "--no-default-exclusions", "--placement", "all"])
+    assert below.exit_code == 7
+    agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
+    said = " ".join(below.stdout.split())  # rich wraps lines
+    assert f"quality: below the accuracy floor (99 % of decisions, 10 dB elsewhere): " \
+           f"{agreement:.2%} of the decisions agree" in said
+    assert "--min-coverage lower than 70" in said and "--no-fallback accepts" in said
+    within = CliRunner().invoke(main, ["calibrate", str(SAMPLE_MODELS / "digits_cnn.onnx"),
+                                       "--limit", "32", "-o", str(out), "--report", str(rep),
+                                       "--force"])
+    assert within.exit_code == 0
+    agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
+    assert (f"quality: within the accuracy floor: {agreement:.2%} of the decisions agree"
+            in " ".join(within.stdout.split()))
