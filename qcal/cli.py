@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 from collections import Counter
@@ -42,7 +43,12 @@ def reports_errors(command: F) -> F:
             err = CalibrationInterrupted(
                 f"interrupted by {signal.Signals(signum).name}; no output was written")
             stderr.print(f"[bold red]error:[/] {err}")
-            raise SystemExit(128 + int(signum)) from None
+            # The way out has removed every temporary file. Leave without the interpreter's
+            # exit, which joins worker threads: an interrupt raised while the main thread held
+            # a lock a worker waits on would make that join wait forever.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + int(signum))
         except QcalError as err:
             if debug:
                 raise

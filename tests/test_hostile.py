@@ -705,6 +705,47 @@ def test_sigint_mid_calibration_exits_130_and_leaves_nothing(tmp_path: Path, met
     assert after == before
 
 
+_STUCK_WORKER = """
+import os, pathlib, sys, threading
+import qcal.calibration.collect as collect
+def update(*args, **kwargs):
+    pathlib.Path(os.environ["STUCK_MARK"]).touch()
+    threading.Event().wait()  # a worker that never returns (a lock the interrupt left held)
+collect._update_observers = update
+collect._update_reduced = update
+from qcal.cli import main
+sys.argv = ["qcal", *sys.argv[1:]]
+main()
+"""
+
+
+def test_an_interrupt_does_not_wait_for_a_stuck_worker(tmp_path: Path) -> None:
+    """Ctrl-C can land while the main thread holds a lock a statistics worker then waits on
+    forever (seen once as a hung CI job). The interrupt must still end the run: exit 130, one
+    line, nothing written, without joining the stuck worker."""
+    model = _save(tmp_path, conv_model())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_WORKER, "calibrate", str(model), "--synthetic", "64",
+         "-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "q.json"), "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "STUCK_MARK": str(tmp_path / "stuck")})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "stuck").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the worker never ran"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the main thread is now waiting on the worker's batch
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the interrupted run waited for its stuck worker")
+    assert proc.returncode == 130, err.decode()
+    assert "interrupted" in err.decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "stuck"]
+
+
 @pytest.mark.parametrize("low", [-1.0, 0.0])
 def test_a_range_reaching_the_float32_maximum_is_refused_naming_the_tensor(
     tmp_path: Path, low: float

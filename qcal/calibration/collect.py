@@ -260,32 +260,36 @@ def collect(
     samples = batch_count = 0
     # The batch being observed, with its feed and first sample (to name bad inputs on failure).
     pending: tuple[list[Future[None]], Feed, int, int] | None = None
-    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="qcal-observe") as pool:
-        try:
-            for feed, n in batches:
-                arrays = _run(session, output_names, feed, samples, n)
-                if pending is not None:
-                    _wait(*pending)  # keeps at most two batches of activations alive
-                batch, extremes = statistics.read(dict(zip(output_names, arrays)))
-                futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
-                futures += [
-                    pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
-                    for share in _whole_tensor_shares(by_output, set(whole), output_names, arrays)
-                ]
-                pending = (futures, feed, samples, n)
-                del arrays
-                samples += n
-                batch_count += 1
-                if on_batch is not None:
-                    on_batch(n)
+    # Not a `with` block: on an interrupt (Ctrl-C raises wherever the program is, even inside a
+    # lock the workers need) the pool is left without waiting for its threads.
+    pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="qcal-observe")
+    try:
+        for feed, n in batches:
+            arrays = _run(session, output_names, feed, samples, n)
             if pending is not None:
-                _wait(*pending)
-            statistics.feed.close()
-        except BaseException:
-            if pending is not None:
-                for future in pending[0]:
-                    future.cancel()
-            raise
+                _wait(*pending)  # keeps at most two batches of activations alive
+            batch, extremes = statistics.read(dict(zip(output_names, arrays)))
+            futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
+            futures += [
+                pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
+                for share in _whole_tensor_shares(by_output, set(whole), output_names, arrays)
+            ]
+            pending = (futures, feed, samples, n)
+            del arrays
+            samples += n
+            batch_count += 1
+            if on_batch is not None:
+                on_batch(n)
+        if pending is not None:
+            _wait(*pending)
+        statistics.feed.close()
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     if samples == 0:
         raise DataError("calibration data has no samples")
     return CollectionSummary(
