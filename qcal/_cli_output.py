@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qcal.accuracy.gates import BUILT_IN_GATES
+from qcal.accuracy.gates import BUILT_IN_GATES, YES_NO_SUFFIX
 
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
@@ -93,7 +93,10 @@ def _show_summary(result: Any) -> None:
         value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
         name = (gate["option"] if gate["option"] in BUILT_IN_GATES
                 else f"--{gate['option']} {gate['threshold']:g}")
-        stdout.print(f"gate {name}: {gate['measure']} {value} {verdict}")
+        measure = gate["measure"]
+        if measure.endswith(YES_NO_SUFFIX):  # a yes/no: the verdict says it all
+            measure, value = measure.removesuffix(YES_NO_SUFFIX), ""
+        stdout.print(f"gate {name}: {measure} {value} {verdict}".replace("  ", " "))
     _show_verdict(report)
     _show_latency(report["timings_seconds"])
     for warning in report["warnings"]:

@@ -83,10 +83,11 @@ class AccuracyTarget:
     def describe(self) -> str:
         parts = []
         if self.min_sqnr_db is not None:
-            which = "output" if self.sqnr_on_classifiers else "non-classifier output"
-            parts.append(f"{which} SQNR >= {self.min_sqnr_db:g} dB")
+            which = "output" if self.sqnr_on_classifiers else "SQNR of outputs without decisions"
+            parts.append(f"{which} >= {self.min_sqnr_db:g} dB" if not self.sqnr_on_classifiers
+                         else f"output SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
-            parts.append(f"top-1 agreement >= {100 * (1 - self.max_agreement_drop):g} %")
+            parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")
         return " and ".join(parts)
 
 
