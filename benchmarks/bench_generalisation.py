@@ -76,6 +76,7 @@ GEN_MODELS = (
     "jax_mixer",
     "paddle_cnn",
     "paddle_lstm",
+    "torch_vad",
 )
 PPOCR_MODELS = ("ppocr_det", "ppocr_rec", "ppocr_cls")
 # name prefix -> (build script, its virtual environment under .cache/, its requirements file)
@@ -90,7 +91,8 @@ PPOCR_INFO = {  # family, exporter (the rapidocr_onnxruntime 1.4.4 files)
     "ppocr_rec": "PP-OCRv4 rec (SVTR-LCNet, CTC) / paddle2onnx",
     "ppocr_cls": "PP-OCR mobile v2.0 cls / paddle2onnx",
 }
-METRIC_NAMES = {"top1": "top-1 agreement", "frames": "frame agreement", "cosine": "mean cosine"}
+METRIC_NAMES = {"top1": "top-1 agreement", "frames": "frame agreement", "cosine": "mean cosine",
+                "decisions": "frame decisions (p > 0.5)"}
 
 # `qcal calibrate` arguments per qcal variant (model, --data, -o, --report, --force, -q are
 # added); a variant whose flags `qcal calibrate --help` does not list is skipped.
@@ -366,7 +368,11 @@ def gen_metrics(
             "cosine": float(cosine.mean()),
             "outputs": agreement.result(),
         }
-        row["task_vs_float"] = row["cosine" if model.metric == "cosine" else "argmax_agreement"]
+        if model.metric == "decisions":  # sigmoid probabilities: the yes/no at 0.5
+            row["decision_agreement"] = float(((ref > 0.5) == (quant > 0.5)).mean())
+        key = {"cosine": "cosine", "decisions": "decision_agreement"}.get(model.metric,
+                                                                        "argmax_agreement")
+        row["task_vs_float"] = row[key]
         if labels is not None and model.metric == "top1":
             row["accuracy_float"] = float((ref.argmax(-1) == labels).mean())
             row["accuracy_quantized"] = float((quant.argmax(-1) == labels).mean())

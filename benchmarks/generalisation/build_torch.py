@@ -50,7 +50,8 @@ DEFAULT_OUT, SEED, N_CALIB, N_EVAL = common.DEFAULT_OUT, common.SEED, common.N_C
 OPSET = 17
 THREADS = 1  # faster than 2 on this 2-core machine when anything else runs; bitwise-stable
 
-ALL_MODELS = ("torch_cnn_bn", "torch_dwsep", "torch_gru_stream", "torch_encoder", "torch_vit")
+ALL_MODELS = ("torch_cnn_bn", "torch_dwsep", "torch_gru_stream", "torch_encoder", "torch_vit",
+              "torch_vad")
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,6 +168,23 @@ def _torch_models() -> dict[str, Any]:
             y, new_state = self.gru(self.inp(frames), state)
             return self.out(y), new_state
 
+    class VadStream(nn.Module):
+        """Voice-activity-style detector: a 1-D conv front end over the frame features, an LSTM
+        carrying (h, c) between chunks, and one sigmoid probability per frame."""
+
+        def __init__(self, feat: int = 16, hidden: int = 32) -> None:
+            super().__init__()
+            self.hidden = hidden
+            self.front = nn.Sequential(nn.Conv1d(feat, 32, 3, padding=1), nn.ReLU())
+            self.lstm = nn.LSTM(32, hidden, batch_first=True)
+            self.out = nn.Linear(hidden, 1)
+
+        def forward(self, frames: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            x = self.front(frames.transpose(1, 2)).transpose(1, 2)
+            y, (h1, c1) = self.lstm(x, (h, c))
+            return torch.sigmoid(self.out(y)), h1, c1
+
     class Attention(nn.Module):
         """Multi-head self-attention written out (no fused kernel): q/k/v projections, scaled
         dot products, an additive mask, softmax, output projection."""
@@ -250,7 +268,8 @@ def _torch_models() -> dict[str, Any]:
                 x = blk(x)
             return self.head(self.norm(x)[:, 0])
 
-    return {"CnnBn": CnnBn, "DwSep": DwSep, "GruStream": GruStream, "Encoder": Encoder, "TinyViT": TinyViT}
+    return {"CnnBn": CnnBn, "DwSep": DwSep, "GruStream": GruStream, "Encoder": Encoder, "TinyViT": TinyViT,
+            "VadStream": VadStream}
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,6 +398,59 @@ def build_gru(split: dict, exporter: str) -> dict:
     }
 
 
+def build_vad(split: dict, exporter: str) -> dict:
+    """Rows of 16x16 digits as 16 frames of 16 features; a frame is "active" when its ink passes
+    the median row ink (the activity a detector flags). Streamed as two chunks of 8 frames with the
+    LSTM state carried, as in `build_gru`; the output is one sigmoid probability per frame."""
+    import torch
+    import torch.nn.functional as F
+
+    models = _torch_models()
+    torch.manual_seed(SEED)
+    model = models["VadStream"]()
+    seq = {k: upsample(v[0], 16)[:, 0] for k, v in split.items()}  # [N, 16 frames, 16 features]
+    threshold = float(np.median(seq["train"].sum(-1)))
+    active = {k: (v.sum(-1) > threshold).astype(np.float32) for k, v in seq.items()}
+
+    def zeros(n: int) -> tuple[Any, Any]:
+        return torch.zeros(1, n, model.hidden), torch.zeros(1, n, model.hidden)
+
+    def loss_fn(m: Any, x: Any, y: Any) -> Any:
+        p, _, _ = m(x, *zeros(x.shape[0]))
+        return F.binary_cross_entropy(p[..., 0], y)
+
+    train(model, loss_fn, [seq["train"], active["train"]], 20, 1e-2)
+
+    def chunks(x: np.ndarray) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            h0, c0 = zeros(len(x))
+            _, h1, c1 = model(torch.from_numpy(x[:, :8]), h0, c0)
+        frames = np.stack([x[:, :8], x[:, 8:]], 1).reshape(-1, 8, 16)
+        h = np.stack([h0.numpy()[0], h1.numpy()[0]], 1).reshape(-1, model.hidden)
+        c = np.stack([c0.numpy()[0], c1.numpy()[0]], 1).reshape(-1, model.hidden)
+        return {"frames": frames.astype(np.float32), "h": h[None].transpose(1, 0, 2).astype(np.float32),
+                "c": c[None].transpose(1, 0, 2).astype(np.float32)}
+
+    calib = chunks(seq["calib"][: N_CALIB // 2])
+    ev = chunks(seq["eval"][: N_EVAL // 2])
+    with torch.no_grad():
+        p, _, _ = model(torch.from_numpy(seq["eval"]), *zeros(N_EVAL))
+    frames = float(((p.numpy()[..., 0] > 0.5) == (active["eval"] > 0.5)).mean())
+    return {
+        "name": "torch_vad", "family": "vad-streaming", "exporter": exporter, "metric": "decisions",
+        "model": model, "inputs": ["frames", "h", "c"], "outputs": ["speech_prob", "h_out", "c_out"],
+        "calib": calib, "eval": ev, "labels": None,
+        "export_args": (torch.from_numpy(calib["frames"][:1]),
+                        torch.from_numpy(calib["h"][:1].transpose(1, 0, 2)),
+                        torch.from_numpy(calib["c"][:1].transpose(1, 0, 2))),
+        "dynamic": None,
+        "accuracy": {"frame_decisions": frames},
+        "description": "Conv1d+ReLU -> LSTM(32, 32) -> Linear -> sigmoid per frame; 8-frame chunks "
+                       "of 16x16 digit rows (active: row ink above the median) with carried state",
+        "npz_layout_note": "h, c: npz [N, 1, 32] stacked per sample; model input [1, 1, 32]",
+    }
+
+
 def build_encoder(split: dict, exporter: str) -> dict:
     """16x16 images cut into 16 patches of 4x4 (16 features) as tokens, in raster order; each
     sample keeps a seeded number (9-16) of leading tokens, the rest is padding (zeros, mask 0)."""
@@ -433,6 +505,8 @@ def build(name: str, split: dict) -> dict:
         return spec
     if name == "torch_gru_stream":
         return build_gru(split, "torchscript")
+    if name == "torch_vad":
+        return build_vad(split, "torchscript")
     if name == "torch_encoder":
         return build_encoder(split, "dynamo")
     if name == "torch_vit":
