@@ -575,3 +575,22 @@ def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
     agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
     assert (f"quality: within the accuracy floor: {agreement:.2%} of the decisions agree"
             in " ".join(within.stdout.split()))
+
+
+@pytest.mark.parametrize(("needed", "limit", "found", "most_checks"),
+                         [(5, 20, 5, 8), (21, 20, None, 2), (0, 20, 0, 1), (1, 1, 1, 2)])
+def test_the_search_checks_the_coverage_limit_before_searching_below_it(
+    needed: int, limit: int, found: int | None, most_checks: int
+) -> None:
+    """The smallest k that meets the target (met from `needed` on); when even `limit` does not
+    meet it, two checks say so (k = 0 and k = limit) instead of a whole search."""
+    from qcal.accuracy.fallback import _smallest_passing
+
+    checked: list[int] = []
+
+    def check(k: int) -> object:
+        checked.append(k)
+        return type("Step", (), {"met": k >= needed})()
+
+    assert _smallest_passing(check, limit) == found  # type: ignore[arg-type]
+    assert len(set(checked)) <= most_checks

@@ -329,9 +329,13 @@ def _largest_above_floor(
 
 
 def _smallest_passing(check: Callable[[int], FallbackStep], limit: int) -> int | None:
-    """Exponential then binary search for the smallest k <= limit that meets the target."""
+    """Exponential then binary search for the smallest k <= limit that meets the target, after
+    one check of `limit` itself: when the most float the coverage floor allows does not meet
+    the target, no smaller k does, and the search would only spend checks to say so."""
     if check(0).met:
         return 0
+    if limit == 0 or not check(limit).met:
+        return None
     failing, k = 0, 1
     while k < limit and not check(k).met:
         failing, k = k, 2 * k
