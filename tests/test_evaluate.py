@@ -254,3 +254,18 @@ def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
     assert 0.0 < expected < 1.0
     out = compare_models(model(np.float32(0.0)), model(shift), [({"x": x}, 4)]).outputs[0]
     assert out.top1_agreement == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("op", "value", "scores"), [("Div", 2.5, True), ("Mul", 0.4, True),
+                                                     ("Mul", -1.0, False)])
+def test_logits_scaled_by_a_temperature_are_still_scores(op: str, value: float,
+                                                         scores: bool) -> None:
+    """A positive constant scale changes no argmax: the output is still read by its decisions;
+    a negative one reverses the order, and the output is no longer taken for scores."""
+    model = _scale_model(1.0)
+    model.graph.node[0].output[0] = "logits"
+    model.graph.node.append(helper.make_node(op, ["logits", "t"], ["y"], name="temperature"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(value), "t"))
+    data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
+    out = compare_models(model, model, (({"x": d}, 2) for d in data)).outputs[0]
+    assert (out.top1_agreement == 1.0) if scores else (out.top1_agreement is None)

@@ -12,7 +12,8 @@ read how, and at which shapes:
 * a Sigmoid's output, any shape: every element is a yes/no at 0.5 (voice activity per frame,
   multi-label tags, a detector's objectness).
 
-A linear layer's output of a higher rank is hidden states, not scores.
+A linear layer's output of a higher rank is hidden states, not scores. Reshapes, casts and a
+scaling by a positive constant (a temperature) in between change no decision.
 """
 
 from __future__ import annotations
@@ -68,13 +69,22 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     """Main-graph outputs that hold decisions (module docstring) -> how they are read."""
     producer = {v: n for n in model.graph.node for v in n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    positive = _positive_scalars(model)
     found = {}
     for output in model.graph.output:
         node = producer.get(output.name)
         reshaped = False
-        while node is not None and node.op_type in _PASS_THROUGH and node.input:
-            reshaped = reshaped or node.op_type != "Identity"
-            node = producer.get(node.input[0])
+        while node is not None and node.input:
+            if node.op_type in _PASS_THROUGH:
+                reshaped = reshaped or node.op_type != "Identity"
+                node = producer.get(node.input[0])
+            elif (node.op_type in ("Mul", "Div") and len(node.input) == 2
+                  and node.input[1] in positive):
+                node = producer.get(node.input[0])  # a temperature: the same argmax
+            elif node.op_type == "Mul" and len(node.input) == 2 and node.input[0] in positive:
+                node = producer.get(node.input[1])
+            else:
+                break
         if node is None:
             continue
         if node.op_type == "Sigmoid":
@@ -82,6 +92,23 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
         elif node.op_type in _SCORE_OPS:
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped))
+    return found
+
+
+def _positive_scalars(model: onnx.ModelProto) -> set[str]:
+    """Initializers (and Constant outputs) holding one positive finite number."""
+    from onnx import numpy_helper
+
+    tensors = [(t.name, t) for t in model.graph.initializer]
+    tensors += [(n.output[0], a.t) for n in model.graph.node if n.op_type == "Constant"
+                for a in n.attribute if a.name == "value"]
+    found = set()
+    for name, tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or np.prod(tensor.dims) != 1:
+            continue
+        value = numpy_helper.to_array(tensor)
+        if value.dtype.kind == "f" and np.isfinite(value).all() and float(value.ravel()[0]) > 0:
+            found.add(name)
     return found
 
 
