@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qcal.accuracy.gates import BUILT_IN_GATES, YES_NO_SUFFIX
+from qcal.accuracy.gates import GateResult
 
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
@@ -88,15 +88,9 @@ def _show_summary(result: Any) -> None:
         stdout.print(_metrics_table(
             f"float vs quantized on {evaluation['samples']} samples ({evaluation['data']})",
             evaluation["outputs"]))
-    for gate in report["gates"]:
-        verdict = "[green]passed[/]" if gate["passed"] else "[bold red]FAILED[/]"
-        value = "infinite" if gate["value"] is None else f"{gate['value']:.2f}"
-        name = (gate["option"] if gate["option"] in BUILT_IN_GATES
-                else f"--{gate['option']} {gate['threshold']:g}")
-        measure = gate["measure"]
-        if measure.endswith(YES_NO_SUFFIX):  # a yes/no: the verdict says it all
-            measure, value = measure.removesuffix(YES_NO_SUFFIX), ""
-        stdout.print(f"gate {name}: {measure} {value} {verdict}".replace("  ", " "))
+    for gate in report["gates"]:  # worded as in the failure message
+        style = "green" if gate["passed"] else "bold red"
+        stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
     _show_verdict(report)
     _show_latency(report["timings_seconds"])
     for warning in report["warnings"]:

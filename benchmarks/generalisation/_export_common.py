@@ -127,7 +127,7 @@ def write_model(spec: dict, out: Path) -> dict:
 
     ``spec`` keys: name, family, exporter, metric, calib/eval (dict input name -> array),
     labels (or None), reference (dict output name -> array), accuracy (dict), description,
-    versions (dict), and optionally notes.
+    versions (dict), and optionally notes, npz_layout_note and task_extra (more task.json keys).
     """
     import onnx
 
@@ -179,8 +179,10 @@ def write_model(spec: dict, out: Path) -> dict:
         "seed": SEED,
         "description": spec["description"],
     }
-    if spec.get("notes"):
-        task["notes"] = spec["notes"]
+    task.update(spec.get("task_extra", {}))
+    for key in ("npz_layout_note", "notes"):
+        if spec.get(key):
+            task[key] = spec[key]
     (d / "task.json").write_text(json.dumps(task, indent=2) + "\n")
     return task
 

@@ -34,7 +34,6 @@ only numpy and onnxruntime.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -589,49 +588,22 @@ def versions() -> dict[str, str]:
 
 
 def write_model(spec: dict, out: Path) -> dict:
-    import onnx
-
+    """Export `spec`'s model, then write it as every builder does (`_export_common.write_model`),
+    with which exporter ran (dynamo or TorchScript, and why it fell back) in task.json."""
     d = out / spec["name"]
     d.mkdir(parents=True, exist_ok=True)
     model_path = d / "model.onnx"
     requested = spec["exporter"]
     used, fallback = export(spec, model_path)
-    onnx.checker.check_model(onnx.load(str(model_path)), full_check=True)
-    # the GRU state is [num_layers, batch, hidden]: store it per sample as [N, 1, hidden] so that
-    # x[i:i+1] is the [1, 1, hidden] model input -- i.e. axis 0 of the npz is the sample
-    np.savez(d / "calib.npz", **spec["calib"])
-    np.savez(d / "eval.npz", **spec["eval"])
-    if spec["labels"] is not None:
-        np.save(d / "eval.labels.npy", spec["labels"].astype(np.int64))
-    elif (d / "eval.labels.npy").exists():
-        (d / "eval.labels.npy").unlink()
-    np.savez(d / "reference_outputs.npz", **torch_outputs(spec))
     if (d / "torch_outputs.npz").exists():  # the name of earlier builds
         (d / "torch_outputs.npz").unlink()
-    summary = common.onnx_summary(model_path)
-    task = {
-        "name": spec["name"], "family": spec["family"],
+    task = common.write_model({
+        **spec, "reference": torch_outputs(spec), "versions": versions(),
         "exporter": f"torch.onnx.export(dynamo={used == 'dynamo'})",
-        "exporter_kind": used, "exporter_requested": requested, "exporter_fallback_reason": fallback,
-        "framework_versions": versions(), "onnx_opset": summary["opset"],
-        "onnx_producer": summary["producer"],
-        "metric": spec["metric"], "inputs": spec["inputs"], "outputs": spec["outputs"],
-        "input_shapes": {k: v for k, v in summary["shapes"].items() if k in spec["inputs"]},
-        "output_shapes": {k: v for k, v in summary["shapes"].items() if k in spec["outputs"]},
-        "calib_samples": len(next(iter(spec["calib"].values()))),
-        "eval_samples": len(next(iter(spec["eval"].values()))),
-        "labels": "eval.labels.npy" if spec["labels"] is not None else None,
-        "reference_outputs": "reference_outputs.npz",
-        "float_eval_accuracy": spec["accuracy"],
-        "op_types": summary["op_types"],
-        "dataset": "sklearn.datasets.load_digits (bundled with scikit-learn)",
-        "seed": SEED, "description": spec["description"],
-    }
-    for key in ("npz_layout_note", "notes"):
-        if key in spec:
-            task[key] = spec[key]
-    (d / "task.json").write_text(json.dumps(task, indent=2) + "\n")
-    return {"task": task, "summary": summary}
+        "task_extra": {"exporter_kind": used, "exporter_requested": requested,
+                       "exporter_fallback_reason": fallback},
+    }, out)
+    return {"task": task, "summary": common.onnx_summary(model_path)}
 
 
 # --------------------------------------------------------------------------------------------

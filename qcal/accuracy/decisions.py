@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 
 __all__ = ["DecisionRule", "decision_rules", "is_classifier_like"]
 
@@ -97,8 +98,6 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
 
 def _positive_scalars(model: onnx.ModelProto) -> set[str]:
     """Initializers (and Constant outputs) holding one positive finite number."""
-    from onnx import numpy_helper
-
     tensors = [(t.name, t) for t in model.graph.initializer]
     tensors += [(n.output[0], a.t) for n in model.graph.node if n.op_type == "Constant"
                 for a in n.attribute if a.name == "value"]
@@ -106,7 +105,7 @@ def _positive_scalars(model: onnx.ModelProto) -> set[str]:
     for name, tensor in tensors:
         if tensor.data_location == onnx.TensorProto.EXTERNAL or np.prod(tensor.dims) != 1:
             continue
-        value = numpy_helper.to_array(tensor)
+        value = onnx.numpy_helper.to_array(tensor)
         if value.dtype.kind == "f" and np.isfinite(value).all() and float(value.ravel()[0]) > 0:
             found.add(name)
     return found

@@ -178,13 +178,14 @@ class FloatReference:
 
     def __init__(self, budget_bytes: int = 256 << 20) -> None:
         self.session: Any = None
+        self.rules: dict[str, DecisionRule] | None = None  # how each output is read
         self.outputs: list[list[np.ndarray]] = []
         self.budget = budget_bytes
         self.kept_bytes = 0
 
     def release(self) -> None:
         """Drop the session and the outputs (a later comparison makes them again)."""
-        self.session, self.outputs, self.kept_bytes = None, [], 0
+        self.session, self.rules, self.outputs, self.kept_bytes = None, None, [], 0
 
     def run(self, batch: int, names: list[str], feed: Feed) -> list[np.ndarray]:
         if batch < len(self.outputs):
@@ -216,13 +217,14 @@ def compare_models(
     if reference.session is None:
         reference.session = create_session(float_model, providers=providers, threads=threads,
                                            what="float model")
+        reference.rules = decision_rules(float_model)
     float_session = reference.session
     quant_session = create_session(quant_model, providers=providers, threads=threads,
                                    what="quantized model")
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
-    rules = decision_rules(float_model)
+    rules = reference.rules or {}
     accumulators = {name: _Accumulator(rule=rules.get(name)) for name in names}
     samples = 0
     for batch, (feed, n) in enumerate(batches):

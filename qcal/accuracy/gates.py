@@ -15,13 +15,13 @@ from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import worst_agreement
 from qcal.numerics.errors import AccuracyGateError
 
-__all__ = ["BUILT_IN_GATES", "YES_NO_SUFFIX", "GateResult", "Gates", "check_gates", "raise_for_failed"]
+__all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
 
 # Gates every run checks, set by no option.
 BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor"})
 # Gates whose value is a yes/no: whether the fallback reached its target.
 _REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
-YES_NO_SUFFIX = " (1 yes, 0 no)"
+_YES_NO = " (1 yes, 0 no)"
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED"
         if self.option in _REACHED_GATES:  # a yes/no: the value says nothing more
             limit = "always checked" if self.option in BUILT_IN_GATES else f"--{self.option}"
-            return f"{self.measure.removesuffix(YES_NO_SUFFIX)} ({limit}): {verdict}"
+            return f"{self.measure.removesuffix(_YES_NO)} ({limit}): {verdict}"
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         limit = ("always checked" if self.option in BUILT_IN_GATES
                  else f"--{self.option} {self.threshold:g}")
@@ -127,7 +127,7 @@ def check_gates(
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what = "accuracy floor (see README)" if option == "accuracy-floor" else "fallback target"
-        measure = f"{what} reached above the coverage floor{YES_NO_SUFFIX}"
+        measure = f"{what} reached above the coverage floor{_YES_NO}"
         results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
 
