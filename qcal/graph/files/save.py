@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import onnx
 
-from qcal.graph.files.atomic import write_atomic
+from qcal.graph.files.atomic import StagedFile, write_atomic
 from qcal.graph.files.large import (
     has_external_data,
     is_external,
@@ -93,13 +93,13 @@ class StagedModel:
         self.path = path
         self.model_bytes = model_bytes
         self.external = external
-        self._staged_data = staged_data
+        self._data = (StagedFile(external.path, staged_data)
+                      if external is not None and staged_data is not None else None)
 
     def commit(self) -> None:
         """Rename the data file into place, then write the model file (atomically)."""
-        if self.external is not None and self._staged_data is not None:
-            os.replace(self._staged_data, self.external.path)
-            self._staged_data = None
+        if self._data is not None:
+            self._data.commit()
         try:
             write_atomic(self.path, self.model_bytes)
         except BaseException:
@@ -115,9 +115,8 @@ class StagedModel:
 
     def discard(self) -> None:
         """Remove what was staged (nothing was written under the final names)."""
-        if self._staged_data is not None:
-            self._staged_data.unlink(missing_ok=True)
-            self._staged_data = None
+        if self._data is not None:
+            self._data.discard()
 
     def __enter__(self) -> StagedModel:  # noqa: PYI034  (typing.Self needs Python 3.11)
         return self
