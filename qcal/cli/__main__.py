@@ -1,0 +1,5 @@
+"""`python -m qcal.cli`."""
+
+from qcal.cli import main
+
+main()

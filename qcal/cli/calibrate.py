@@ -1,0 +1,101 @@
+"""`qcal calibrate`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from qcal._cli_output import _progress_bar, _show_summary
+from qcal.cli._app import _existing, _path, main, reports_errors
+from qcal.cli._options import _build_config
+from qcal.config import METHODS, CalibrationConfig
+
+
+@main.command()
+@click.argument("model", type=_existing)
+@click.option("-o", "--output", type=_path, help="QDQ model to write [default: ./<stem>.qdq.onnx]")
+@click.option("--report", type=_path, help="JSON report to write [default: ./<stem>.qcal.json]")
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+@click.option("--data", type=_path, help=".npz file, folder of .npz samples, or test_data_set folder(s).")
+@click.option("--eval-data", type=_path, help="Data to compare float and quantized outputs on.")
+@click.option("--labels", type=_path, help=".npy integer labels for --eval-data (adds accuracy).")
+@click.option("--synthetic", type=int, metavar="N", help="Calibrate on N random samples (not real data!).")
+@click.option("--limit", type=int, metavar="N", help="Use at most N calibration samples.")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Samples per onnxruntime run.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --synthetic data.")
+@click.option("--preset", default=CalibrationConfig().preset, show_default=True,
+              help="Quantization semantics to follow (see `qcal presets`).")
+@click.option("--preset-option", multiple=True, metavar="KEY=VALUE",
+              help="A preset parameter under its framework's name, e.g. reduce_range=true.")
+@click.option("--method", type=click.Choice(METHODS), default="minmax", show_default=True,
+              help="How activation ranges are chosen.")
+@click.option("--percentile", type=float, default=99.99, show_default=True, help="For --method percentile.")
+@click.option("--bins", type=int, default=2048, show_default=True, help="Histogram bins (entropy, percentile, mse).")
+@click.option("--quantized-bins", type=int, default=128, show_default=True, help="Quantized bins for entropy.")
+@click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
+@click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
+@click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
+@click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
+@click.option("--exclude-tensors", multiple=True, help="Never quantize these tensors.")
+@click.option("--opset", type=int, default=13, show_default=True,
+              help="Upgrade the model to at least this opset (21 enables int4/int16 QDQ types).")
+@click.option("--provider", multiple=True, help="onnxruntime execution provider(s) [default: CPU].")
+@click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime intra-op threads (0: its default).")
+@click.option("--default-exclusions/--no-default-exclusions", default=True, show_default=True,
+              help="Keep known accuracy traps in float (normalization statistics, ...; see README).")
+@click.option("--placement", type=click.Choice(["auto", "all"]),
+              help="Where Q/DQ goes: auto, where onnxruntime's integer kernels pay; all, every "
+                   "node with a rule [default: auto; all for the horizon presets].")
+@click.option("--fallback/--no-fallback", default=True, show_default=True,
+              help="Check the accuracy floor on held-back data and keep the most harmful "
+                   "tensors float below it (see README).")
+@click.option("--sensitivity", is_flag=True, help="Measure every quantized tensor's effect alone.")
+@click.option("--sensitivity-samples", type=int, metavar="N",
+              help="Evaluation samples the sensitivity runs on [default: 16; every tensor is "
+                   "screened on up to 4 first, harmless ones stop there].")
+@click.option("--target-sqnr", type=float, metavar="DB",
+              help="Keep harmful tensors in float until every output's SQNR is at least DB.")
+@click.option("--max-agreement-drop", type=float, metavar="PCT",
+              help="Keep harmful tensors in float until top-1 agreement is at least 100-PCT %.")
+@click.option("--min-coverage", type=float, default=70.0, show_default=True, metavar="PCT",
+              help="The fallback never keeps more than 100-PCT % of Conv/MatMul/Gemm MACs in float.")
+@click.option("--fail-under-sqnr", type=float, metavar="DB", help="Exit 7 if an output's SQNR is below DB.")
+@click.option("--fail-under-agreement", type=float, metavar="PCT",
+              help="Exit 7 if top-1 agreement is below PCT %.")
+@click.option("--fail-if-coverage-below", type=float, metavar="PCT",
+              help="Exit 7 if less than PCT % of Conv/MatMul/Gemm MACs are quantized.")
+@click.option("--fail-if-slower", type=float, metavar="RATIO",
+              help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
+                   "at 1 or 2 threads on this machine (e.g. 1.0).")
+@click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@reports_errors
+def calibrate(**params: Any) -> None:
+    """Calibrate MODEL on real data and write a QDQ model and a JSON report."""
+    from qcal.accuracy.gates import raise_for_failed
+    from qcal.pipeline import calibrate as run_calibration
+    from qcal.pipeline import default_output_paths
+
+    ctx = click.get_current_context()
+    config, outputs = _build_config(ctx, params)
+    model: Path = params["model"]
+    default_output, default_report = default_output_paths(model)
+    output = Path(outputs["output"]) if outputs.get("output") else default_output
+    report = Path(outputs["report"]) if outputs.get("report") else default_report
+    if params.get("config") is not None:  # the config file is an input too, --force or not
+        from qcal.graph.files.atomic import check_output_path
+
+        for path, what in ((output, "output"), (report, "report")):
+            check_output_path(path, inputs=[params["config"]], force=True, what=what)
+    show_progress = not params["quiet"] and sys.stderr.isatty()
+    with _progress_bar(show_progress) as progress:
+        result = run_calibration(model, config, output=output, report_path=report,
+                                 force=bool(outputs.get("force")), progress=progress,
+                                 enforce_gates=False)
+    if not params["quiet"]:
+        _show_summary(result)
+    raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
