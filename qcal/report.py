@@ -116,6 +116,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
             "max": _floats(record.choice.stats.max),
             **record.choice.summary,
         }
+        if record.choice.histogram is not None:
+            entry["histogram"] = record.choice.histogram.to_json()
     if record.qparams is not None:
         entry["qparams"] = {
             "scale": _floats(record.qparams.scale),
@@ -307,3 +309,4 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not np.isfinite(value):
         return str(value)
     return value
+
