@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
-from qcal._cli_output import _progress_bar, _show_summary
+from qcal._cli_output import _progress_bar, _show_summary, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
+from qcal.cli._run_extras import RunExtras
 from qcal.config import METHODS, CalibrationConfig
 
 
@@ -70,6 +71,8 @@ from qcal.config import METHODS, CalibrationConfig
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
                    "at 1 or 2 threads on this machine (e.g. 1.0).")
+@click.option("--html", type=_path, help="Also write the report as an HTML page with plots "
+              "(needs qcal[report]).")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
@@ -81,6 +84,7 @@ def calibrate(**params: Any) -> None:
     from qcal.pipeline import default_output_paths
 
     ctx = click.get_current_context()
+    extras = RunExtras.take(params)
     config, outputs = _build_config(ctx, params)
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
@@ -91,11 +95,17 @@ def calibrate(**params: Any) -> None:
 
         for path, what in ((output, "output"), (report, "report")):
             check_output_path(path, inputs=[params["config"]], force=True, what=what)
+    read = [model, *(Path(p) for p in (config.data, config.eval_data, config.labels) if p)]
+    extras.check(inputs=read + ([params["config"]] if params.get("config") else []),
+                 outputs=(output, report), force=bool(outputs.get("force")))
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
                                  enforce_gates=False)
+    written = extras.write(result.report)
     if not params["quiet"]:
         _show_summary(result)
+        for path in written:
+            stdout.print(f"wrote {path}")
     raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
