@@ -77,6 +77,16 @@ def _row(cells: Sequence[str], *, header: bool = False) -> str:
     return "<tr>" + "".join(f"<{tag}>{c}</{tag}>" for c in cells) + "</tr>"
 
 
+def _float_reasons(by_reason: Mapping[str, int]) -> dict[str, int]:
+    """The fallback's per-tensor reasons folded into one (the Fallback section lists them)."""
+    folded: dict[str, int] = {}
+    for reason, count in by_reason.items():
+        if "by the accuracy fallback" in reason:
+            reason = "kept float by the accuracy fallback (see Fallback)"
+        folded[reason] = folded.get(reason, 0) + count
+    return folded
+
+
 def _facts(report: Mapping[str, Any]) -> str:
     data, cov, preset = report["data"], report["coverage"], report["preset"]
     model = (f"<code>{escape(report['input_model']['path'])}</code> "
@@ -103,7 +113,8 @@ def _facts(report: Mapping[str, Any]) -> str:
                      f"({cov['quantized_compute_nodes']} of {cov['compute_nodes']} nodes)")
     rows.append(("coverage", coverage))
     if cov["skipped_by_reason"]:
-        reasons = sorted(cov["skipped_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = sorted(_float_reasons(cov["skipped_by_reason"]).items(),
+                         key=lambda kv: (-kv[1], kv[0]))
         rows.append(("kept float", "<br>".join(f"{n} × {escape(r)}" for r, n in reasons[:8])
                      + ("<br>…" if len(reasons) > 8 else "")))
     rows.append(("tensors", f"{len(report['tensors'])} quantized tensors"))
@@ -148,8 +159,18 @@ def _summary(report: Mapping[str, Any]) -> str:
     if verdict is None:
         banner = '<div class="verdict v-none">quality: not measured</div>'
     else:
-        style = "v-ok" if verdict.ok else "v-bad"
-        banner = f'<div class="verdict {style}">{escape(verdict.text)}</div>'
+        fallback = report.get("fallback")
+        failed = any(not g["passed"] for g in report["gates"]) or (
+            fallback is not None and not fallback["reached"])
+        style = "v-bad" if failed or not verdict.ok else (
+            "v-ok" if verdict.level == "within-floor" else "v-none")
+        said = verdict.text
+        if fallback is not None and not fallback["reached"]:
+            said += " — the fallback's target was not reached (see Fallback)"
+        gates_failed = sum(not g["passed"] for g in report["gates"])
+        if gates_failed:
+            said += f" — {gates_failed} gate(s) failed"
+        banner = f'<div class="verdict {style}">{escape(said)}</div>'
     gates = "".join(
         f'<li class="{"" if g["passed"] else "bad"}">{escape(g["option"])}: '
         f'{escape(g["measure"])} {_fmt(g["value"], ".4g", "n/a")} (threshold '
@@ -225,7 +246,10 @@ def _fallback(report: Mapping[str, Any], number: int) -> str:
     style = "" if fallback["reached"] else ' class="bad"'
     parts = [head, f"<p{style}>{escape(fallback['message'])}</p>"]
     steps = fallback["steps"]
-    agreement = all(s["worst_top1_agreement"] is not None for s in steps)
+    # the measure the fallback worked towards: the target asked for, else the floor's own
+    agreement = not config.get("target_sqnr") and (
+        config.get("max_agreement_drop") is not None
+        or all(s["worst_top1_agreement"] is not None for s in steps))
     key = "worst_top1_agreement" if agreement else "worst_sqnr_db"
     points = [(100 * s["macs_quantized_fraction"], s[key] * (100 if agreement else 1),
                bool(s["target_met"])) for s in steps if s[key] is not None]

@@ -131,8 +131,10 @@ def fallback_svg(
         axes.plot([points[i][0] for i in ordered], [points[i][1] for i in ordered],
                   color=_DATA, linewidth=1.0)
         for met in (True, False):
-            chosen_points = [p for p in points if p[2] is met]
-            axes.scatter([p[0] for p in chosen_points], [p[1] for p in chosen_points],
+            group = [p for p in points if p[2] is met]
+            if not group:
+                continue
+            axes.scatter([p[0] for p in group], [p[1] for p in group],
                          s=18, color=_GRID if met else _CHOSEN, zorder=3,
                          label="target met" if met else "target not met")
         if chosen is not None:
