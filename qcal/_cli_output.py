@@ -3,6 +3,7 @@ metric tables of a run (the report's figures, formatted for a terminal)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -21,9 +22,18 @@ from rich.table import Table
 
 from qcal._verdict import quality_verdict
 from qcal.accuracy.gates import GateResult
+from qcal.drift import Drift
 
-stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
+
+def _console(*, stderr: bool) -> Console:
+    """Plain text when NO_COLOR is set (no colour nor any other style: https://no-color.org);
+    rich itself writes no control character when the stream is not a terminal."""
+    plain = bool(os.environ.get("NO_COLOR"))
+    return Console(stderr=stderr, highlight=False, color_system=None if plain else "auto")
+
+
+stderr = _console(stderr=True)
+stdout = _console(stderr=False)
 
 
 @contextmanager
@@ -191,3 +201,19 @@ def _show_latency(timings: Mapping[str, float]) -> None:
                      "makes this a failed gate)[/]")
     else:
         stdout.print(line)
+
+
+def _drift_table(drift: Drift, title: str, limit: int | None = 25) -> Table:
+    """What moved between two reports, over its threshold first (`limit` rows; None: all)."""
+    table = Table(title=title, title_justify="left")
+    for col in ("tensor / output", "measure", "old", "new", "change", "threshold", ""):
+        table.add_column(col, justify="right" if col in ("change", "threshold") else "left")
+    shown = drift.moves if limit is None else drift.moves[:limit]
+    for move in shown:
+        change = "changed" if abs(move.change) == float("inf") else f"{move.change:.4g}"
+        table.add_row(move.name, move.measure, move.old, move.new, change,
+                      f"{move.threshold:g}", "[bold red]over[/]" if move.over else "ok")
+    if len(shown) < len(drift.moves):
+        table.caption = f"{len(drift.moves) - len(shown)} more moved within their thresholds " \
+                        "(--all shows every one)"
+    return table

@@ -344,13 +344,14 @@ def load_report(path: Path, *, what: str = "report") -> dict[str, Any]:
 
 
 @contextmanager
-def reading_report(path: Path) -> Iterator[None]:
+def reading_report(*paths: Path) -> Iterator[None]:
     """A field missing or of the wrong type in a report (edited by hand, or truncated) becomes
-    a DataError naming the file, not an internal error."""
+    a DataError naming the file (or files), not an internal error."""
     from qcal.numerics.errors import DataError
 
     try:
         yield
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
-        raise DataError(f"report {path}: not a valid qcal report "
+        names = " or ".join(str(p) for p in paths)
+        raise DataError(f"report {names}: not a valid qcal report "
                         f"({type(err).__name__}: {err})") from None
