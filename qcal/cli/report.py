@@ -13,7 +13,7 @@ from qcal.cli._app import _existing, _path, main, reports_errors
 @main.command("report")
 @click.argument("report_json", metavar="REPORT.json", type=_existing)
 @click.option("-o", "--output", type=_path,
-              help="HTML file to write [default: ./<REPORT's stem>.html].")
+              help="HTML file to write [default: ./<REPORT name with .html for .json>].")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @reports_errors
