@@ -205,7 +205,7 @@ def _histograms(views: Sequence[TensorView]) -> str:
         chosen = (float(entry["range"]["min"][0]), float(entry["range"]["max"][0]))
         clipped = entry["range"].get("clipped_fraction", [None])[0]
         title = (f"{entry['name']} ({entry['method']}; clipped {_fmt(clipped, '.3%')}; "
-                 f"SQNR {_fmt(view.sqnr_db, '.1f')} dB{'' if view.sqnr_measured else ' est.'})")
+                 f"local SQNR {_fmt(view.sqnr_db, '.1f')} dB{'' if view.sqnr_measured else ' est.'})")
         plots.append(f'<div class="plot" data-tensor="{escape(view.name)}">'
                      f"{histogram_svg(number, title, entry['histogram'], chosen, view.grid)}</div>")
     return intro + "".join(plots) + "</section>"

@@ -39,12 +39,15 @@ def _style() -> Any:
     return cast(Any, matplotlib).rc_context(_SETTINGS)
 
 
-def _svg(figure: Any, number: int) -> str:
-    """`figure` as an <svg> element for inline use, its ids prefixed with `f<number>-`."""
+def _svg(figure: Any, number: int, *, tight: bool = True) -> str:
+    """`figure` as an <svg> element for inline use, its ids prefixed with `f<number>-`.
+
+    `tight` fits the figure to what it draws, at the cost of drawing it twice: the histograms,
+    drawn by the dozen, are laid out by hand instead."""
     buffer = io.StringIO()
     with _style():
-        figure.savefig(buffer, format="svg", metadata=_METADATA, bbox_inches="tight",
-                       pad_inches=0.04)
+        figure.savefig(buffer, format="svg", metadata=_METADATA,
+                       **({"bbox_inches": "tight", "pad_inches": 0.04} if tight else {}))
     text = buffer.getvalue()
     text = text[text.index("<svg"):]
     text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.DOTALL)
@@ -69,6 +72,7 @@ def histogram_svg(
     """The tensor's values (log counts) with the chosen range, the quantization grid's range
     and the candidates' ranges marked."""
     import numpy as np
+    from matplotlib.ticker import NullLocator
 
     counts = np.asarray(histogram["counts"], dtype=np.float64)
     low, high = float(histogram["low"]), float(histogram["high"])
@@ -76,9 +80,10 @@ def histogram_svg(
         high = low + max(abs(low), 1.0) * 1e-3
     edges = np.linspace(low, high, counts.size + 1)
     with _style():
-        figure = _figure(6.0, 1.6)
-        axes = figure.add_subplot()
+        figure = _figure(7.2, 1.8)
+        axes = figure.add_axes((0.075, 0.16, 0.68, 0.70))
         axes.set_yscale("log")
+        axes.yaxis.set_minor_locator(NullLocator())
         axes.stairs(np.maximum(counts, 0.5), edges, baseline=0.5, fill=True, color=_DATA,
                     alpha=0.55, linewidth=0)
         axes.set_ylim(bottom=0.5, top=max(float(counts.max()), 1.0) * 2.0)
@@ -100,7 +105,7 @@ def histogram_svg(
         axes.set_title(name, loc="left")
         axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.02), frameon=False)
         axes.grid(axis="y", alpha=0.25, linewidth=0.5)
-    return _svg(figure, number)
+    return _svg(figure, number, tight=False)
 
 
 def sensitivity_svg(number: int, rows: Sequence[tuple[str, float]], label: str) -> str:
