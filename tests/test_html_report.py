@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from qcal.cli import main
-from qcal.numerics.histogram import HistogramObserver, compact_histogram
+from qcal.numerics.histogram import HistogramObserver, compact_histogram, percentile_range
 from qcal.numerics.observers import PerTensor
 from qcal.report import report_schema
 
@@ -71,6 +71,12 @@ def test_compact_histogram_counts_match_numpy_within_a_bin() -> None:
         assert high == pytest.approx(min(threshold, data.max()), rel=2 ** -7)
         assert low == pytest.approx(max(-threshold, data.min()), rel=2 ** -7)
     assert compact.candidates["minmax"] == (compact.low, compact.high)
+    for symmetric in (True, False):  # exactly what --method percentile chooses
+        both = compact_histogram(observer.state(), symmetric=symmetric)
+        assert both is not None
+        for p in (99.9, 99.99, 99.999):
+            stats = percentile_range(observer.state(), p, symmetric=symmetric).stats
+            assert both.candidates[f"percentile {p:g}"] == (float(stats.min), float(stats.max))
 
 
 def test_compact_histogram_of_a_constant_has_one_bin() -> None:

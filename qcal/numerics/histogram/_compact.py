@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from qcal.numerics.histogram._distribution import signed_distribution
-from qcal.numerics.histogram._percentile import percentile_range
+from qcal.numerics.histogram._distribution import abs_distribution, signed_distribution
+from qcal.numerics.histogram._result import _clip_to
 from qcal.numerics.histogram._snapshot import Histogram
 
 __all__ = ["CANDIDATE_PERCENTILES", "PLOT_BINS", "CompactHistogram", "compact_histogram"]
@@ -52,7 +52,24 @@ def compact_histogram(
     dist = signed_distribution(histogram)
     counts = np.rint(dist.histogram(low, high, bins if high > low else 1)).astype(np.int64)
     candidates = {"minmax": (low, high)}
-    for p in CANDIDATE_PERCENTILES:
-        stats = percentile_range(histogram, p, symmetric=symmetric).stats
-        candidates[f"percentile {p:g}"] = (float(stats.min), float(stats.max))
+    for p, (lo, hi) in zip(CANDIDATE_PERCENTILES, _percentile_ranges(histogram, symmetric)):
+        candidates[f"percentile {p:g}"] = (lo, hi)
     return CompactHistogram(low, high, counts, candidates)
+
+
+def _percentile_ranges(histogram: Histogram, symmetric: bool) -> list[tuple[float, float]]:
+    """What `percentile_range` chooses for each of CANDIDATE_PERCENTILES (the same quantiles of
+    the same distribution, read in one call; a test holds them equal)."""
+    low, high = float(histogram.min[0]), float(histogram.max[0])
+    p = np.asarray(CANDIDATE_PERCENTILES, dtype=np.float64)
+    if symmetric:
+        dist = abs_distribution(histogram)
+        thresholds = dist.quantile(p / 100.0 * dist.total)
+        ranges = [_clip_to(low, high, -float(t), float(t)) for t in thresholds]
+    else:
+        dist = signed_distribution(histogram)
+        lows = dist.quantile((100.0 - p) / 200.0 * dist.total)
+        highs = dist.quantile((100.0 + p) / 200.0 * dist.total)
+        ranges = list(zip(lows, highs))
+    # float32, as a chosen range is
+    return [(float(np.float32(lo)), float(np.float32(hi))) for lo, hi in ranges]
