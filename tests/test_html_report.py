@@ -244,3 +244,13 @@ def test_a_file_that_is_not_a_report_is_bad_data(tmp_path: Path, entropy_run: Pa
         assert result.exit_code == 5, (name, result.output)
         assert name in result.output
         assert not (tmp_path / "out.html").exists()
+
+
+@needs_matplotlib
+def test_html_of_a_run_is_the_page_of_its_report(tmp_path: Path) -> None:
+    """--html and `qcal report` on the JSON written by the same run give the same bytes."""
+    result = run("calibrate", DIGITS, "-o", tmp_path / "q.onnx", "--report", tmp_path / "q.json",
+                 "--html", tmp_path / "run.html", "--method", "mse", "-q")
+    assert result.exit_code == 0, result.output
+    assert run("report", tmp_path / "q.json", "-o", tmp_path / "again.html").exit_code == 0
+    assert (tmp_path / "run.html").read_bytes() == (tmp_path / "again.html").read_bytes()
