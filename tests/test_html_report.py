@@ -254,3 +254,22 @@ def test_html_of_a_run_is_the_page_of_its_report(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert run("report", tmp_path / "q.json", "-o", tmp_path / "again.html").exit_code == 0
     assert (tmp_path / "run.html").read_bytes() == (tmp_path / "again.html").read_bytes()
+
+
+@needs_matplotlib
+def test_odd_tensor_names_are_shown_as_written(entropy_run: Path) -> None:
+    from qcal.html_report import render_html
+
+    report = json.loads(entropy_run.read_text())
+    odd = 'odd $x_1^2$ <b>&"name"'
+    first = report["sensitivity"]["tensors"][0]["tensor"]
+    for entry in report["tensors"]:
+        if entry["name"] == first:
+            entry["name"] = odd
+    report["sensitivity"]["tensors"][0]["tensor"] = odd
+    text = render_html(report).decode()
+    assert "odd $x_1^2$ &lt;b&gt;&amp;&quot;name&quot;" in text  # in the page's own markup
+    assert "<b>&" not in text
+    # and in the plots, as text (not typeset as TeX)
+    sensitivity = text.split('<section id="sensitivity">')[1].split("</section>")[0]
+    assert "odd $x_1^2$ &lt;b&gt;&amp;" in sensitivity

@@ -25,6 +25,7 @@ _SETTINGS = {
     "axes.labelsize": 8.0,
     "legend.fontsize": 7.0,
     "path.simplify": True,
+    "text.parse_math": False,  # a tensor name with $ signs is a name, not TeX
 }
 _METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
 _CHOSEN, _GRID, _DATA = "#c0392b", "#27ae60", "#34495e"
@@ -51,6 +52,8 @@ def _svg(figure: Any, number: int, *, tight: bool = True) -> str:
     text = buffer.getvalue()
     text = text[text.index("<svg"):]
     text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.DOTALL)
+    # comments repeat each text (a name holding "-->" would end one early)
+    text = re.sub(r"\s*<!--.*?-->", "", text, flags=re.DOTALL)
     prefix = f"f{number}-"
     text = re.sub(r'id="([^"]+)"', lambda m: f'id="{prefix}{m.group(1)}"', text)
     text = re.sub(r"url\(#([^)]+)\)", lambda m: f"url(#{prefix}{m.group(1)})", text)
