@@ -11,7 +11,7 @@ from typing import Any
 
 from qcal.numerics.errors import ConfigError
 
-__all__ = ["THRESHOLDS", "Drift", "Move", "compare_reports", "drift_thresholds"]
+__all__ = ["THRESHOLDS", "UNITS", "Drift", "Move", "compare_reports", "drift_thresholds"]
 
 # name -> (default, what it bounds); a move is over its threshold when its change is larger.
 THRESHOLDS: dict[str, tuple[float, str]] = {
@@ -86,9 +86,12 @@ class Drift:
                 "thresholds": dict(self.thresholds), "moves": [m.to_json() for m in self.moves]}
 
 
+UNITS = {"scale": " %", "zero-point": " steps", "tensors": "", "coverage": " points",
+         "sqnr": " dB", "agreement": " points"}
+
+
 def _change_text(move: Move) -> str:
-    unit = {"scale": " %", "zero-point": " steps", "coverage": " points", "sqnr": " dB",
-            "agreement": " points", "tensors": ""}[move.measure]
+    unit = UNITS[move.measure]
     return "changed" if math.isinf(move.change) else f"moved {move.change:.4g}{unit}"
 
 

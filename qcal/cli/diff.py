@@ -12,13 +12,13 @@ import click
 from qcal._cli_output import _drift_table, stdout
 from qcal.cli._app import _existing, main, reports_errors
 from qcal.cli._options import _parse_option_value
-from qcal.drift import THRESHOLDS, Drift
+from qcal.drift import THRESHOLDS, UNITS, Drift
 from qcal.numerics.errors import ConfigError, DriftGateError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_THRESHOLD_HELP = "; ".join(f"{name} ({default:g}): {what}"
-                            for name, (default, what) in THRESHOLDS.items())
+_THRESHOLD_HELP = ", ".join(f"{name}={default:g}{UNITS[name]}"
+                            for name, (default, _) in THRESHOLDS.items())
 
 
 def drift_options(command: F) -> F:
@@ -28,7 +28,8 @@ def drift_options(command: F) -> F:
         help="Exit 7 when a figure moved more than its threshold.")(command)
     return click.option(
         "--drift-threshold", "drift_threshold", multiple=True, metavar="MEASURE=VALUE",
-        help=f"How far a figure may move [defaults: {_THRESHOLD_HELP}].")(command)
+        help=f"How far a figure may move, repeatable [defaults: {_THRESHOLD_HELP}; see "
+             "the README].")(command)
 
 
 def parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
