@@ -11,9 +11,9 @@ import click
 
 from qcal._cli_output import _drift_table, stdout
 from qcal.cli._app import _existing, main, reports_errors
-from qcal.cli._options import _parse_option_value
+from qcal.cli._options import _key_values
 from qcal.drift import THRESHOLDS, UNITS, Drift
-from qcal.numerics.errors import ConfigError, DriftGateError
+from qcal.numerics.errors import DriftGateError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,13 +33,8 @@ def drift_options(command: F) -> F:
 
 
 def parse_thresholds(values: tuple[str, ...]) -> dict[str, float]:
-    thresholds: dict[str, float] = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--drift-threshold: expected MEASURE=VALUE, got {item!r}")
-        thresholds[key.strip()] = _parse_option_value(value.strip())
-    return thresholds
+    """The --drift-threshold items (checked by `qcal.drift.drift_thresholds`)."""
+    return _key_values(values, "--drift-threshold", "MEASURE=VALUE")
 
 
 def show_drift(drift: Drift, title: str, *, every_row: bool = False) -> None:
