@@ -43,7 +43,8 @@ pytestmark = [
 ]
 
 
-def _headless(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _headless(page: Path, profile: Path, *args: str,
+              fragment: str = "") -> subprocess.CompletedProcess[str]:
     """Chromium on `page`, its console messages on stderr, every host name unresolvable (a page
     that fetched anything would log the failed load)."""
     assert BROWSER is not None
@@ -51,7 +52,7 @@ def _headless(page: Path, profile: Path, *args: str) -> subprocess.CompletedProc
         BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
         "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}",
         "--host-resolver-rules=MAP * ~NOTFOUND", "--enable-logging=stderr", "--v=0",
-        *args, page.as_uri(),
+        *args, page.as_uri() + fragment,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
 
@@ -86,6 +87,17 @@ def test_page_renders_every_section_without_console_messages(page: Path, tmp_pat
     assert dom.count('<div class="plot"') >= 3
     assert dom.count("<svg") == dom.count('<div class="plot"')
     assert "Nothing was kept float by the fallback" not in dom and "Not measured" not in dom
+
+
+def test_the_table_filter_runs_in_the_browser(page: Path, tmp_path: Path) -> None:
+    done = _headless(page, tmp_path / "profile", "--dump-dom", fragment="#filter=conv2")
+    assert _console_messages(done.stderr) == []
+    rows = re.findall(r'<tr data-name="([^"]+)"[^>]*?( hidden="")?>', done.stdout)
+    assert rows
+    shown = [name for name, hidden in rows if not hidden]
+    assert shown and shown == [name for name, _ in rows if "conv2" in name]
+    count = re.search(r'<span id="tensor-shown">(\d+)</span>', done.stdout)
+    assert count is not None and int(count.group(1)) == len(shown)
 
 
 def test_page_screenshot(page: Path, tmp_path: Path) -> None:

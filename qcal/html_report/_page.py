@@ -62,6 +62,9 @@ _SCRIPT = """
   });
   text.addEventListener("input", filter);
   role.addEventListener("change", filter);
+  // page.html#filter=conv1 opens the page filtered (a link to some tensors)
+  var asked = /[#&]filter=([^&]*)/.exec(window.location.hash);
+  if (asked) { text.value = decodeURIComponent(asked[1]); }
   filter();
   document.body.dataset.ready = "1";
 })();
