@@ -273,3 +273,17 @@ def test_odd_tensor_names_are_shown_as_written(entropy_run: Path) -> None:
     # and in the plots, as text (not typeset as TeX)
     sensitivity = text.split('<section id="sensitivity">')[1].split("</section>")[0]
     assert "odd $x_1^2$ &lt;b&gt;&amp;" in sensitivity
+
+
+@needs_matplotlib
+def test_a_report_with_nothing_measured_still_has_every_section(entropy_run: Path) -> None:
+    from qcal.html_report import render_html
+
+    report = json.loads(entropy_run.read_text())
+    report.update(evaluation=None, sensitivity=None, fallback=None, output_model=None, gates=[],
+                  warnings=[], tensors=[], timings_seconds={})
+    text = render_html(report).decode()
+    for section in SECTIONS:
+        assert f'<section id="{section}">' in text
+    assert "quality: not measured" in text and "latency not measured" in text
+    assert "No histogram is stored" in text and '<span id="tensor-shown">0</span> of 0' in text
