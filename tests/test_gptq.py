@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.calibration import hessians
 from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
 from qcal.cli import main
 from qcal.numerics.gptq import gptq_codes, output_error
@@ -29,7 +30,7 @@ def _symmetric(weights: np.ndarray, levels: int = 63) -> tuple:
         return np.clip(np.rint(column / scale), -levels - 1, levels).astype(np.int8)
 
     def dequantize(codes: np.ndarray) -> np.ndarray:
-        return codes.astype(np.float64) * scale
+        return codes.astype(np.float64) * scale.reshape((-1,) + (1,) * (codes.ndim - 1))
 
     return quantize, dequantize
 
@@ -108,8 +109,10 @@ def _conv_model(weight: np.ndarray, **attrs: object) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tuple) -> np.ndarray:
-    """Output position by output position, the patch each sees, in plain loops."""
+def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tuple,
+                        limit: int) -> np.ndarray:
+    """Output position by output position, the patch each sees, in plain loops (of each
+    sample's first `limit` positions, evenly spaced, when it has more)."""
     lo, hi = target.code_range
     codes = np.clip(np.rint(x.astype(np.float32) / np.float32(target.scale)) + target.zero_point,
                     lo, hi).astype(np.int64) - target.zero_point
@@ -118,27 +121,34 @@ def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tupl
     per_group = weight_shape[1]
     hessian = np.zeros((target.groups, target.inputs_per_group, target.inputs_per_group), np.int64)
     height, width = x.shape[2] + top + bottom, x.shape[3] + left + right
+    rows, cols = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
+    total = rows * cols
+    chosen = range(total) if total <= limit else [i * total // limit for i in range(limit)]
     for sample in codes:
-        for oy in range((height - dh * (kh - 1) - 1) // sh + 1):
-            for ox in range((width - dw * (kw - 1) - 1) // sw + 1):
-                for g in range(target.groups):
-                    patch = []
-                    for c in range(g * per_group, (g + 1) * per_group):
-                        for i in range(kh):
-                            for j in range(kw):
-                                y, xx = oy * sh + i * dh - top, ox * sw + j * dw - left
-                                inside = 0 <= y < x.shape[2] and 0 <= xx < x.shape[3]
-                                patch.append(sample[c, y, xx] if inside else 0)
-                    v = np.array(patch, np.int64)
-                    hessian[g] += np.outer(v, v)
+        for position in chosen:
+            oy, ox = divmod(position, cols)
+            for g in range(target.groups):
+                patch = []
+                for c in range(g * per_group, (g + 1) * per_group):
+                    for i in range(kh):
+                        for j in range(kw):
+                            y, xx = oy * sh + i * dh - top, ox * sw + j * dw - left
+                            inside = 0 <= y < x.shape[2] and 0 <= xx < x.shape[3]
+                            patch.append(sample[c, y, xx] if inside else 0)
+                v = np.array(patch, np.int64)
+                hessian[g] += np.outer(v, v)
     return hessian
 
 
-@pytest.mark.parametrize("attrs", [
-    {"pads": [1, 0, 2, 1], "strides": [2, 1], "dilations": [1, 2], "group": 2},
-    {"pads": [0, 0, 0, 0], "strides": [1, 1]},
+@pytest.mark.parametrize(("attrs", "limit"), [
+    ({"pads": [1, 0, 2, 1], "strides": [2, 1], "dilations": [1, 2], "group": 2}, 4096),
+    ({"pads": [0, 0, 0, 0], "strides": [1, 1]}, 4096),
+    ({"pads": [1, 1, 1, 1], "strides": [1, 1]}, 7),  # only 7 positions of each sample
 ])
-def test_conv_hessian_matches_the_patches_it_sees(attrs: dict) -> None:
+def test_conv_hessian_matches_the_patches_it_sees(
+    attrs: dict, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hessians, "POSITIONS_PER_SAMPLE", limit)
     rng = np.random.default_rng(4)
     group = int(attrs.get("group", 1))
     weight = rng.normal(size=(6, 4 // group, 3, 2)).astype(np.float32)
@@ -150,7 +160,7 @@ def test_conv_hessian_matches_the_patches_it_sees(attrs: dict) -> None:
     one_by_one = collect_hessians(
         model, [target], lambda: [({"x": x[i : i + 1]}, 1) for i in (2, 0, 1)])["conv"]
     assert whole.dtype == np.int64
-    assert np.array_equal(whole, _naive_conv_hessian(x, target, weight.shape))
+    assert np.array_equal(whole, _naive_conv_hessian(x, target, weight.shape, limit))
     assert np.array_equal(whole, one_by_one)  # any batching, any order: integers
 
 

@@ -29,6 +29,11 @@ __all__ = ["HessianTarget", "collect_hessians", "hessian_target"]
 Feed = Mapping[str, np.ndarray]
 # Patches unfolded at a time (values): bounds the temporary memory of a large feature map.
 _CHUNK_VALUES = 2**22
+# A Conv's H takes the patches of at most this many output positions of each sample (evenly
+# spaced): H's cost per position is the layer's inputs squared, which on large feature maps
+# would be many times the cost of the model itself, and a few thousand positions per sample
+# already measure the inputs' correlations.
+POSITIONS_PER_SAMPLE = 4096
 # Hessians held at once; more targets than fit are collected in further passes over the data.
 MEMORY_BUDGET_BYTES = 1 << 30
 
@@ -159,9 +164,19 @@ class _ExactSum:
         return self.total
 
 
+def _positions(out: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Output positions whose patches enter H: all of them, or POSITIONS_PER_SAMPLE evenly
+    spaced (in row-major order) when a sample has more. Chosen from the shape alone, so a
+    sample contributes the same positions whatever batch it comes in."""
+    total = int(np.prod(out))
+    flat = np.arange(total) if total <= POSITIONS_PER_SAMPLE else (
+        np.arange(POSITIONS_PER_SAMPLE) * total // POSITIONS_PER_SAMPLE)
+    return np.unravel_index(flat, tuple(out))
+
+
 def _patches(x: np.ndarray, target: HessianTarget) -> Iterable[np.ndarray]:
     """Unfolded patches of one sample (channels, *spatial), as (groups, n, inputs_per_group),
-    a block of output rows at a time."""
+    a block of positions at a time."""
     spatial = len(target.kernel)
     begins, ends = target.pads[:spatial], target.pads[spatial:]
     padded = np.pad(x, [(0, 0)] + [(b, e) for b, e in zip(begins, ends)])
@@ -174,19 +189,15 @@ def _patches(x: np.ndarray, target: HessianTarget) -> Iterable[np.ndarray]:
         return
     channels = x.shape[0] // target.groups
     taps = list(np.ndindex(*target.kernel))
-    per_row = int(np.prod(out[1:])) if spatial > 1 else 1
-    step = max(1, _CHUNK_VALUES // max(1, target.groups * target.inputs_per_group * per_row))
-    for first in range(0, out[0], step):
-        last = min(first + step, out[0])
-        columns = []
-        for tap in taps:
-            index = [slice(None)]
-            for a in range(spatial):
-                lo_out, hi_out = (first, last) if a == 0 else (0, out[a])
-                begin = tap[a] * target.dilations[a] + lo_out * target.strides[a]
-                index.append(slice(begin, begin + (hi_out - lo_out - 1) * target.strides[a] + 1,
-                                   target.strides[a]))
-            columns.append(padded[tuple(index)].reshape(x.shape[0], -1))
+    coords = _positions(out)
+    step = max(1, _CHUNK_VALUES // max(1, x.shape[0] * len(taps)))
+    for first in range(0, len(coords[0]), step):
+        chosen = [c[first : first + step] for c in coords]
+        columns = [
+            padded[(slice(None),) + tuple(chosen[a] * target.strides[a]
+                                          + tap[a] * target.dilations[a] for a in range(spatial))]
+            for tap in taps
+        ]
         # (channels, taps, positions) -> (groups, positions, channels per group x taps)
         unfolded = np.stack(columns, axis=1).reshape(target.groups, channels * len(taps), -1)
         yield np.transpose(unfolded, (0, 2, 1))

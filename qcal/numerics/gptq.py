@@ -30,7 +30,8 @@ DAMPING = 0.01
 _BLOCK = 128
 
 Quantizer = Callable[[np.ndarray], np.ndarray]
-"""Codes of one column of weights (shape ``(rows,)``) in the preset's own arithmetic."""
+"""``quantize``: codes of one column of weights (shape ``(rows,)``) in the preset's own
+arithmetic; ``dequantize``: values of codes shaped ``(rows,)`` or ``(rows, columns)``."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def gptq_codes(
         return quantize(values.reshape(groups * rows))
 
     def back(codes: np.ndarray) -> np.ndarray:
-        return np.stack([dequantize(codes[:, j]) for j in range(codes.shape[1])], axis=1)
+        return dequantize(codes)
 
 
     h = np.array(hessian, dtype=np.float64)
@@ -173,7 +174,9 @@ def gptq_weight(
         return flat
 
     def restore(codes: np.ndarray) -> np.ndarray:
-        restored: np.ndarray = (codes.astype(np.float64) - zero64) * scale64
+        along = (-1,) + (1,) * (codes.ndim - 1)  # one column or a matrix of them
+        restored: np.ndarray = ((codes.astype(np.float64) - zero64.reshape(along))
+                                * scale64.reshape(along))
         return restored
 
     result = gptq_codes(matrix.reshape(groups, rows // groups, -1), hessian, column_codes, restore,
