@@ -20,6 +20,7 @@ from rich.progress import (
 from rich.table import Table
 
 from qcal.accuracy.gates import GateResult
+from qcal.report import gate_warning
 
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False)
@@ -93,7 +94,11 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
     _show_verdict(report)
     _show_latency(report["timings_seconds"])
+    # A failed gate's warning says what its red "gate:" line above already said.
+    shown = {gate_warning(GateResult(**g)) for g in report["gates"]}
     for warning in report["warnings"]:
+        if warning in shown:
+            continue
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
     if result.output is not None:

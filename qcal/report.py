@@ -298,8 +298,13 @@ def _accuracy_warnings(
         found.append(f"coverage: {coverage.note}")
     if fallback is not None and not fallback.reached:
         found.append(f"fallback: {fallback.message}")
-    found += [f"gate failed: {g.describe()}" for g in gates if not g.passed]
+    found += [gate_warning(g) for g in gates if not g.passed]
     return found
+
+
+def gate_warning(gate: GateResult) -> str:
+    """The warning a failed gate leaves in the report."""
+    return f"gate failed: {gate.describe()}"
 
 
 def _jsonable(value: Any) -> Any:
