@@ -52,6 +52,9 @@ class TensorRecord:
     qparams: QParams | None
     onnx: OnnxQParams
     consumers: tuple[str, ...]
+    # How a weight's codes were chosen, when not by rounding to nearest (GPTQ): the method and
+    # the layer's relative output error both ways.
+    rounding: Mapping[str, Any] | None = None
 
 
 def report_schema() -> dict[str, Any]:
@@ -141,6 +144,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
         "deviations": list(q.deviations),
         "replacement": q.replacement,
     }
+    if record.rounding is not None:
+        entry["rounding"] = dict(record.rounding)
     return entry
 
 
@@ -299,8 +304,13 @@ def _accuracy_warnings(
         found.append(f"coverage: {coverage.note}")
     if fallback is not None and not fallback.reached:
         found.append(f"fallback: {fallback.message}")
-    found += [f"gate failed: {g.describe()}" for g in gates if not g.passed]
+    found += [gate_warning(g) for g in gates if not g.passed]
     return found
+
+
+def gate_warning(gate: GateResult) -> str:
+    """The warning a failed gate leaves in the report."""
+    return f"gate failed: {gate.describe()}"
 
 
 def _jsonable(value: Any) -> Any:
