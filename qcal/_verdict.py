@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Verdict", "quality_verdict"]
+from qcal.accuracy.gates import GateResult
+from qcal.report import gate_warning
+
+__all__ = ["Verdict", "other_warnings", "quality_verdict"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,9 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if config["fallback"] and not config["target_sqnr"] and config["max_agreement_drop"] is None:
         return Verdict("within-floor", "quality: within the accuracy floor", said)
     return Verdict("measured", "quality", said)
+
+
+def other_warnings(report: Mapping[str, Any]) -> list[str]:
+    """The report's warnings but those of failed gates, which the gates' own lines show."""
+    shown = {gate_warning(GateResult(**g)) for g in report["gates"]}
+    return [w for w in report["warnings"] if w not in shown]

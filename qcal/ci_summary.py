@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
-from qcal._verdict import quality_verdict
+from qcal._verdict import other_warnings, quality_verdict
 from qcal.drift import Drift
 
 __all__ = ["machine_summary", "markdown_summary"]
@@ -76,8 +76,9 @@ def markdown_summary(report: Mapping[str, Any], *, drift: Drift | None = None,
         lines.append("")
     if drift is not None:
         lines += _drift_lines(drift)
-    if report["warnings"]:
-        lines += [f"- warning: {_cell(w)}" for w in report["warnings"]] + [""]
+    warnings = other_warnings(report)
+    if warnings:
+        lines += [f"- warning: {_cell(w)}" for w in warnings] + [""]
     return "\n".join(lines) + "\n"
 
 

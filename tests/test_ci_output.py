@@ -64,6 +64,7 @@ def test_summary_md_and_the_github_step_summary(tmp_path: Path) -> None:
     assert done.returncode == 7
     text = (tmp_path / "s.md").read_text()
     assert "FAIL" in text.splitlines()[0] and "**FAILED**: fail-under-sqnr" in text
+    assert "gate failed" not in text  # the gate's line says it; its warning is not repeated
 
 
 def test_summary_md_is_checked_before_the_run(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from html import escape
 from pathlib import PurePath
 from typing import Any
 
-from qcal._verdict import quality_verdict
+from qcal._verdict import other_warnings, quality_verdict
 from qcal.html_report._plots import fallback_svg, histogram_svg, sensitivity_svg
 from qcal.html_report._tensors import TensorView, tensor_views
 
@@ -179,7 +179,7 @@ def _summary(report: Mapping[str, Any]) -> str:
         f'{escape(g["measure"])} {_fmt(g["value"], ".4g", "n/a")} (threshold '
         f'{g["threshold"]:g}) — {"passed" if g["passed"] else "FAILED"}</li>'
         for g in report["gates"])
-    warnings = "".join(f'<li class="warn">{escape(w)}</li>' for w in report["warnings"])
+    warnings = "".join(f'<li class="warn">{escape(w)}</li>' for w in other_warnings(report))
     return (f'<section id="summary"><h2>Summary</h2>{banner}{_facts(report)}'
             f"<h3>Float vs quantized outputs</h3>{_outputs(report)}"
             + (f"<h3>Gates</h3><ul>{gates}</ul>" if gates else "")
