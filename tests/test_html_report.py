@@ -287,3 +287,16 @@ def test_a_report_with_nothing_measured_still_has_every_section(entropy_run: Pat
         assert f'<section id="{section}">' in text
     assert "quality: not measured" in text and "latency not measured" in text
     assert "No histogram is stored" in text and '<span id="tensor-shown">0</span> of 0' in text
+
+
+@needs_matplotlib
+def test_the_table_says_how_weight_codes_were_rounded(entropy_run: Path) -> None:
+    from qcal.html_report import render_html
+
+    report = json.loads(entropy_run.read_text())
+    weight = next(t for t in report["tensors"] if t["role"] == "weight")
+    weight["rounding"] = {"method": "gptq", "output_error_nearest": 0.002, "output_error": 0.0005}
+    text = render_html(report).decode()
+    row = re.search(rf'<tr data-name="{re.escape(weight["name"].lower())}".*?</tr>', text)
+    assert row is not None
+    assert "minmax, gptq (output error 0.0005 vs 0.002 nearest)" in row.group(0)

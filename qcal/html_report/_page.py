@@ -280,6 +280,15 @@ def _range_cell(entry: Mapping[str, Any]) -> str:
     return f"[{low:.4g}, {high:.4g}]" + (f" ×{len(rng['min'])}" if len(rng["min"]) > 1 else "")
 
 
+def _method(entry: Mapping[str, Any]) -> str:
+    """The range method, and how weight codes were rounded when not to nearest (GPTQ)."""
+    rounding = entry.get("rounding")
+    if not rounding:
+        return str(entry["method"])
+    return (f"{entry['method']}, {rounding['method']} (output error {rounding['output_error']:.3g}"
+            f" vs {rounding['output_error_nearest']:.3g} nearest)")
+
+
 def _number_cell(sort_value: float, text: str) -> str:
     return f'<td class="num" data-v="{sort_value!r}">{text}</td>'
 
@@ -299,7 +308,7 @@ def _table(views: Sequence[TensorView]) -> str:
             f"{view.sqnr_db:.1f}" + ("" if view.sqnr_measured else " est.")
         cells = [
             f"<td>{escape(view.name)}</td>", f"<td>{escape(entry['role'])}</td>",
-            f"<td>{escape(entry['method'])}</td>", f"<td>{escape(onnx['type'])}</td>",
+            f"<td>{escape(_method(entry))}</td>", f"<td>{escape(onnx['type'])}</td>",
             f"<td>{_range_cell(entry)}</td>",
             f'<td class="num" data-v="{min(scales)!r}">{scale}</td>',
             f'<td class="num">{zero}</td>',
