@@ -8,9 +8,11 @@ from typing import Any
 
 import click
 
-from qcal._cli_output import _progress_bar, _show_summary
+from qcal._cli_output import _progress_bar, _show_summary, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
+from qcal.cli._run_extras import RunExtras
+from qcal.cli.diff import drift_options, raise_for_drift, show_drift
 from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
 
 
@@ -74,6 +76,16 @@ from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
                    "at 1 or 2 threads on this machine (e.g. 1.0).")
+@click.option("--html", type=_path, help="Also write the report as an HTML page with plots "
+              "(needs qcal[report]).")
+@click.option("--baseline", type=_existing, metavar="OLD.json",
+              help="Compare with the report of an earlier run and show what moved.")
+@drift_options
+@click.option("--summary-md", type=_path, metavar="PATH",
+              help="Also write a Markdown summary for a CI job page (appended to "
+                   "$GITHUB_STEP_SUMMARY too when it is set).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one line of JSON summing up the run on stdout, and nothing else.")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
@@ -85,6 +97,7 @@ def calibrate(**params: Any) -> None:
     from qcal.pipeline import default_output_paths
 
     ctx = click.get_current_context()
+    extras = RunExtras.take(params)
     config, outputs = _build_config(ctx, params)
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
@@ -95,11 +108,25 @@ def calibrate(**params: Any) -> None:
 
         for path, what in ((output, "output"), (report, "report")):
             check_output_path(path, inputs=[params["config"]], force=True, what=what)
-    show_progress = not params["quiet"] and sys.stderr.isatty()
-    with _progress_bar(show_progress) as progress:
+    read = [model, *(Path(p) for p in (config.data, config.eval_data, config.labels) if p)]
+    extras.check(inputs=read + ([params["config"]] if params.get("config") else []),
+                 outputs=(output, report), force=bool(outputs.get("force")))
+    quiet = params["quiet"] or extras.as_json  # --json: stdout holds the JSON line alone
+    with _progress_bar(not quiet and sys.stderr.isatty()) as progress:
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
                                  enforce_gates=False)
-    if not params["quiet"]:
+    drift = extras.drift(result.report)
+    written = extras.write(result.report, drift)
+    if extras.as_json:
+        print(extras.json_line(result.report, drift, result.report_path), flush=True)
+    elif not quiet:
         _show_summary(result)
-    raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
+        for path in written:
+            stdout.print(f"wrote {path}")
+        if drift is not None:
+            show_drift(drift, f"moved since {extras.baseline}")
+    # after the summary: it shows the evidence
+    raise_for_failed(result.gates, result.report_path)
+    if drift is not None:
+        raise_for_drift(drift, extras.fail_on_drift)

@@ -17,6 +17,7 @@ __all__ = [
     "CalibrationInterrupted",
     "ConfigError",
     "DataError",
+    "DriftGateError",
     "EmptyStatisticsError",
     "ModelError",
     "OutputError",
@@ -72,6 +73,12 @@ class AccuracyGateError(QcalError):
 
     exit_code = 7
     title = "accuracy gate failed"
+
+
+class DriftGateError(AccuracyGateError):
+    """--fail-on-drift: a run moved further from its baseline report than the thresholds allow."""
+
+    title = "drift gate failed"
 
 
 class CalibrationInterrupted(QcalError):
