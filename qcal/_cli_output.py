@@ -20,10 +20,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qcal._verdict import quality_verdict
+from qcal._verdict import other_warnings, quality_verdict
 from qcal.accuracy.gates import GateResult
 from qcal.drift import Drift
-from qcal.report import gate_warning
 
 
 def _console(*, stderr: bool) -> Console:
@@ -105,11 +104,7 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
     _show_verdict(report)
     _show_latency(report["timings_seconds"])
-    # A failed gate's warning says what its red "gate:" line above already said.
-    shown = {gate_warning(GateResult(**g)) for g in report["gates"]}
-    for warning in report["warnings"]:
-        if warning in shown:
-            continue
+    for warning in other_warnings(report):  # a failed gate's is its red "gate:" line above
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
     if result.output is not None:
