@@ -12,6 +12,7 @@ from qcal._cli_output import _progress_bar, _show_summary
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
 from qcal.config import METHODS, CalibrationConfig
+from qcal.numerics.errors import ConfigError
 
 
 @main.command()
@@ -70,6 +71,12 @@ from qcal.config import METHODS, CalibrationConfig
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
                    "at 1 or 2 threads on this machine (e.g. 1.0).")
+@click.option("--stats", type=_existing, metavar="STATS",
+              help="Take the statistics from this file (qcal collect) instead of running the "
+                   "model for them.")
+@click.option("--checkpoint", type=_path, metavar="STATS",
+              help="Collect into this statistics file, resuming from it if it exists, then "
+                   "calibrate from it.")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
@@ -81,6 +88,10 @@ def calibrate(**params: Any) -> None:
     from qcal.pipeline import default_output_paths
 
     ctx = click.get_current_context()
+    statistics, checkpoint = params.pop("stats"), params.pop("checkpoint")
+    if statistics is not None and checkpoint is not None:
+        raise ConfigError("--stats and --checkpoint: choose one (a checkpoint is a statistics "
+                          "file collected by this run)")
     config, outputs = _build_config(ctx, params)
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
@@ -93,9 +104,15 @@ def calibrate(**params: Any) -> None:
             check_output_path(path, inputs=[params["config"]], force=True, what=what)
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
+        if checkpoint is not None:  # collect (or resume) first, then calibrate from the file
+            from qcal._collection import collect_statistics
+
+            collect_statistics(model, config, checkpoint=checkpoint, histograms=False,
+                               progress=progress)
+            statistics = checkpoint
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
-                                 enforce_gates=False)
+                                 enforce_gates=False, statistics=statistics)
     if not params["quiet"]:
         _show_summary(result)
     raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence

@@ -21,6 +21,7 @@ __all__ = [
     "ModelError",
     "OutputError",
     "QcalError",
+    "StatisticsError",
 ]
 
 EXIT_OK = 0
@@ -72,6 +73,14 @@ class AccuracyGateError(QcalError):
 
     exit_code = 7
     title = "accuracy gate failed"
+
+
+class StatisticsError(QcalError):
+    """A statistics or ranges file is unreadable, malformed, or does not fit the model, plan or
+    method asked for (collect again, or choose options the file holds statistics for)."""
+
+    exit_code = 8
+    title = "statistics do not fit"
 
 
 class CalibrationInterrupted(QcalError):
