@@ -71,6 +71,10 @@ def plan_header(config: CalibrationConfig, histograms: bool) -> dict[str, Any]:
     header = {key: values[key] for key in keys}
     header["placement"] = config.placement_mode
     header["histograms"] = histograms
+    # Min/max and histograms do not see how samples are batched: files of any batch size merge.
+    averages = config.method == "moving-average" or any(
+        o.method == "moving-average" for o in config.tensors.values())
+    header["batch_size"] = config.batch_size if averages else None
     return header
 
 
