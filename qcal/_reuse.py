@@ -15,12 +15,12 @@ from typing import Any
 
 from qcal._quantize_tensors import _observed
 from qcal.calibration.collect import CollectionSummary
-from qcal.calibration.statistics import HISTOGRAM, Statistics, read_statistics
+from qcal.calibration.statistics import HISTOGRAM, Statistics, read_ranges, read_statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import sha256_of_file
 from qcal.graph.model import QuantPlan
 from qcal.numerics.errors import StatisticsError
-from qcal.numerics.observers import Observer, PerTensor
+from qcal.numerics.observers import FixedRangeObserver, Observer, PerTensor
 from qcal.numerics.presets import Preset
 from qcal.numerics.ranges import HISTOGRAM_METHODS
 
@@ -42,12 +42,15 @@ def reuse_statistics(
     path: Path, model_sha256: str, plan: QuantPlan, preset: Preset, config: CalibrationConfig,
     *, statistics: Statistics | None = None,
 ) -> ReusedStatistics:
-    """The observers of `plan`'s observed tensors from the file at `path`.
+    """The observers of `plan`'s observed tensors from the file at `path`: a statistics file,
+    or a ranges file of another tool (`qcal.calibration.statistics._exchange`).
 
     Raises:
         StatisticsError: another model, an unfinished collection, or a tensor whose statistics
             for this run's method and preset are not in the file.
     """
+    if statistics is None and not _is_zip(path):
+        return _reuse_ranges(path, plan, config)
     stats = statistics if statistics is not None else read_statistics(path)
     if stats.model_sha256 != model_sha256:
         raise StatisticsError(
@@ -91,5 +94,41 @@ def reuse_statistics(
         observers[tensor] = observer
     summary = CollectionSummary(stats.samples, 0, 0.0, stats.providers)
     source = {"path": str(path), "sha256": sha256_of_file(path), "samples": stats.samples,
-              "fingerprint": stats.fingerprint.hex()}
+              "format": "qcal-statistics", "fingerprint": stats.fingerprint.hex()}
+    return ReusedStatistics(observers, summary, source)
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == b"PK\x03\x04"
+    except OSError as err:
+        raise StatisticsError(f"{path}: cannot read ({err.strerror or err})") from None
+
+
+def _reuse_ranges(path: Path, plan: QuantPlan, config: CalibrationConfig) -> ReusedStatistics:
+    """Observers that give each tensor the range a ranges file holds for it."""
+    kind, ranges = read_ranges(path)
+    methods = sorted({config.method_for(t.tensor) for t in plan.activations} - {"minmax"})
+    if methods:
+        raise StatisticsError(f"{path}: a ranges file gives each tensor its range; --method "
+                              f"{methods[0]} does not apply (leave it at minmax)")
+    observers: dict[str, Observer] = {}
+    missing = []
+    for target in plan.activations:
+        if not _observed(target, config):
+            continue
+        if target.tensor not in ranges:
+            missing.append(target.tensor)
+            continue
+        lo, hi = ranges[target.tensor]
+        observers[target.tensor] = FixedRangeObserver(lo, hi)
+    if missing:
+        raise StatisticsError(
+            f"{path}: no range for tensor {missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + " that these options quantize; keep them float with --exclude-tensors, or give "
+              "a file that covers them")
+    summary = CollectionSummary(0, 0, 0.0, ())
+    source = {"path": str(path), "sha256": sha256_of_file(path), "samples": 0, "format": kind}
     return ReusedStatistics(observers, summary, source)

@@ -71,9 +71,13 @@ from qcal.numerics.errors import ConfigError
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
                    "at 1 or 2 threads on this machine (e.g. 1.0).")
-@click.option("--stats", type=_existing, metavar="STATS",
+@click.option("--stats", "--ranges", "stats", type=_existing, metavar="FILE",
               help="Take the statistics from this file (qcal collect) instead of running the "
-                   "model for them.")
+                   "model for them, or the ranges from a TensorRT calibration cache or an "
+                   "onnxruntime TensorQuantOverrides / calibration cache JSON.")
+@click.option("--write-ranges", multiple=True, metavar="FORMAT=PATH",
+              help="Also write the activation ranges for another tool: tensorrt[:VERSION], "
+                   "onnxruntime-overrides or onnxruntime-cache (repeatable).")
 @click.option("--checkpoint", type=_path, metavar="STATS",
               help="Collect into this statistics file, resuming from it if it exists, then "
                    "calibrate from it.")
@@ -89,6 +93,7 @@ def calibrate(**params: Any) -> None:
 
     ctx = click.get_current_context()
     statistics, checkpoint = params.pop("stats"), params.pop("checkpoint")
+    exports = _range_exports(params.pop("write_ranges"))
     if statistics is not None and checkpoint is not None:
         raise ConfigError("--stats and --checkpoint: choose one (a checkpoint is a statistics "
                           "file collected by this run)")
@@ -102,6 +107,12 @@ def calibrate(**params: Any) -> None:
 
         for path, what in ((output, "output"), (report, "report")):
             check_output_path(path, inputs=[params["config"]], force=True, what=what)
+    from qcal.graph.files.atomic import check_output_path
+
+    for path in [*exports.values(), *([checkpoint] if checkpoint is not None else [])]:
+        check_output_path(path, inputs=[model, output, report], force=True, what="ranges")
+    for path in exports.values():
+        check_output_path(path, inputs=[model], force=bool(outputs.get("force")), what="ranges")
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
         if checkpoint is not None:  # collect (or resume) first, then calibrate from the file
@@ -113,6 +124,27 @@ def calibrate(**params: Any) -> None:
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
                                  enforce_gates=False, statistics=statistics)
+    if exports:
+        from qcal.calibration.statistics import format_ranges, ranges_of_tensors
+        from qcal.graph.files.atomic import write_atomic
+
+        ranges = ranges_of_tensors(result.report["tensors"])
+        for kind, path in exports.items():
+            write_atomic(path, format_ranges(kind, ranges))
     if not params["quiet"]:
         _show_summary(result)
     raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
+
+
+def _range_exports(values: tuple[str, ...]) -> dict[str, Path]:
+    """`--write-ranges FORMAT=PATH` values, checked before anything runs."""
+    from qcal.calibration.statistics import RANGE_FORMATS
+
+    exports: dict[str, Path] = {}
+    for value in values:
+        kind, sep, path = value.partition("=")
+        if not sep or not path or kind.partition(":")[0] not in RANGE_FORMATS:
+            raise ConfigError(f"--write-ranges: expected FORMAT=PATH with FORMAT one of "
+                              f"{', '.join(RANGE_FORMATS)}, got {value!r}")
+        exports[kind] = Path(path)
+    return exports
