@@ -31,7 +31,7 @@ __all__ = ["ReusedStatistics", "reuse_statistics"]
 class ReusedStatistics:
     observers: dict[str, Observer]
     summary: CollectionSummary
-    source: dict[str, Any]  # what the report says of the file
+    source: dict[str, Any] | None  # what the report says of the file (None: no file)
 
 
 def _definition(observer_dict: dict[str, Any]) -> dict[str, Any]:
@@ -39,19 +39,21 @@ def _definition(observer_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def reuse_statistics(
-    path: Path, model_sha256: str, plan: QuantPlan, preset: Preset, config: CalibrationConfig,
-    *, statistics: Statistics | None = None,
+    given: Path | Statistics, model_sha256: str, plan: QuantPlan, preset: Preset,
+    config: CalibrationConfig,
 ) -> ReusedStatistics:
-    """The observers of `plan`'s observed tensors from the file at `path`: a statistics file,
-    or a ranges file of another tool (`qcal.calibration.statistics._exchange`).
+    """The observers of `plan`'s observed tensors from the file at `given`: a statistics file,
+    or a ranges file of another tool (`qcal.calibration.statistics._exchange`); or from
+    statistics this run collected elsewhere (on Ray), which the report does not name.
 
     Raises:
         StatisticsError: another model, an unfinished collection, or a tensor whose statistics
             for this run's method and preset are not in the file.
     """
-    if statistics is None and not _is_zip(path):
-        return _reuse_ranges(path, plan, config)
-    stats = statistics if statistics is not None else read_statistics(path)
+    if isinstance(given, Path) and not _is_zip(given):
+        return _reuse_ranges(given, plan, config)
+    stats = read_statistics(given) if isinstance(given, Path) else given
+    path = given if isinstance(given, Path) else "statistics collected on Ray"
     if stats.model_sha256 != model_sha256:
         raise StatisticsError(
             f"{path}: collected on another model (sha256 {stats.model_sha256[:12]}..., this "
@@ -93,8 +95,9 @@ def reuse_statistics(
                     f"{config.batch_size}")
         observers[tensor] = observer
     summary = CollectionSummary(stats.samples, 0, 0.0, stats.providers)
-    source = {"path": str(path), "sha256": sha256_of_file(path), "samples": stats.samples,
-              "format": "qcal-statistics", "fingerprint": stats.fingerprint.hex()}
+    source = None if not isinstance(given, Path) else {
+        "path": str(given), "sha256": sha256_of_file(given), "samples": stats.samples,
+        "format": "qcal-statistics", "fingerprint": stats.fingerprint.hex()}
     return ReusedStatistics(observers, summary, source)
 
 

@@ -52,6 +52,7 @@ from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
+from qcal.calibration.statistics import Statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
@@ -122,15 +123,15 @@ def calibrate(
     force: bool = False,
     progress: Progress | None = None,
     enforce_gates: bool = True,
-    statistics: Path | None = None,
+    statistics: Path | Statistics | None = None,
 ) -> CalibrationResult:
     """Calibrate the model at `model_path`; write the QDQ model and report when paths are given.
 
     With `enforce_gates` (the default), a failed accuracy or coverage gate raises
     AccuracyGateError after both files are written; otherwise the caller checks
     `CalibrationResult.gates` (the CLI does, after printing its summary). With `statistics`,
-    the observers come from that statistics file (`qcal collect`) and the model does not run
-    to collect them.
+    the observers come from that statistics or ranges file (`qcal collect`), or from statistics
+    collected elsewhere for this run (on Ray), and the model does not run to collect them.
     """
     timings = _Timings()
     with timings.stage("validate"):
@@ -169,7 +170,8 @@ def calibrate(
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]
-        read += [p for p in (calib.path, eval_path, labels_path, statistics) if p is not None]
+        read += [p for p in (calib.path, eval_path, labels_path) if p is not None]
+        read += [statistics] if isinstance(statistics, Path) else []
         for path, what in ((output, "output"), (report_path, "report")):
             if path is not None:
                 check_output_path(path, inputs=read, force=force, what=what)

@@ -81,6 +81,12 @@ from qcal.numerics.errors import ConfigError
 @click.option("--checkpoint", type=_path, metavar="STATS",
               help="Collect into this statistics file, resuming from it if it exists, then "
                    "calibrate from it.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+              metavar="[ADDRESS]",
+              help="Collect the statistics on Ray workers, the data in shards (no address: a "
+                   "local Ray for this run; needs qcal[ray]). Put it after MODEL.")
+@click.option("--workers", type=int, metavar="N",
+              help="Ray workers [default: the CPUs of the local Ray or the cluster].")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
@@ -94,6 +100,10 @@ def calibrate(**params: Any) -> None:
     ctx = click.get_current_context()
     statistics, checkpoint = params.pop("stats"), params.pop("checkpoint")
     exports = _range_exports(params.pop("write_ranges"))
+    ray_address, workers = params.pop("ray_address"), params.pop("workers")
+    if ray_address is not None and (statistics is not None or checkpoint is not None):
+        raise ConfigError("--ray collects the statistics: it goes with neither --stats nor "
+                          "--checkpoint")
     if statistics is not None and checkpoint is not None:
         raise ConfigError("--stats and --checkpoint: choose one (a checkpoint is a statistics "
                           "file collected by this run)")
@@ -121,6 +131,11 @@ def calibrate(**params: Any) -> None:
             collect_statistics(model, config, checkpoint=checkpoint, histograms=False,
                                progress=progress)
             statistics = checkpoint
+        elif ray_address is not None:
+            from qcal._ray_shards import collect_on_ray
+
+            statistics = collect_on_ray(model, config, output=None, histograms=False,
+                                        address=ray_address, workers=workers, progress=progress)
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
                                  enforce_gates=False, statistics=statistics)
