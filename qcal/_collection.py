@@ -36,7 +36,7 @@ from qcal.graph.files.large import WeightFile, has_external_data
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.files.save import needs_external_data
 from qcal.graph.model import QuantPlan, model_inputs, plan_quantization, prepare_model
-from qcal.numerics.errors import DataError, StatisticsError
+from qcal.numerics.errors import ConfigError, DataError, StatisticsError
 from qcal.numerics.histogram import HistogramObserver
 from qcal.numerics.observers import Observer, PerTensor
 from qcal.numerics.presets import build_preset
@@ -142,7 +142,7 @@ def collect_statistics(
     but the last checkpoint.
     """
     if checkpoint_every < 1:
-        raise DataError(f"checkpoint-every: {checkpoint_every} must be at least 1")
+        raise ConfigError(f"checkpoint-every: {checkpoint_every} must be at least 1")
     run = prepare_collection(model_path, config)
     read = [model_path, *run.loaded.external_files]
     read += [p for p in (run.source.path,) if p is not None]
