@@ -35,7 +35,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = run("calibrate", DIGITS, "-q", "-o", folder / "q.onnx", "--report", folder / "q.json",
                  "--write-ranges", f"tensorrt={folder / 'trt.cache'}",
                  "--write-ranges", f"onnxruntime-overrides={folder / 'overrides.json'}",
-                 "--write-ranges", f"onnxruntime-cache={folder / 'cache.json'}")
+                 "--write-ranges", f"onnxruntime-cache={folder / 'cache.json'}",
+                 "--write-ranges", f"onnxruntime-table={folder / 'table'}")
     assert result.exit_code == 0, result.output
     return folder
 
@@ -58,7 +59,7 @@ def test_tensorrt_cache_holds_amax_over_127_as_big_endian_hex(exported: Path) ->
         assert scale == np.float32(max(abs(lo), abs(hi))) / np.float32(127)
 
 
-@pytest.mark.parametrize("name", ["overrides.json", "cache.json"])
+@pytest.mark.parametrize("name", ["overrides.json", "cache.json", "table/calibration.json"])
 def test_onnxruntime_files_round_trip_to_the_same_model(exported: Path, tmp_path: Path,
                                                         name: str) -> None:
     result = run("calibrate", DIGITS, "-q", "--ranges", exported / name, "-o", tmp_path / "r.onnx",
@@ -68,6 +69,26 @@ def test_onnxruntime_files_round_trip_to_the_same_model(exported: Path, tmp_path
     source = json.loads((tmp_path / "r.json").read_text())["data"]["statistics"]
     assert source["format"] == ("onnxruntime-overrides" if name == "overrides.json"
                                 else "onnxruntime-cache")
+
+
+def test_onnxruntime_table_is_written_by_onnxruntime(exported: Path, tmp_path: Path) -> None:
+    """The folder holds write_calibration_table's three files; its text table reads back as the
+    symmetric ranges TensorRT takes from it."""
+    folder = exported / "table"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "calibration.cache", "calibration.flatbuffers", "calibration.json"]
+    ranges = activation_ranges(exported / "q.json")
+    lines = (folder / "calibration.cache").read_text().splitlines()
+    assert {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines} == {
+        name: max(lo, hi) for name, (lo, hi) in ranges.items()}
+    kind, read = parse_ranges((folder / "calibration.cache").read_bytes(), "x")
+    assert kind == "onnxruntime-text"
+    assert read == {name: (-max(lo, hi), max(lo, hi)) for name, (lo, hi) in ranges.items()}
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    result = run("calibrate", DIGITS, "-q", "-o", tmp_path / "q.onnx", "--report",
+                 tmp_path / "q.json", "--write-ranges", f"onnxruntime-table={not_a_folder}")
+    assert result.exit_code == 6 and not (tmp_path / "q.onnx").exists()
 
 
 def test_tensorrt_cache_round_trips(exported: Path, tmp_path: Path) -> None:

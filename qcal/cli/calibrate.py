@@ -12,7 +12,7 @@ from qcal._cli_output import _progress_bar, _show_summary
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
 from qcal.config import METHODS, CalibrationConfig
-from qcal.numerics.errors import ConfigError
+from qcal.numerics.errors import ConfigError, OutputError
 
 
 @main.command()
@@ -77,7 +77,8 @@ from qcal.numerics.errors import ConfigError
                    "onnxruntime TensorQuantOverrides / calibration cache JSON.")
 @click.option("--write-ranges", multiple=True, metavar="FORMAT=PATH",
               help="Also write the activation ranges for another tool: tensorrt[:VERSION], "
-                   "onnxruntime-overrides or onnxruntime-cache (repeatable).")
+                   "onnxruntime-overrides, onnxruntime-cache, or onnxruntime-table (a folder) "
+                   "(repeatable).")
 @click.option("--checkpoint", type=_path, metavar="STATS",
               help="Collect into this statistics file, resuming from it if it exists, then "
                    "calibrate from it.")
@@ -121,7 +122,16 @@ def calibrate(**params: Any) -> None:
 
     for path in [*exports.values(), *([checkpoint] if checkpoint is not None else [])]:
         check_output_path(path, inputs=[model, output, report], force=True, what="ranges")
-    for path in exports.values():
+    for kind, path in exports.items():
+        if kind == "onnxruntime-table":  # a folder: its three files are checked
+            if path.exists() and not path.is_dir():
+                raise OutputError(f"ranges: {path} is not a folder (onnxruntime-table writes "
+                                  "calibration.json, .flatbuffers and .cache into one)")
+            for name in ("calibration.json", "calibration.flatbuffers", "calibration.cache"):
+                if path.is_dir():
+                    check_output_path(path / name, inputs=[model],
+                                      force=bool(outputs.get("force")), what="ranges")
+            continue
         check_output_path(path, inputs=[model], force=bool(outputs.get("force")), what="ranges")
     show_progress = not params["quiet"] and sys.stderr.isatty()
     with _progress_bar(show_progress) as progress:
@@ -140,12 +150,11 @@ def calibrate(**params: Any) -> None:
                                  force=bool(outputs.get("force")), progress=progress,
                                  enforce_gates=False, statistics=statistics)
     if exports:
-        from qcal.calibration.statistics import format_ranges, ranges_of_tensors
-        from qcal.graph.files.atomic import write_atomic
+        from qcal.calibration.statistics import ranges_of_tensors, write_ranges
 
         ranges = ranges_of_tensors(result.report["tensors"])
         for kind, path in exports.items():
-            write_atomic(path, format_ranges(kind, ranges))
+            write_ranges(kind, path, ranges)
     if not params["quiet"]:
         _show_summary(result)
     raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence

@@ -17,6 +17,7 @@ from qcal.calibration.statistics._exchange import (
     format_ranges,
     ranges_of_tensors,
     read_ranges,
+    write_ranges,
 )
 from qcal.calibration.statistics._fingerprint import Fingerprint, FingerprintedSource
 from qcal.calibration.statistics._format import FORMAT, VERSION
@@ -39,4 +40,5 @@ __all__ = [
     "read_ranges",
     "read_statistics",
     "split",
+    "write_ranges",
 ]

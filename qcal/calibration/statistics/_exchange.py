@@ -11,31 +11,38 @@
   calibration_cache_path=...)`` (``onnxruntime.quantization.calibrate.save_tensors_data``):
   ``TensorsData`` of ``TensorData`` with ``lowest``/``highest`` float32 arrays.
 
-Reading also accepts the ``calibration.json`` (a plain map of ``TensorData``) and the text
-``calibration.cache`` (``<tensor> <value>`` lines, read as ``[-value, value]``) that
-``onnxruntime.quantization.write_calibration_table`` writes.
+- ``onnxruntime-table``: a folder holding what
+  ``onnxruntime.quantization.quant_utils.write_calibration_table`` writes (it writes them):
+  ``calibration.json`` (a map of ``TensorData``), ``calibration.flatbuffers`` and
+  ``calibration.cache`` (``<tensor> <value>`` lines, value ``max(highest, lowest)``), the
+  tables onnxruntime's TensorRT execution provider reads.
+
+Reading accepts each of these files (``calibration.cache`` read as ``[-value, value]``, as
+TensorRT takes a dynamic range), but not the flatbuffers table.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qcal.numerics.errors import StatisticsError
+from qcal.numerics.errors import OutputError, StatisticsError
 
 __all__ = [
     "FORMATS", "TENSORRT_HEADER", "Ranges", "format_ranges", "parse_ranges", "ranges_of_tensors",
-    "read_ranges",
+    "read_ranges", "write_ranges",
 ]
 
 Ranges = dict[str, tuple[float, float]]
-FORMATS = ("tensorrt", "onnxruntime-overrides", "onnxruntime-cache")
+FORMATS = ("tensorrt", "onnxruntime-overrides", "onnxruntime-cache", "onnxruntime-table")
 # TensorRT 8.6.1's spelling; TensorRT checks the line, so a cache for another version needs its
 # own (`tensorrt:<version>`).
 TENSORRT_HEADER = "TRT-8601-EntropyCalibration2"
@@ -68,6 +75,28 @@ def format_ranges(kind: str, ranges: Mapping[str, tuple[float, float]]) -> bytes
     else:
         raise StatisticsError(f"unknown ranges format {kind!r}; choose one of {', '.join(FORMATS)}")
     return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def write_ranges(kind: str, path: Path, ranges: Mapping[str, tuple[float, float]]) -> None:
+    """Write `ranges` to `path` in format `kind`, atomically (a folder's files one by one)."""
+    from qcal.graph.files.atomic import write_atomic
+
+    if kind != "onnxruntime-table":
+        write_atomic(path, format_ranges(kind, ranges))
+        return
+    from onnxruntime.quantization.calibrate import TensorData
+    from onnxruntime.quantization.quant_utils import write_calibration_table
+
+    table = {name: TensorData(lowest=np.array(lo, dtype=_F32), highest=np.array(hi, dtype=_F32))
+             for name, (lo, hi) in ranges.items()}
+    try:
+        path.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".qcal-table-", dir=path) as staged:
+            write_calibration_table(table, dir=staged)
+            for name in sorted(os.listdir(staged)):
+                os.replace(os.path.join(staged, name), path / name)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
 
 
 def ranges_of_tensors(tensors: list[dict[str, Any]]) -> Ranges:
