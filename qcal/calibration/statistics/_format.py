@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,8 +65,9 @@ def decode(data: bytes, origin: str) -> tuple[dict[str, Any], dict[str, np.ndarr
     """
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile:
-        raise StatisticsError(f"{origin}: not a qcal statistics file (not a zip archive)") from None
+    except _DAMAGE:
+        raise StatisticsError(f"{origin}: not a qcal statistics file (not a readable zip "
+                              "archive)") from None
     with archive:
         names = archive.namelist()
         if HEADER not in names:
@@ -71,14 +75,36 @@ def decode(data: bytes, origin: str) -> tuple[dict[str, Any], dict[str, np.ndarr
         try:
             header = json.loads(archive.read(HEADER))
             arrays = {
-                name[len(_ARRAYS):-len(".npy")]: np.lib.format.read_array(
-                    io.BytesIO(archive.read(name)), allow_pickle=False)
+                name[len(_ARRAYS):-len(".npy")]: _read_npy(archive, name)
                 for name in names if name.startswith(_ARRAYS) and name.endswith(".npy")
             }
-        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as err:
-            raise StatisticsError(f"{origin}: unreadable statistics file ({err})") from None
+        except _DAMAGE as err:
+            raise StatisticsError(f"{origin}: unreadable statistics file "
+                                  f"({type(err).__name__}: {err})") from None
     check_header(header, origin)
     return header, arrays
+
+
+# What damaged bytes make zipfile, zlib, json and numpy's .npy reader raise.
+_DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, ValueError, OSError, EOFError,
+           NotImplementedError, RuntimeError, struct.error, KeyError, IndexError, OverflowError)
+
+
+def _read_npy(archive: zipfile.ZipFile, name: str) -> np.ndarray:
+    """One ``.npy`` member, never unpickled, its declared size checked before any allocation."""
+    data = archive.read(name)
+    buffer = io.BytesIO(data)
+    version = np.lib.format.read_magic(buffer)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(buffer)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(buffer)
+    else:
+        raise ValueError(f"{name}: .npy format version {version}")
+    if dtype.hasobject or math.prod(shape) * dtype.itemsize > len(data):
+        raise ValueError(f"{name}: declares more data than it holds, or objects")
+    buffer.seek(0)
+    return np.lib.format.read_array(buffer, allow_pickle=False)
 
 
 def check_header(header: Any, origin: str) -> None:

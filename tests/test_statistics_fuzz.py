@@ -1,0 +1,91 @@
+"""Damaged statistics and ranges files: whatever the damage, reading them gives a
+StatisticsError naming the file (exit 8), never another exception."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qcal._collection import collect_statistics
+from qcal.calibration.statistics import Statistics
+from qcal.calibration.statistics._exchange import parse_ranges
+from qcal.config import CalibrationConfig
+from qcal.numerics.errors import StatisticsError
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "sample_models" / "digits_cnn.onnx"
+EXAMPLES = int(os.environ.get("QCAL_FUZZ_EXAMPLES", "150"))
+
+
+@functools.cache
+def good() -> bytes:
+    """A small statistics file (a global, not a fixture: examples print their arguments)."""
+    return collect_statistics(DIGITS, CalibrationConfig(limit=8)).to_bytes()
+
+
+def _with_header(data: bytes, header: object) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for name in src.namelist():
+            dst.writestr(name, json.dumps(header) if name == "header.json" else src.read(name))
+    return out.getvalue()
+
+
+def _mutate(value: object, path: list[int], replacement: object) -> object:
+    """`value` with the node reached by walking `path` (indices modulo the children) replaced."""
+    if not path or not isinstance(value, (dict, list)) or not value:
+        return replacement
+    keys = sorted(value) if isinstance(value, dict) else list(range(len(value)))
+    key = keys[path[0] % len(keys)]
+    copy = dict(value) if isinstance(value, dict) else list(value)
+    copy[key] = _mutate(value[key], path[1:], replacement)  # type: ignore[index]
+    return copy
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=6,
+)
+
+
+def _read(data: bytes) -> None:
+    try:
+        Statistics.from_bytes(data, "damaged.stats")
+    except StatisticsError as err:
+        assert "damaged.stats" in str(err)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(path=st.lists(st.integers(0, 50), max_size=8), replacement=json_values)
+def test_any_damaged_header_is_a_statistics_error(path: list[int], replacement: object) -> None:
+    with zipfile.ZipFile(io.BytesIO(good())) as archive:
+        header = json.loads(archive.read("header.json"))
+    _read(_with_header(good(), _mutate(header, path, replacement)))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(where=st.integers(0, 10**9), byte=st.integers(0, 255), cut=st.booleans())
+def test_any_damaged_byte_is_a_statistics_error(where: int, byte: int, cut: bool) -> None:
+    data = good()
+    position = where % len(data)
+    data = data[:position] if cut else data[:position] + bytes([byte]) + data[position + 1:]
+    _read(data)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(text=st.text(max_size=200) | st.binary(max_size=200).map(lambda b: b.decode("latin-1")))
+def test_any_ranges_text_is_read_or_refused(text: str) -> None:
+    for prefix in ("", "TRT-8601-EntropyCalibration2\n", "{"):
+        try:
+            parse_ranges((prefix + text).encode(), "r.cache")
+        except StatisticsError as err:
+            assert "r.cache" in str(err)
