@@ -133,3 +133,33 @@ def test_moving_averages_and_mismatches_are_refused(model_path: Path, tmp_path: 
                                        histograms=False)
     with pytest.raises(StatisticsError, match="histograms"):
         merge_statistics([("a", minmax), ("b", no_histograms)])
+
+
+def test_merge_command(model_path: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from qcal.cli import main
+
+    def run(*args: object) -> object:
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((9, 2, 6, 6)).astype(np.float32)
+    for name, rows in (("a", data[:5]), ("b", data[5:]), ("all", data)):
+        np.savez(tmp_path / f"{name}.npz", x=rows)
+        result = run("collect", model_path, "--data", tmp_path / f"{name}.npz", "-o",
+                     tmp_path / f"{name}.stats", "-q")
+        assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    merged = tmp_path / "merged.stats"
+    result = run("merge", tmp_path / "b.stats", tmp_path / "a.stats", "-o", merged)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert "9 samples" in result.output  # type: ignore[attr-defined]
+    assert merged.read_bytes() == (tmp_path / "all.stats").read_bytes()
+    again = run("merge", tmp_path / "a.stats", tmp_path / "b.stats", "-o", merged)
+    assert again.exit_code == 6  # type: ignore[attr-defined]  (exists, no --force)
+    twice = run("merge", tmp_path / "a.stats", tmp_path / "a.stats", "-o", tmp_path / "x.stats")
+    assert twice.exit_code == 8 and "same data" in twice.output  # type: ignore[attr-defined]
+    over_input = run("merge", tmp_path / "a.stats", tmp_path / "b.stats", "-o",
+                     tmp_path / "a.stats", "--force")
+    assert over_input.exit_code == 6  # type: ignore[attr-defined]
+    assert not (tmp_path / "x.stats").exists()

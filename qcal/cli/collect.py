@@ -71,7 +71,7 @@ def collect(**params: Any) -> None:
                                        progress=progress)
     if not params["quiet"]:
         stdout.print(f"wrote {output}: {len(stats.observers)} tensors, {stats.samples} samples, "
-                     f"data fingerprint {stats.fingerprint.hex()[:16]}")
+                     f"data fingerprint {stats.fingerprint.hex()[:16]}", soft_wrap=True)
 
 
 collect.params[2:2] = [p for p in calibrate_command.params if p.name in _SHARED]

@@ -31,4 +31,4 @@ def merge(inputs: tuple[Path, ...], output: Path, force: bool, quiet: bool, debu
     write_atomic(output, merged.to_bytes())
     if not quiet:
         stdout.print(f"wrote {output}: {len(inputs)} files, {merged.samples} samples, "
-                     f"data fingerprint {merged.fingerprint.hex()[:16]}")
+                     f"data fingerprint {merged.fingerprint.hex()[:16]}", soft_wrap=True)
