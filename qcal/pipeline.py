@@ -40,6 +40,7 @@ from qcal._quantize_tensors import (
     _quantize_weights,
     blame_nan_weights,
     build_quantized,
+    layer_hessians,
 )
 from qcal._reuse import reuse_statistics
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
@@ -105,7 +106,8 @@ class _Timings:
         try:
             yield
         finally:
-            self.seconds[name] = round(time.perf_counter() - started, 6)
+            elapsed = time.perf_counter() - started  # a stage may come back (qparams)
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + elapsed, 6)
 
 
 def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Path, Path]:
@@ -202,9 +204,20 @@ def calibrate(
         # Tensors that received no values (If branches not taken, ...) stay float.
         unobserved = {t.tensor for t in plan.activations} - records.keys()
         plan = leave_unobserved_float(prepared, plan, unobserved)
+    hessians = None
+    if config.weight_rounding == "gptq":
+        with timings.stage("gptq"):
+            hessians = layer_hessians(
+                prepared, plan, {n: r.onnx for n, r in records.items()},
+                lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                providers=config.providers, threads=config.threads,
+                on_batch=_stage_progress(progress, "gptq", calib.num_samples()))
+    with timings.stage("qparams"):
         weights, weight_records = _quantize_weights(
-            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation
+            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation,
+            hessians=hessians,
         )
+        del hessians
         records.update(weight_records)
 
     with timings.stage("qdq"):

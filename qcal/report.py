@@ -48,6 +48,9 @@ class TensorRecord:
     qparams: QParams | None
     onnx: OnnxQParams
     consumers: tuple[str, ...]
+    # How a weight's codes were chosen, when not by rounding to nearest (GPTQ): the method and
+    # the layer's relative output error both ways.
+    rounding: Mapping[str, Any] | None = None
 
 
 def report_schema() -> dict[str, Any]:
@@ -135,6 +138,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
         "deviations": list(q.deviations),
         "replacement": q.replacement,
     }
+    if record.rounding is not None:
+        entry["rounding"] = dict(record.rounding)
     return entry
 
 

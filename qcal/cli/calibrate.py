@@ -11,7 +11,7 @@ import click
 from qcal._cli_output import _progress_bar, _show_summary
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
-from qcal.config import METHODS, CalibrationConfig
+from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
 from qcal.numerics.errors import ConfigError, OutputError
 
 
@@ -37,6 +37,10 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("--bins", type=int, default=2048, show_default=True, help="Histogram bins (entropy, percentile, mse).")
 @click.option("--quantized-bins", type=int, default=128, show_default=True, help="Quantized bins for entropy.")
 @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
+@click.option("--weight-rounding", type=click.Choice(WEIGHT_ROUNDINGS), default="nearest",
+              show_default=True,
+              help="How weight codes are chosen: nearest, or gptq (minimises each layer's output "
+                   "error on the calibration data; one more pass over it).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
