@@ -30,5 +30,6 @@ def merge(inputs: tuple[Path, ...], output: Path, force: bool, quiet: bool, debu
     merged = merge_statistics([(str(path), read_statistics(path)) for path in inputs])
     write_atomic(output, merged.to_bytes())
     if not quiet:
-        stdout.print(f"wrote {output}: {len(inputs)} files, {merged.samples} samples, "
+        files = f"{len(inputs)} file{'s' if len(inputs) != 1 else ''}"
+        stdout.print(f"wrote {output}: {files}, {merged.samples} samples, "
                      f"data fingerprint {merged.fingerprint.hex()[:16]}", soft_wrap=True)
