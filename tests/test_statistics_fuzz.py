@@ -10,6 +10,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,16 @@ def test_any_ranges_text_is_read_or_refused(text: str) -> None:
             parse_ranges((prefix + text).encode(), "r.cache")
         except StatisticsError as err:
             assert "r.cache" in str(err)
+
+
+def test_observers_under_the_wrong_key_are_refused() -> None:
+    with zipfile.ZipFile(io.BytesIO(good())) as archive:
+        header = json.loads(archive.read("header.json"))
+    entry = header["tensors"][0]["observers"]
+    swapped = {"histogram": entry["minmax"], "minmax": entry["histogram"]}
+    header["tensors"][0]["observers"] = swapped
+    with pytest.raises(StatisticsError, match="observer is a"):
+        Statistics.from_bytes(_with_header(good(), header), "swapped.stats")
+    header["tensors"][0]["observers"] = {"kl": entry["minmax"]}
+    with pytest.raises(StatisticsError, match="unknown observer key"):
+        Statistics.from_bytes(_with_header(good(), header), "swapped.stats")

@@ -22,6 +22,7 @@ from qcal.numerics.observers import Observer
 __all__ = ["HISTOGRAM", "ObserverPair", "decode_observers", "encode_observers", "merge_observers", "observer_pair", "split"]
 
 HISTOGRAM = "histogram"  # the key of a tensor's histogram; range observers are keyed by method
+_KEYS = (HISTOGRAM, "minmax", "moving-average")
 
 
 class ObserverPair:
@@ -118,10 +119,15 @@ def decode_observers(
                                               "or not a vector of integers")
                     state[name] = array.astype(np.int64)
             data = {**data, "state": state}
+        if key not in _KEYS:
+            raise StatisticsError(f"{origin}: unknown observer key {key!r}")
         try:
-            found[key] = observer_from_dict(data)
+            observer = observer_from_dict(data)
         except (ConfigError, KeyError, TypeError, ValueError) as err:
             raise StatisticsError(f"{origin}: malformed {key} observer ({err})") from None
+        if isinstance(observer, HistogramObserver) != (key == HISTOGRAM):
+            raise StatisticsError(f"{origin}: the {key} observer is a {type(observer).__name__}")
+        found[key] = observer
     return found
 
 
