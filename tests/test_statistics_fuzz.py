@@ -103,3 +103,33 @@ def test_observers_under_the_wrong_key_are_refused() -> None:
     header["tensors"][0]["observers"] = {"kl": entry["minmax"]}
     with pytest.raises(StatisticsError, match="unknown observer key"):
         Statistics.from_bytes(_with_header(good(), header), "swapped.stats")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(path=st.lists(st.integers(0, 50), min_size=3, max_size=8), replacement=json_values,
+       method=st.sampled_from(["minmax", "percentile", "entropy", "mse"]))
+def test_damaged_states_that_load_give_ranges_or_qcal_errors(
+    path: list[int], replacement: object, method: str
+) -> None:
+    """A state damaged so that it still loads: choosing a range from it raises a QcalError
+    (a documented exit code) or gives a range, never another exception."""
+    from qcal.numerics.errors import QcalError
+    from qcal.numerics.presets import build_preset
+    from qcal.numerics.ranges import HistogramSettings, choose_range
+
+    with zipfile.ZipFile(io.BytesIO(good())) as archive:
+        header = json.loads(archive.read("header.json"))
+    header["tensors"] = _mutate(header["tensors"], path, replacement)
+    try:
+        stats = Statistics.from_bytes(_with_header(good(), header), "damaged.stats")
+    except StatisticsError:
+        return
+    recipe = build_preset("pytorch", {}).activation
+    key = "minmax" if method == "minmax" else "histogram"
+    for observers in stats.observers.values():
+        if key not in observers:
+            continue
+        try:
+            choose_range(observers[key], recipe, method, HistogramSettings(99.99, 2048, 128))
+        except QcalError:
+            pass

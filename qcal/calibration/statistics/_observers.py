@@ -123,7 +123,8 @@ def decode_observers(
             raise StatisticsError(f"{origin}: unknown observer key {key!r}")
         try:
             observer = observer_from_dict(data)
-        except (ConfigError, KeyError, TypeError, ValueError) as err:
+        except (ConfigError, KeyError, TypeError, ValueError, AttributeError, IndexError,
+                OverflowError) as err:  # what observer_from_dict meets in a damaged state
             raise StatisticsError(f"{origin}: malformed {key} observer ({err})") from None
         if isinstance(observer, HistogramObserver) != (key == HISTOGRAM):
             raise StatisticsError(f"{origin}: the {key} observer is a {type(observer).__name__}")
