@@ -123,13 +123,6 @@ def merge_statistics(parts: Sequence[tuple[str, Statistics]]) -> Statistics:
         if not part.complete:
             raise StatisticsError(f"{name}: an unfinished collection (a checkpoint); finish it "
                                   "with qcal collect --checkpoint before merging")
-    seen: dict[tuple[str, int], str] = {}
-    for name, part in parts:
-        key = (part.fingerprint.hex(), part.samples)
-        if key in seen:  # the same data twice would count its samples twice
-            raise StatisticsError(f"{name} and {seen[key]}: collected on the same data "
-                                  "(same fingerprint); merge statistics of disjoint shards")
-        seen[key] = name
     for name, part in parts[1:]:
         where = f"{name} and {first_name}"
         if part.model_sha256 != first.model_sha256:
