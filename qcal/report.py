@@ -186,6 +186,7 @@ def build_report(
     gates: Sequence[GateResult] = (),
     providers_used: Sequence[str] = (),
     external_data: ExternalFile | None = None,
+    statistics: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -236,6 +237,8 @@ def build_report(
             "synthetic": bool(calib.is_synthetic),
             "samples": calib_samples,
             "batch_size": config.batch_size,
+            # Only when the statistics were read from a file (calibrate --stats).
+            **({} if statistics is None else {"statistics": dict(statistics)}),
         },
         "runtime": {
             "providers_requested": list(config.providers),

@@ -45,6 +45,7 @@ def reports_errors(command: F) -> F:
         except QcalError as err:
             if debug:
                 raise
+            # Escaped: a message may hold brackets (a tensor name, `pip install 'qcal[ray]'`).
             stderr.print(f"[bold red]error ({err.title}):[/] {escape(str(err))}", soft_wrap=True)
             raise SystemExit(err.exit_code) from None
         except (click.exceptions.Exit, click.ClickException, SystemExit):
