@@ -14,15 +14,21 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import onnx
 
-from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
+from qcal.calibration.hessians import (
+    HessianTarget,
+    LayerInputs,
+    collect_hessians,
+    hessian_target,
+)
 from qcal.config import CalibrationConfig
 from qcal.graph.files.large import WeightFile, tensor_array
 from qcal.graph.model import ActivationTarget, QuantPlan
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
 from qcal.graph.structure import FLOAT_TYPES, all_graphs
 from qcal.numerics import fakequant
+from qcal.numerics.bias_correction import output_mean_shift
 from qcal.numerics.errors import DataError, EmptyStatisticsError, ModelError
-from qcal.numerics.gptq import GptqResult, gptq_weight
+from qcal.numerics.gptq import gptq_weight
 from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import TensorRecipe
@@ -99,11 +105,12 @@ def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
 def _quantize_weights(
     model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
     opset: int, *, operand_recipe: TensorRecipe | None = None,
-    hessians: Mapping[str, np.ndarray] | None = None,
+    layer_inputs: Mapping[str, LayerInputs] | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
     """Codes and records of the planned weights; "operand" constants use `operand_recipe`.
 
-    A weight whose node has a Hessian in `hessians` (keyed by node) gets GPTQ codes.
+    A weight whose node was measured in `layer_inputs` (keyed by node) gets GPTQ codes when
+    `config.weight_rounding` is "gptq", and its bias a correction with `config.bias_correction`.
     """
     nodes = {n.name: n for n in model.graph.node}
     # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
@@ -125,47 +132,66 @@ def _quantize_weights(
         qparams = recipe.qparams(choice.stats)
         onnx_qparams = recipe.to_onnx(qparams, opset=opset)
         codes = _quantize_in_blocks(recipe, array, qparams, opset)
-        rounded = None
-        if hessians and target.node in hessians and target.role == "weight":
-            rounded = _gptq(array, nodes[target.node], hessians[target.node], recipe, qparams,
-                            onnx_qparams, opset, codes)
-            codes = codes if rounded is None else rounded.codes
-        weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
+        measured = (layer_inputs or {}).get(target.node) if target.role == "weight" else None
+        node = nodes.get(target.node)
+        row_axis = None if node is None else _row_axis(node, qparams, array.ndim)
+        rounded = shift = None
+        if measured is not None and node is not None and row_axis is not None:
+            if measured.hessian is not None and config.weight_rounding == "gptq":
+                rounded = gptq_weight(
+                    array, row_axis=row_axis, groups=measured.hessian.shape[0],
+                    hessian=measured.hessian,
+                    quantize=_column_quantizer(recipe, qparams, onnx_qparams),
+                    scale=onnx_qparams.scale, zero_point=onnx_qparams.zero_point, nearest=codes)
+                codes = rounded.codes
+            if config.bias_correction and measured.count > 0:
+                shift = output_mean_shift(
+                    array, codes, row_axis=row_axis, scale=onnx_qparams.scale,
+                    zero_point=onnx_qparams.zero_point, input_means=measured.means())
+        weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams, bias_shift=shift)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="weight", method="minmax", choice=choice,
             qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
             rounding=None if rounded is None else {
                 "method": "gptq", "output_error_nearest": rounded.error_nearest,
                 "output_error": rounded.error_gptq},
+            bias_shift=None if shift is None else float(np.max(np.abs(shift), initial=0.0)),
         )
     return weights, records
 
 
-def _gptq(
-    array: np.ndarray, node: onnx.NodeProto, hessian: np.ndarray, recipe: TensorRecipe,
-    qparams: QParams, onnx_qparams: OnnxQParams, opset: int, nearest: np.ndarray,
-) -> GptqResult | None:
-    """GPTQ codes of `node`'s weight, or None where its parameters do not follow its output
-    channels (a per-channel axis along the inputs): such weights round to nearest."""
+def _column_quantizer(
+    recipe: TensorRecipe, qparams: QParams, onnx_qparams: OnnxQParams
+) -> Callable[[np.ndarray], np.ndarray]:
+    """The preset's own rounding and limits, with the ONNX parameters worked out once."""
+
+    def quantize(column: np.ndarray) -> np.ndarray:
+        return fakequant.quantize(column, qparams, recipe.scheme, onnx_qparams)
+
+    return quantize
+
+
+def _row_axis(node: onnx.NodeProto, qparams: QParams, ndim: int) -> int | None:
+    """The axis of `node`'s weight that holds its output channels (Conv 0, MatMul 1, Gemm by
+    transB); None where the weight's parameters run along another axis (per channel along its
+    inputs): GPTQ and bias correction then leave it alone."""
+    if node.op_type not in ("Conv", "MatMul", "Gemm"):
+        return None
     trans_b = any(a.name == "transB" and a.i for a in node.attribute)
     row_axis = 1 if node.op_type == "MatMul" or (node.op_type == "Gemm" and not trans_b) else 0
-    if qparams.axis is not None and qparams.axis % array.ndim != row_axis:
+    if qparams.axis is not None and qparams.axis % ndim != row_axis:
         return None
-    return gptq_weight(
-        array, row_axis=row_axis, groups=hessian.shape[0], hessian=hessian,
-        # The preset's own rounding and limits, with the ONNX parameters worked out once.
-        quantize=lambda column: fakequant.quantize(column, qparams, recipe.scheme, onnx_qparams),
-        scale=onnx_qparams.scale, zero_point=onnx_qparams.zero_point, nearest=nearest,
-    )
+    return row_axis
 
 
-def layer_hessians(
+def measure_layer_inputs(
     model: onnx.ModelProto, plan: QuantPlan, act_params: Mapping[str, OnnxQParams],
-    batches: Callable[[], Iterable[tuple[Mapping[str, np.ndarray], int]]], *,
+    batches: Callable[[], Iterable[tuple[Mapping[str, np.ndarray], int]]], *, gptq: bool,
     providers: tuple[str, ...], threads: int, on_batch: Callable[[int], None] | None,
-) -> dict[str, np.ndarray]:
-    """The input Hessians of the planned Conv/MatMul/Gemm weights of the main graph whose
-    input is quantized per tensor (GPTQ's second pass over the calibration data)."""
+) -> dict[str, LayerInputs]:
+    """The second pass over the calibration data: the inputs of the planned Conv/MatMul/Gemm
+    weights of the main graph whose input is quantized per tensor, their Hessians for `gptq`
+    (every such layer), else only their sums (the layers with a bias to correct)."""
     nodes = {n.name: n for n in model.graph.node}
     initializers = {i.name: i for i in model.graph.initializer}
     targets = []
@@ -173,10 +199,11 @@ def layer_hessians(
         node = nodes.get(weight.node)
         if (weight.role != "weight" or node is None or weight.tensor not in initializers
                 or node.op_type not in ("Conv", "MatMul", "Gemm") or len(node.input) < 2
-                or node.input[1] != weight.tensor or node.input[0] not in act_params):
+                or node.input[1] != weight.tensor or node.input[0] not in act_params
+                or (not gptq and len(node.input) < 3)):
             continue
         target = hessian_target(node, list(initializers[weight.tensor].dims),
-                                act_params[node.input[0]])
+                                act_params[node.input[0]], products=gptq)
         if isinstance(target, HessianTarget):
             targets.append(target)
     return collect_hessians(model, targets, batches, providers=providers, threads=threads,

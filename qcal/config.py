@@ -77,6 +77,7 @@ class CalibrationConfig:
     quantized_bins: int = 128
     per_channel: bool = True
     weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
+    bias_correction: bool = False  # biases absorb the mean output shift of the weights' codes
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None
@@ -270,6 +271,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     **{key: (int, float) for key in _FLOAT_KEYS},
     "per_channel": bool,
     "default_exclusions": bool,
+    "bias_correction": bool,
     "fallback": bool,
     "sensitivity": bool,
     "preset_options": dict,

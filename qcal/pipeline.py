@@ -40,7 +40,7 @@ from qcal._quantize_tensors import (
     _quantize_weights,
     blame_nan_weights,
     build_quantized,
-    layer_hessians,
+    measure_layer_inputs,
 )
 from qcal._reuse import reuse_statistics
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
@@ -204,20 +204,21 @@ def calibrate(
         # Tensors that received no values (If branches not taken, ...) stay float.
         unobserved = {t.tensor for t in plan.activations} - records.keys()
         plan = leave_unobserved_float(prepared, plan, unobserved)
-    hessians = None
-    if config.weight_rounding == "gptq":
-        with timings.stage("gptq"):
-            hessians = layer_hessians(
+    layer_inputs = None
+    if config.weight_rounding == "gptq" or config.bias_correction:
+        with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
+            layer_inputs = measure_layer_inputs(
                 prepared, plan, {n: r.onnx for n, r in records.items()},
                 lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
-                providers=config.providers, threads=config.threads,
-                on_batch=_stage_progress(progress, "gptq", calib.num_samples()))
+                gptq=config.weight_rounding == "gptq", providers=config.providers,
+                threads=config.threads,
+                on_batch=_stage_progress(progress, "layer inputs", calib.num_samples()))
     with timings.stage("qparams"):
         weights, weight_records = _quantize_weights(
             prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation,
-            hessians=hessians,
+            layer_inputs=layer_inputs,
         )
-        del hessians
+        del layer_inputs
         records.update(weight_records)
 
     with timings.stage("qdq"):

@@ -55,6 +55,8 @@ class TensorRecord:
     # How a weight's codes were chosen, when not by rounding to nearest (GPTQ): the method and
     # the layer's relative output error both ways.
     rounding: Mapping[str, Any] | None = None
+    # Bias correction: the largest shift of the output mean taken back by the node's bias.
+    bias_shift: float | None = None
 
 
 def report_schema() -> dict[str, Any]:
@@ -146,6 +148,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
     }
     if record.rounding is not None:
         entry["rounding"] = dict(record.rounding)
+    if record.bias_shift is not None:
+        entry["bias_correction"] = {"max_abs_shift": record.bias_shift}
     return entry
 
 

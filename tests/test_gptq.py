@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.calibration import hessians
 from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
 from qcal.cli import main
+from qcal.numerics.bias_correction import output_mean_shift
 from qcal.numerics.gptq import gptq_codes, output_error
 from qcal.numerics.onnx_mapping import OnnxQParams
 
@@ -120,6 +121,8 @@ def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tupl
     top, left, bottom, right = target.pads
     per_group = weight_shape[1]
     hessian = np.zeros((target.groups, target.inputs_per_group, target.inputs_per_group), np.int64)
+    sums = np.zeros((target.groups, target.inputs_per_group), np.int64)
+    count = 0
     height, width = x.shape[2] + top + bottom, x.shape[3] + left + right
     rows, cols = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
     total = rows * cols
@@ -137,7 +140,9 @@ def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tupl
                             patch.append(sample[c, y, xx] if inside else 0)
                 v = np.array(patch, np.int64)
                 hessian[g] += np.outer(v, v)
-    return hessian
+                sums[g] += v
+            count += 1
+    return hessian, sums, count
 
 
 @pytest.mark.parametrize(("attrs", "limit"), [
@@ -156,12 +161,17 @@ def test_conv_hessian_matches_the_patches_it_sees(
     target = hessian_target(model.graph.node[0], weight.shape, _act(0.05, 11))
     assert isinstance(target, HessianTarget)
     x = rng.normal(size=(3, 4, 7, 6)).astype(np.float32) * 3
-    whole = collect_hessians(model, [target], lambda: [({"x": x}, 3)])["conv"]
+    measured = collect_hessians(model, [target], lambda: [({"x": x}, 3)])["conv"]
     one_by_one = collect_hessians(
         model, [target], lambda: [({"x": x[i : i + 1]}, 1) for i in (2, 0, 1)])["conv"]
-    assert whole.dtype == np.int64
-    assert np.array_equal(whole, _naive_conv_hessian(x, target, weight.shape, limit))
-    assert np.array_equal(whole, one_by_one)  # any batching, any order: integers
+    whole = measured.hessian
+    assert whole is not None and whole.dtype == np.int64
+    expected, sums, count = _naive_conv_hessian(x, target, weight.shape, limit)
+    assert np.array_equal(whole, expected)
+    assert np.array_equal(measured.sums, sums) and measured.count == count
+    assert one_by_one.hessian is not None  # any batching, any order: integers
+    assert np.array_equal(whole, one_by_one.hessian)
+    assert np.array_equal(measured.sums, one_by_one.sums)
 
 
 def test_matmul_hessian_is_the_codes_gram_matrix() -> None:
@@ -179,7 +189,9 @@ def test_matmul_hessian_is_the_codes_gram_matrix() -> None:
     codes = np.clip(np.rint(x / np.float32(0.02)) + 128, 0, 255).astype(np.int64) - 128
     rows = codes.reshape(-1, 5)
     got = collect_hessians(model, [target], lambda: [({"x": x}, 2)])["mm"]
-    assert np.array_equal(got, (rows.T @ rows)[None])
+    assert got.hessian is not None and np.array_equal(got.hessian, (rows.T @ rows)[None])
+    assert np.array_equal(got.sums, rows.sum(axis=0)[None]) and got.count == 8
+    assert got.means() == pytest.approx(rows.mean(axis=0)[None] * float(np.float32(0.02)), rel=1e-12)
 
 
 # ---------------------------------------------------------------------- end to end
@@ -222,3 +234,48 @@ def test_gptq_output_does_not_depend_on_batching_or_order(tmp_path: Path) -> Non
     _calibrate(tmp_path, model, "a", "--data", str(forward), *common)
     _calibrate(tmp_path, model, "b", "--data", str(backward), "--batch-size", "7", *common)
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+
+
+# ---------------------------------------------------------------------- bias correction
+
+
+def test_output_mean_shift_is_the_weight_error_times_the_input_mean() -> None:
+    rng = np.random.default_rng(6)
+    weight = rng.normal(size=(6, 2, 3, 3))  # a Conv with 2 groups of 3 output channels
+    scale = np.abs(weight).reshape(6, -1).max(axis=1) / 63.5
+    codes = np.clip(np.rint(weight / scale[:, None, None, None]), -64, 63).astype(np.int8)
+    means = rng.normal(size=(2, 18))
+    shift = output_mean_shift(weight, codes, row_axis=0, scale=scale,
+                              zero_point=np.zeros(6, np.int8), input_means=means)
+    for o in range(6):
+        restored = codes[o].astype(np.float64).reshape(-1) * scale[o]
+        expected = (restored - weight[o].reshape(-1)) @ means[o // 3]
+        assert shift[o] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    # MatMul weights (K, N): the output channels are the columns.
+    w2 = rng.normal(size=(5, 4))
+    c2 = np.rint(w2 / 0.05).astype(np.int8)
+    mean2 = rng.normal(size=(1, 5))
+    got = output_mean_shift(w2, c2, row_axis=1, scale=np.float32(0.05),
+                            zero_point=np.int8(0), input_means=mean2)
+    assert got == pytest.approx((c2 * float(np.float32(0.05)) - w2).T @ mean2[0], rel=1e-9)
+
+
+def test_bias_correction_removes_the_mean_output_error(tmp_path: Path) -> None:
+    """digits CNN: the biases take back the mean shift of the 7-bit weights, measured on the
+    evaluation data (which the correction never saw), and only the biases change."""
+    path = SAMPLE_MODELS / "digits_cnn.onnx"
+    plain = _calibrate(tmp_path, path, "plain")
+    corrected = _calibrate(tmp_path, path, "corrected", "--bias-correction")
+    onnx.checker.check_model(str(tmp_path / "corrected.onnx"))
+    sqnr = lambda r: min(o["sqnr_db"] for o in r["evaluation"]["outputs"])
+    assert sqnr(corrected) > sqnr(plain) + 1.0
+    shifted = [t for t in corrected["tensors"] if "bias_correction" in t]
+    assert shifted and all(t["role"] == "weight" for t in shifted)
+    changed = _differing_initializers(tmp_path / "plain.onnx", tmp_path / "corrected.onnx")
+    assert changed and all(i.data_type == TensorProto.INT32 for i in changed)  # biases only
+
+
+def _differing_initializers(a: Path, b: Path) -> list[onnx.TensorProto]:
+    first = {i.name: i for i in onnx.load(str(a)).graph.initializer}
+    return [i for i in onnx.load(str(b)).graph.initializer
+            if i.name in first and i.SerializeToString() != first[i.name].SerializeToString()]

@@ -1,4 +1,5 @@
-"""The inputs' second moments (``H = sum x x^T``) of the layers whose weights GPTQ rounds.
+"""The inputs' second moments (``H = sum x x^T``) of the layers whose weights GPTQ rounds, and
+their sums (bias correction).
 
 A second pass over the calibration data, once the activations' parameters are known. Each
 layer's input is taken as the quantized model will see it: the integer codes of its
@@ -24,7 +25,7 @@ from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
 
-__all__ = ["HessianTarget", "collect_hessians", "hessian_target"]
+__all__ = ["HessianTarget", "LayerInputs", "collect_hessians", "hessian_target"]
 
 Feed = Mapping[str, np.ndarray]
 # Patches unfolded at a time (values): bounds the temporary memory of a large feature map.
@@ -51,6 +52,7 @@ class HessianTarget:
             MatMul/Gemm); pads as ONNX lists them (all begins, then all ends).
         transposed: a Gemm with transA: its input is (K, M), not (M, K).
         inputs_per_group: columns of H (channels per group x kernel size, or K).
+        products: collect H itself; False: only the inputs' sums (bias correction alone).
     """
 
     node: str
@@ -65,17 +67,41 @@ class HessianTarget:
     dilations: tuple[int, ...]
     transposed: bool
     inputs_per_group: int
+    products: bool = True
 
     @property
     def nbytes(self) -> int:
-        return self.groups * self.inputs_per_group**2 * 8
+        return self.groups * self.inputs_per_group ** (2 if self.products else 1) * 8
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What the second pass measured of a layer's input, in centred integer codes.
+
+    Attributes:
+        hessian: H per group (int64, groups x inputs x inputs), None when not asked for.
+        sums: per group the sum of each input column over every position (int64).
+        count: the positions summed (each sample's, or its evenly spaced subset).
+        scale: the input's scale: a code step in real units (the mean of input j is
+            ``scale * sums[g, j] / count``).
+    """
+
+    hessian: np.ndarray | None
+    sums: np.ndarray
+    count: int
+    scale: float
+
+    def means(self) -> np.ndarray:
+        """The mean of each input column per group, in real units (float64)."""
+        means: np.ndarray = self.sums * (self.scale / max(self.count, 1))
+        return means
 
 
 def hessian_target(
-    node: onnx.NodeProto, weight_shape: Sequence[int], act: OnnxQParams
+    node: onnx.NodeProto, weight_shape: Sequence[int], act: OnnxQParams, *, products: bool = True
 ) -> HessianTarget | str:
     """The target for `node` reading weights of `weight_shape` through an input quantized
-    with `act`, or the reason it has none."""
+    with `act` (H too, or only the sums without `products`), or the reason it has none."""
     if np.asarray(act.scale).size != 1:
         return "its input is quantized per channel"
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -92,7 +118,7 @@ def hessian_target(
             kernel=tuple(weight_shape[2:]), strides=tuple(attrs.get("strides", [1] * spatial)),
             pads=tuple(attrs.get("pads", [0] * 2 * spatial)),
             dilations=tuple(attrs.get("dilations", [1] * spatial)), transposed=False,
-            inputs_per_group=int(np.prod(weight_shape[1:])),
+            inputs_per_group=int(np.prod(weight_shape[1:])), products=products,
         )
     if node.op_type in ("MatMul", "Gemm") and len(weight_shape) == 2:
         trans_b = node.op_type == "Gemm" and bool(attrs.get("transB", 0))
@@ -100,6 +126,7 @@ def hessian_target(
             node.name, node.input[0], *quantized, groups=1, kernel=(), strides=(), pads=(),
             dilations=(), transposed=node.op_type == "Gemm" and bool(attrs.get("transA", 0)),
             inputs_per_group=int(weight_shape[1] if trans_b else weight_shape[0]),
+            products=products,
         )
     return f"a {node.op_type} with a {len(weight_shape)}-d weight"
 
@@ -124,8 +151,14 @@ class _ExactSum:
 
     def __init__(self, target: HessianTarget) -> None:
         shape = (target.groups, target.inputs_per_group, target.inputs_per_group)
+        self.products = target.products
+        if not self.products:
+            shape = (0, 0, 0)
         self.total = np.zeros(shape, np.int64)
         self.running = np.zeros(shape, np.float64)
+        self.sums = np.zeros((target.groups, target.inputs_per_group), np.int64)
+        self.count = 0
+        self.scale = target.scale
         self.square = _largest_code(target) ** 2
         self.bound = 0  # largest |entry| `running` can hold: positions x largest product
         self.rows = max(1, min(_CHUNK_VALUES // max(target.inputs_per_group, 1),
@@ -148,6 +181,11 @@ class _ExactSum:
         self.pending, self.pending_rows = [], 0
         for start in range(0, rows.shape[1], self.rows):
             block = rows[:, start : start + self.rows]
+            # Column sums of at most `self.rows` integers below 2^16 each: exact in float64.
+            self.sums += block.sum(axis=1).astype(np.int64)
+            self.count += block.shape[1]
+            if not self.products:
+                continue
             if self.bound + block.shape[1] * self.square >= 2**53:
                 self.flush()
             self.running += np.transpose(block, (0, 2, 1)) @ block
@@ -158,10 +196,11 @@ class _ExactSum:
         self.running[...] = 0.0
         self.bound = 0
 
-    def result(self) -> np.ndarray:
+    def result(self) -> LayerInputs:
         self._multiply()
         self.flush()
-        return self.total
+        return LayerInputs(self.total if self.products else None, self.sums, self.count,
+                           self.scale)
 
 
 def _positions(out: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -222,8 +261,9 @@ def collect_hessians(
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
-) -> dict[str, np.ndarray]:
-    """H (int64, groups x inputs x inputs) per target node, over every batch `batches()` gives.
+) -> dict[str, LayerInputs]:
+    """What each target node's input holds over every batch `batches()` gives: H (int64,
+    groups x inputs x inputs) where the target asks for it, and the inputs' sums.
 
     Targets whose Hessians do not fit in MEMORY_BUDGET_BYTES together are collected in further
     passes; a target alone above the budget is left out (its weights round to nearest).
@@ -238,7 +278,7 @@ def collect_hessians(
             held = 0
         passes[-1].append(target)
         held += target.nbytes
-    hessians: dict[str, np.ndarray] = {}
+    hessians: dict[str, LayerInputs] = {}
     for group in passes:
         tensors = sorted({t.tensor for t in group})
         session = create_session(expose_tensors(model, tensors), providers=providers,

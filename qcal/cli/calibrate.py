@@ -43,6 +43,9 @@ from qcal.numerics.errors import ConfigError, OutputError
               show_default=True,
               help="How weight codes are chosen: nearest, or gptq (minimises each layer's output "
                    "error on the calibration data; one more pass over it).")
+@click.option("--bias-correction/--no-bias-correction", default=False, show_default=True,
+              help="Correct Conv/Gemm biases for the mean shift the weights' codes cause on "
+                   "the calibration data (one more pass over it).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")

@@ -56,10 +56,14 @@ class QuantizedWeight:
         codes: integer codes, same shape as the float weight; ``(codes - zp) * scale``
             approximates it (int4/uint4 codes are held as int8/uint8).
         onnx: the DequantizeLinear parameters (``axis`` set for per-channel weights).
+        bias_shift: per output channel, how much the codes move the mean of the reading
+            node's output (bias correction); subtracted from that node's bias where it is
+            stored as int32. None: no correction.
     """
 
     codes: np.ndarray
     onnx: OnnxQParams
+    bias_shift: np.ndarray | None = None
 
 
 def _same_qparams(a: OnnxQParams, b: OnnxQParams) -> bool:

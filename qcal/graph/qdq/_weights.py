@@ -93,6 +93,9 @@ class _WeightWriter(_Writer):
         float_type = self._float_type(rewrite, bias.tensor, "bias")
         values = tensor_array(self._originals.get(bias.tensor, initializer))
         values = values.astype(np.float32)
+        shift = self._weight_codes[bias.weight_tensor].bias_shift
+        if shift is not None and shift.shape == values.shape:  # bias correction
+            values = (values.astype(np.float64) - shift).astype(np.float32)
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
         if not (np.all(np.isfinite(stored_scale)) and np.all(stored_scale > 0)):
