@@ -1,0 +1,100 @@
+"""The compiled kernels (numba, ``nogil``): imported only through :func:`qcal.numerics.kernels.compiled`.
+
+Each kernel takes a batch as a C-contiguous 3-D array ``(outer, channels, inner)``: the channel
+axis in the middle, everything before it folded into ``outer`` and everything after it into
+``inner`` (per tensor: ``(1, 1, size)``), so one loop serves every layout without a transpose.
+
+Compiled code is cached on disk (``cache=True``: beside this file when that is writable, else
+numba's user cache folder, or ``NUMBA_CACHE_DIR``); where no cache folder can be written, the
+kernels are compiled in each process instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+
+__all__ = ["count_bins", "min_max"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_GROUPS = 512  # sign bit x 8 exponent bits: one block of bins per group and channel
+
+
+def _jit(function: _F) -> _F:
+    try:
+        return cast(_F, numba.njit(nogil=True, cache=True)(function))
+    except RuntimeError:  # no cache folder can be written (a read-only install, no home)
+        return cast(_F, numba.njit(nogil=True)(function))
+
+
+@_jit
+def count_bins(
+    patterns: np.ndarray, shift: int, bits: int, rows: np.ndarray, counts: np.ndarray,
+    missing: np.ndarray, step: int,
+) -> int:
+    """Add `step` to the bin of every value whose block has a row; mark the blocks without one.
+
+    Args:
+        patterns: uint32 (outer, channels, inner): float32 bit patterns.
+        shift: bin key = pattern >> shift (23 - mantissa bits).
+        bits: mantissa bits of a key; a key's block is ``channel * 512 + key >> bits``.
+        rows: int32 (channels * 512,): the row of `counts` of each block; -1 for a block
+            that has none (the value is skipped and its block marked in `missing`), -2 for a
+            block to skip without marking.
+        counts: int64 (rows, 2**bits): bin counts, updated in place.
+        missing: bool (channels * 512,): set where a value met a block marked -1.
+        step: 1 to count, -1 to take back an earlier count of the same values.
+
+    Returns:
+        The number of values skipped for want of a row (marked in `missing`).
+    """
+    outer, channels, inner = patterns.shape
+    mask = (np.int64(1) << bits) - 1
+    skipped = 0
+    for o in range(outer):
+        for c in range(channels):
+            base = c * _GROUPS
+            for i in range(inner):
+                key = np.int64(patterns[o, c, i]) >> shift
+                group = base + (key >> bits)
+                row = rows[group]
+                if row >= 0:
+                    counts[row, key & mask] += step
+                elif row == -1:
+                    missing[group] = True
+                    skipped += 1
+    return skipped
+
+
+@_jit
+def min_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-channel min and max of a non-empty (outer, channels, inner) array, in its own dtype.
+
+    Returns:
+        (lo, hi, nan): the extremes in the array's dtype, and a bool per channel, set where
+        the channel holds a NaN (its extremes are then meaningless: numpy's would be NaN).
+    """
+    outer, channels, inner = values.shape
+    lo = np.empty(channels, dtype=values.dtype)
+    hi = np.empty(channels, dtype=values.dtype)
+    nan = np.zeros(channels, dtype=np.bool_)
+    for c in range(channels):
+        lo[c] = values[0, c, 0]
+        hi[c] = values[0, c, 0]
+    for o in range(outer):
+        for c in range(channels):
+            a = lo[c]
+            b = hi[c]
+            bad = False
+            for i in range(inner):
+                v = values[o, c, i]
+                a = min(a, v)
+                b = max(b, v)
+                bad |= np.isnan(v)
+            lo[c] = a
+            hi[c] = b
+            nan[c] |= bad
+    return lo, hi, nan

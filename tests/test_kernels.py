@@ -1,0 +1,254 @@
+"""Compiled kernels (qcal[fast]) against the numpy reference: bit-identical statistics.
+
+Every case feeds the same batches to an observer under QCAL_KERNELS=numpy and under
+QCAL_KERNELS=numba and compares the whole state (blocks, counts, extremes, saved form) bit for
+bit, and the error, when one is raised, word for word.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from qcal.numerics import kernels
+from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.histogram import HistogramObserver
+from qcal.numerics.observers import (
+    Granularity,
+    MinMaxObserver,
+    PerChannel,
+    PerTensor,
+    reduce_min_max,
+)
+
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
+needs_numba = pytest.mark.skipif(
+    not HAS_NUMBA, reason="numba is not installed (pip install 'qcal[fast]')"
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+def _with_kernels(
+    monkeypatch: pytest.MonkeyPatch, choice: str, run: Callable[[], Any]
+) -> Any:
+    monkeypatch.setenv(kernels.KERNELS_ENV, choice)
+    kernels.reset()
+    try:
+        assert kernels.active() == choice
+        return run()
+    finally:
+        kernels.reset()
+
+
+def _feed(granularity: Granularity, batches: Sequence[np.ndarray]) -> Callable[[], Any]:
+    """Update a fresh histogram observer batch by batch: its saved state, or the error."""
+
+    def run() -> Any:
+        observer = HistogramObserver(granularity)
+        outcome: list[Any] = []
+        for batch in batches:
+            try:
+                observer.update(batch)
+            except DataError as err:
+                outcome.append(str(err))
+        state = observer.to_dict()
+        if state["state"] is not None:
+            snapshot = observer.state()
+            outcome.append(
+                [snapshot.groups.tobytes(), snapshot.counts.tobytes(), snapshot.min.tobytes(),
+                 snapshot.max.tobytes(), snapshot.counts.dtype.str]
+            )
+        outcome.append(json.dumps(state))
+        return outcome
+
+    return run
+
+
+def _awkward(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """Normal values with zeros of both signs, subnormals, ties, outliers and bin edges."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1)
+    pick = rng.random(flat.size)
+    flat[pick < 0.1] = 0.0
+    flat[(pick >= 0.1) & (pick < 0.15)] = -0.0
+    flat[(pick >= 0.15) & (pick < 0.17)] = np.float32(1e-40)  # subnormal
+    flat[(pick >= 0.17) & (pick < 0.25)] = np.float32(0.75)  # ties
+    flat[(pick >= 0.25) & (pick < 0.26)] *= 1e6
+    # Bin edges: patterns whose low mantissa bits (below the 8 a key keeps) are all zero.
+    edges = (pick >= 0.26) & (pick < 0.35)
+    flat[edges] = (flat[edges].view(np.uint32) & np.uint32(0xFFFF8000)).view(np.float32)
+    with np.errstate(over="ignore"):  # float16: the outliers become infinities (refused)
+        return x.astype(dtype)
+
+
+def _cases() -> Iterator[tuple[str, Granularity, list[np.ndarray]]]:
+    rng = np.random.default_rng(16)
+    small = [_awkward(rng, (3, 7)) for _ in range(5)]  # below the numpy path's buffering
+    large = [_awkward(rng, (1, 70_000)) for _ in range(2)]
+    yield "per tensor, small and large batches", PerTensor(), small + large + small
+    yield "per tensor, float64", PerTensor(), [_awkward(rng, (50, 40), np.float64) for _ in range(3)]
+    yield "per tensor, float16", PerTensor(), [_awkward(rng, (2, 3000), np.float16) for _ in range(2)]
+    yield "per tensor, integers", PerTensor(), [rng.integers(-300, 300, (40, 40)) for _ in range(2)]
+    yield "per tensor, one value", PerTensor(), [np.float32([-0.0]), np.float32([0.0])]
+    yield "per tensor, empty batch", PerTensor(), [np.zeros((0, 4), np.float32), small[0]]
+    for axis in (0, 1, -1):
+        batches = [_awkward(rng, (4, 6, 5, 3)) for _ in range(3)]
+        yield f"per channel, axis {axis}", PerChannel(axis), batches
+    yield "per channel, non-contiguous", PerChannel(1), [
+        _awkward(rng, (6, 8, 10)).transpose(2, 1, 0) for _ in range(2)
+    ]
+    yield "per channel, many values", PerChannel(0), [_awkward(rng, (3, 200_000))]
+    yield "per channel, float64", PerChannel(1), [_awkward(rng, (5, 4, 9), np.float64)]
+    nan = _awkward(rng, (40, 40))
+    nan[3, 5] = np.nan
+    pos_inf = _awkward(rng, (40, 40))
+    pos_inf[0, 0] = np.inf
+    neg_inf = _awkward(rng, (40, 40))
+    neg_inf[-1, -1] = -np.inf
+    yield "per tensor, NaN and inf refused", PerTensor(), [small[1], nan, pos_inf, neg_inf, small[2]]
+    good = _awkward(rng, (40, 40))
+    yield "per channel, NaN and inf refused", PerChannel(0), [nan, good, pos_inf, neg_inf, good]
+
+
+@needs_numba
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_compiled_histograms_are_bit_identical(
+    case: tuple[str, Granularity, list[np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, granularity, batches = case
+    reference = _with_kernels(monkeypatch, "numpy", _feed(granularity, batches))
+    compiled = _with_kernels(monkeypatch, "numba", _feed(granularity, batches))
+    assert compiled == reference
+
+
+@needs_numba
+def test_compiled_histograms_take_extremes_from_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-tensor batches with their extremes given (as onnxruntime computes them)."""
+    rng = np.random.default_rng(3)
+    batches = [_awkward(rng, (int(n),)) for n in rng.integers(1, 90_000, 12)]
+
+    def run() -> Any:
+        observer = HistogramObserver(PerTensor())
+        for batch in batches:
+            observer.update(batch, extremes=(batch.min(), batch.max()))
+        return json.dumps(observer.to_dict())
+
+    assert _with_kernels(monkeypatch, "numba", run) == _with_kernels(monkeypatch, "numpy", run)
+
+
+@needs_numba
+def test_merge_and_reload_mix_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state counted by one path and merged into or reloaded by the other stays exact."""
+    rng = np.random.default_rng(5)
+    first, second = _awkward(rng, (30_000,)), _awkward(rng, (50_000,))
+
+    def observe(batch: np.ndarray) -> HistogramObserver:
+        observer = HistogramObserver(PerTensor())
+        observer.update(batch)
+        return observer
+
+    by_numpy = _with_kernels(monkeypatch, "numpy", lambda: observe(first))
+    by_numba = _with_kernels(monkeypatch, "numba", lambda: observe(second))
+    by_numpy.merge(by_numba)
+    reloaded = HistogramObserver.from_dict(by_numpy.to_dict())
+    _with_kernels(monkeypatch, "numba", lambda: reloaded.update(first))
+    whole = _with_kernels(monkeypatch, "numpy", lambda: observe(np.concatenate([first, second, first])))
+    assert json.dumps(reloaded.to_dict()) == json.dumps(whole.to_dict())
+    # The counts reach every value once: an independent total.
+    assert int(reloaded.state().total()[0]) == 2 * first.size + second.size
+
+
+@needs_numba
+def test_compiled_counts_match_an_independent_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bins by the float32 bit pattern, counted with Python's own Counter."""
+    from collections import Counter
+
+    rng = np.random.default_rng(9)
+    x = _awkward(rng, (5000,))
+    observer = HistogramObserver(PerTensor(), mantissa_bits=4)
+    _with_kernels(monkeypatch, "numba", lambda: observer.update(x))
+    expected = Counter(int(p) >> (23 - 4) for p in x.view(np.uint32))
+    keys, counts = observer.state().channel_bins(0)
+    assert dict(zip(keys.tolist(), counts.tolist())) == dict(expected)
+
+
+@needs_numba
+def test_compiled_min_max_matches_numpy_on_every_layout() -> None:
+    from qcal.numerics.kernels import _compiled
+
+    rng = np.random.default_rng(11)
+    for dtype in (np.float32, np.float64, np.int32):
+        x = _awkward(rng, (4, 5, 6), dtype)
+        for axis in (0, 1, 2):
+            outer, inner = int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis + 1 :]))
+            lo, hi, nan = _compiled.min_max(x.reshape(outer, x.shape[axis], inner))
+            others = tuple(i for i in range(3) if i != axis)
+            np.testing.assert_array_equal(lo, x.min(axis=others))
+            np.testing.assert_array_equal(hi, x.max(axis=others))
+            assert not nan.any()
+    x = _awkward(rng, (3, 4))
+    x[1, 2] = np.nan
+    _, _, nan = _compiled.min_max(x.reshape(1, 3, 4))
+    assert nan.tolist() == [False, True, False]
+
+
+def test_numpy_choice_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
+    assert kernels.compiled() is None and kernels.active() == "numpy"
+    observer = HistogramObserver(PerTensor())
+    observer.update(np.float32([1.0, 2.0]))
+    assert observer._rows is None  # the compiled path keeps a row map; numpy never builds one
+
+
+@needs_numba
+def test_auto_choice_uses_numba_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernels.active() == "numba"
+    observer = HistogramObserver(PerTensor())
+    observer.update(np.float32([1.0, 2.0]))
+    assert observer._rows is not None
+
+
+def test_unknown_choice_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fortran")
+    with pytest.raises(ConfigError, match="QCAL_KERNELS='fortran'"):
+        HistogramObserver(PerTensor()).update(np.float32([1.0]))
+
+
+def test_numba_asked_for_but_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba now raises ImportError
+    monkeypatch.delitem(sys.modules, "qcal.numerics.kernels._compiled", raising=False)
+    monkeypatch.delattr(kernels, "_compiled", raising=False)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "numba")
+    with pytest.raises(ConfigError, match=r"pip install 'qcal\[fast\]'"):
+        kernels.compiled()
+    monkeypatch.setenv(kernels.KERNELS_ENV, "auto")
+    kernels.reset()
+    assert kernels.compiled() is None  # auto falls back to numpy quietly
+
+
+def test_min_max_observers_do_not_depend_on_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(2)
+    x = _awkward(rng, (8, 300, 300))
+
+    def run() -> Any:
+        observer = MinMaxObserver(PerChannel(1))
+        observer.update(x)
+        lo, hi, _ = reduce_min_max(x, PerTensor())
+        return json.dumps(observer.to_dict()), lo.tobytes(), hi.tobytes()
+
+    choices = ["numpy", "numba"] if HAS_NUMBA else ["numpy"]
+    assert len({_with_kernels(monkeypatch, c, run) for c in choices}) == 1
