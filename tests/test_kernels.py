@@ -252,3 +252,35 @@ def test_min_max_observers_do_not_depend_on_the_choice(monkeypatch: pytest.Monke
 
     choices = ["numpy", "numba"] if HAS_NUMBA else ["numpy"]
     assert len({_with_kernels(monkeypatch, c, run) for c in choices}) == 1
+
+
+def test_preload_switches_to_the_compiled_kernels_in_the_background(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches before and after the switch add up to the reference state."""
+    import time
+
+    rng = np.random.default_rng(21)
+    batches = [_awkward(rng, (int(n),)) for n in rng.integers(1, 50_000, 40)]
+    reference = _with_kernels(monkeypatch, "numpy", _feed(PerTensor(), batches))
+    monkeypatch.delenv(kernels.KERNELS_ENV)
+    kernels.reset()
+    kernels.preload()
+    observer = HistogramObserver(PerTensor())
+    for batch in batches:
+        observer.update(batch)
+    deadline = time.monotonic() + 60
+    while HAS_NUMBA and kernels.compiled() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kernels.active() == ("numba" if HAS_NUMBA else "numpy")
+    for batch in batches:
+        observer.update(batch)
+    twice = _with_kernels(monkeypatch, "numpy", _feed(PerTensor(), batches + batches))
+    assert reference != twice
+    assert json.dumps(observer.to_dict()) == twice[-1]
+
+
+def test_preload_leaves_a_forced_choice_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
+    kernels.preload()
+    assert kernels.compiled() is None

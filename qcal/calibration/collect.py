@@ -32,6 +32,7 @@ from qcal.calibration.reduce_min_max import (
 )
 from qcal.calibration.runtime import create_session
 from qcal.graph.structure import element_types
+from qcal.numerics import kernels
 from qcal.numerics.errors import DataError, ModelError, QcalError
 from qcal.numerics.observers import Observer, PerChannel, PerTensorExtremesFeed
 
@@ -239,6 +240,8 @@ def collect(
 ) -> CollectionSummary:
     """Run `model` on every batch and update `observers` (keyed by tensor name) in data order."""
     started = time.perf_counter()
+    if any(_needs_arrays(observer) for observer in observers.values()):
+        kernels.preload()  # histogram kernels load while the session is built
     # Tensors of If/Loop/Scan bodies reach the outputs through routes of their own.
     routed = expose_subgraph_tensors(model, observers)
     by_output = {routed.sources[t]: (t, observer) for t, observer in observers.items()}

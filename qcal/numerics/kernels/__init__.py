@@ -10,45 +10,89 @@ values are exact whatever the order of the comparisons.
 The environment variable ``QCAL_KERNELS`` chooses: ``auto`` (the default: compiled when numba
 imports), ``numpy`` (the reference path, for debugging and for comparing), ``numba`` (an error
 when numba is missing). The choice is read once per process, at the first batch that could use
-a kernel; numba is imported only then, so runs that need no kernel do not pay its import.
+a kernel, or by :func:`preload`; numba is imported only then, so runs that need no kernel do not
+pay its import.
+
+Importing numba and loading the kernels from the cache takes a few tenths of a second.
+:func:`preload` does it on a thread of its own while the caller goes on (calibration starts it
+before building its onnxruntime session); batches counted until the kernels are ready take
+the numpy path. Both paths give the same statistics, so when the switch happens changes
+nothing but the time.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from types import ModuleType
 
 from qcal.numerics.errors import ConfigError
 
-__all__ = ["KERNELS_ENV", "active", "compiled", "reset"]
+__all__ = ["KERNELS_ENV", "active", "compiled", "preload", "reset"]
 
 KERNELS_ENV = "QCAL_KERNELS"
 _CHOICES = ("auto", "numpy", "numba")
 _UNDECIDED = object()
-_loaded: object = _UNDECIDED  # the compiled module, None for numpy, or _UNDECIDED
+_LOADING = object()
+_loaded: object = _UNDECIDED  # the compiled module, None for numpy, _UNDECIDED or _LOADING
+_generation = 0  # bumped by reset(): a preload started before it publishes nothing
 
 
 def compiled() -> ModuleType | None:
-    """The compiled kernels (:mod:`qcal.numerics.kernels._compiled`), or None for numpy.
+    """The compiled kernels (:mod:`qcal.numerics.kernels._compiled`), or None for numpy
+    (also while :func:`preload` is still loading them).
 
     Raises:
         ConfigError: ``QCAL_KERNELS`` holds an unknown value, or ``numba`` without numba.
     """
     global _loaded
     if _loaded is _UNDECIDED:
-        _loaded = _load(os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto")
+        _loaded = _load(_choice())
+    if _loaded is _LOADING:
+        return None
     return _loaded  # type: ignore[return-value]
 
 
+def preload() -> None:
+    """Start loading the kernels on a daemon thread, unless they are chosen already.
+
+    An unknown ``QCAL_KERNELS`` or ``numba`` without numba is left for :func:`compiled` to
+    report (at the first batch, where the error reaches the caller).
+    """
+    global _loaded
+    if _loaded is not _UNDECIDED or _choice() != "auto":
+        return
+    _loaded = _LOADING
+    generation = _generation
+
+    def load() -> None:
+        global _loaded
+        try:
+            module = _load("auto")
+            if module is not None:
+                module.warm_up()  # reads the compiled code from the cache (or compiles it)
+        except Exception:  # noqa: BLE001  numba that cannot compile here: numpy does the work
+            module = None
+        if generation == _generation:
+            _loaded = module
+
+    threading.Thread(target=load, name="qcal-kernels", daemon=True).start()
+
+
+def _choice() -> str:
+    return os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+
+
 def active() -> str:
-    """``"numba"`` or ``"numpy"``: the kernels this process uses (decides if undecided)."""
+    """``"numba"`` or ``"numpy"``: the kernels in use now (decides if undecided)."""
     return "numpy" if compiled() is None else "numba"
 
 
 def reset() -> None:
     """Forget the choice: the next batch reads ``QCAL_KERNELS`` again (for tests)."""
-    global _loaded
+    global _loaded, _generation
     _loaded = _UNDECIDED
+    _generation += 1
 
 
 def _load(choice: str) -> ModuleType | None:

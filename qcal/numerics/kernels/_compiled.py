@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import numba
 import numpy as np
 
-__all__ = ["count_bins", "min_max"]
+__all__ = ["count_bins", "min_max", "warm_up"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _GROUPS = 512  # sign bit x 8 exponent bits: one block of bins per group and channel
@@ -98,3 +98,11 @@ def min_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             hi[c] = b
             nan[c] |= bad
     return lo, hi, nan
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernels for the types calibration gives them."""
+    patterns = np.zeros((1, 1, 1), dtype=np.uint32)
+    rows = np.full(_GROUPS, -1, dtype=np.int32)
+    count_bins(patterns, 15, 8, rows, np.zeros((0, 256), dtype=np.int64), rows < 0, 1)
+    min_max(np.zeros((1, 1, 1), dtype=np.float32))
