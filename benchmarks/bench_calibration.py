@@ -94,7 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--qcal-args", default="", help="extra `qcal calibrate` arguments (cli mode)"
     )
     parser.add_argument(
-        "--qcal-config", default="{}", help="extra CalibrationConfig fields as JSON (library mode)"
+        "--qcal-config",
+        default='{"fallback": false}',
+        help="extra CalibrationConfig fields as JSON (library mode); the default leaves out the "
+        "fallback search, which quantize_static has no counterpart of",
     )
     parser.add_argument(
         "--qcal-eval-samples",
