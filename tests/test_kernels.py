@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,3 +285,49 @@ def test_preload_leaves_a_forced_choice_alone(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
     kernels.preload()
     assert kernels.compiled() is None
+
+
+def test_cli_refuses_an_unknown_kernel_choice_with_exit_3(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from qcal.cli import main
+
+    samples = Path(__file__).resolve().parents[1] / "sample_models"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fortran")
+    out, report = tmp_path / "m.qdq.onnx", tmp_path / "m.qcal.json"
+    result = CliRunner().invoke(main, [
+        "calibrate", str(samples / "digits_cnn.onnx"), "--method", "entropy", "--limit", "4",
+        "-o", str(out), "--report", str(report), "-q",
+    ])
+    assert result.exit_code == 3
+    assert "QCAL_KERNELS='fortran'" in result.output
+    assert not out.exists() and not report.exists()
+
+
+@needs_numba
+def test_cli_model_and_report_are_the_same_with_and_without_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from qcal.cli import main
+
+    samples = Path(__file__).resolve().parents[1] / "sample_models"
+    written = {}
+    for choice in ("numpy", "numba"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, choice)
+        kernels.reset()
+        out, report = tmp_path / f"{choice}.qdq.onnx", tmp_path / f"{choice}.qcal.json"
+        result = CliRunner().invoke(main, [
+            "calibrate", str(samples / "transformer_block.onnx"), "--method", "percentile",
+            "-o", str(out), "--report", str(report), "-q",
+        ])
+        assert result.exit_code == 0, result.output
+        assert kernels.active() == choice
+        document = json.loads(report.read_text())
+        document.pop("timings_seconds")
+        document["output_model"].pop("path")
+        written[choice] = (out.read_bytes(), document)
+    assert written["numpy"] == written["numba"]
