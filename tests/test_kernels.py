@@ -214,7 +214,14 @@ def test_numpy_choice_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_numba
-def test_auto_choice_uses_numba_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_choice_uses_numba_once_preloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    assert kernels.active() == "numpy"  # nothing loads numba behind the caller's back
+    kernels.preload()
+    deadline = time.monotonic() + 60
+    while kernels.compiled() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert kernels.active() == "numba"
     observer = HistogramObserver(PerTensor())
     observer.update(np.float32([1.0, 2.0]))
@@ -331,3 +338,28 @@ def test_cli_model_and_report_are_the_same_with_and_without_the_extra(
         document["output_model"].pop("path")
         written[choice] = (out.read_bytes(), document)
     assert written["numpy"] == written["numba"]
+
+
+def test_calibration_loads_the_kernels_only_when_counting_pays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small runs never import numba; large ones start loading it from the projected size."""
+    from qcal.calibration import collect
+
+    started: list[bool] = []
+    monkeypatch.setattr(kernels, "preload", lambda: started.append(True))
+    pay = collect._KERNELS_PAY_FROM_VALUES
+    small = collect._KernelsWhenWorthIt(expected_samples=1000)
+    for _ in range(1000):
+        small.counted(pay // 2000, 1)
+    assert not started
+    large = collect._KernelsWhenWorthIt(expected_samples=1000)
+    large.counted(pay // 500, 1)  # 1000 such samples would count twice what pays
+    assert started == [True]
+    large.counted(pay, 1)
+    assert started == [True]  # once
+    unknown = collect._KernelsWhenWorthIt(expected_samples=None)
+    unknown.counted(pay // 2, 1)
+    assert started == [True]
+    unknown.counted(pay // 2, 1)  # what was counted so far reaches it
+    assert started == [True, True]

@@ -8,15 +8,15 @@ batch. They give the same statistics bit for bit: counts are integers, and min/m
 values are exact whatever the order of the comparisons.
 
 The environment variable ``QCAL_KERNELS`` chooses: ``auto`` (the default: compiled when numba
-imports), ``numpy`` (the reference path, for debugging and for comparing), ``numba`` (an error
-when numba is missing). The choice is read once per process, at the first batch that could use
-a kernel, or by :func:`preload`; numba is imported only then, so runs that need no kernel do not
-pay its import.
+imports and :func:`preload` was called), ``numpy`` (the reference path, for debugging and for
+comparing), ``numba`` (always compiled; an error when numba is missing). The choice is read once
+per process, at the first batch that could use a kernel or by :func:`preload`; numba is imported
+only then, so runs that need no kernel do not pay its import.
 
 Importing numba and loading the kernels from the cache takes a few tenths of a second.
 :func:`preload` does it on a thread of its own while the caller goes on (calibration starts it
-before building its onnxruntime session); batches counted until the kernels are ready take
-the numpy path. Both paths give the same statistics, so when the switch happens changes
+once a run has enough values to count for the kernels to pay); batches counted until the
+kernels are ready take the numpy path. Both paths give the same statistics, so when the switch happens changes
 nothing but the time.
 """
 
@@ -39,15 +39,20 @@ _generation = 0  # bumped by reset(): a preload started before it publishes noth
 
 
 def compiled() -> ModuleType | None:
-    """The compiled kernels (:mod:`qcal.numerics.kernels._compiled`), or None for numpy
-    (also while :func:`preload` is still loading them).
+    """The compiled kernels (:mod:`qcal.numerics.kernels._compiled`), or None for numpy.
+
+    With ``QCAL_KERNELS=numba`` the first call loads them (and waits for that); with ``auto``
+    only :func:`preload` does, so until it has finished this is None.
 
     Raises:
         ConfigError: ``QCAL_KERNELS`` holds an unknown value, or ``numba`` without numba.
     """
     global _loaded
     if _loaded is _UNDECIDED:
-        _loaded = _load(_choice())
+        choice = _choice()
+        if choice == "auto":
+            return None  # numpy until preload() has loaded the kernels
+        _loaded = _load(choice)
     if _loaded is _LOADING:
         return None
     return _loaded  # type: ignore[return-value]
