@@ -181,6 +181,7 @@ def calibrate(
                 data_mod.iter_batches(calib, inputs, config.batch_size),
                 providers=config.providers, threads=config.threads,
                 on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
+                expected_samples=calib.num_samples(),
             )
         except DataError:
             blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
