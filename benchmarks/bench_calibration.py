@@ -72,9 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kernels",
         default="numpy,numba" if importlib.util.find_spec("numba") else "numpy",
-        help="QCAL_KERNELS of the qcal histogram jobs, one job each: numpy (the core path, "
-        "shown as `qcal`) and numba (the qcal[fast] extra, shown as `qcal[fast]`); min-max "
-        "methods use no kernel and run once",
+        help="kernels of the qcal histogram jobs, one job each: numpy (QCAL_KERNELS=numpy, the "
+        "core path, shown as `qcal`) and numba (QCAL_KERNELS=auto with numba installed, as a "
+        "user of the qcal[fast] extra runs, shown as `qcal[fast]`); min-max methods use no "
+        "kernel and run once",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=1, help="samples per run, all tools")
@@ -152,7 +153,8 @@ def build_jobs(model: BenchModel, n: int, args: argparse.Namespace) -> list[dict
                     base,
                     kind="qcal",
                     tool=QCAL_TOOLS[kernels],
-                    kernels=kernels,
+                    # numba runs as a user with the extra gets it: QCAL_KERNELS=auto
+                    kernels="auto" if kernels == "numba" else kernels,
                     method=method,
                     output=str(stem) + ".qdq.onnx",
                     report=str(stem) + ".qcal.json",
