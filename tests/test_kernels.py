@@ -185,26 +185,6 @@ def test_compiled_counts_match_an_independent_count(monkeypatch: pytest.MonkeyPa
     assert dict(zip(keys.tolist(), counts.tolist())) == dict(expected)
 
 
-@needs_numba
-def test_compiled_min_max_matches_numpy_on_every_layout() -> None:
-    from qcal.numerics.kernels import _compiled
-
-    rng = np.random.default_rng(11)
-    for dtype in (np.float32, np.float64, np.int32):
-        x = _awkward(rng, (4, 5, 6), dtype)
-        for axis in (0, 1, 2):
-            outer, inner = int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis + 1 :]))
-            lo, hi, nan = _compiled.min_max(x.reshape(outer, x.shape[axis], inner))
-            others = tuple(i for i in range(3) if i != axis)
-            np.testing.assert_array_equal(lo, x.min(axis=others))
-            np.testing.assert_array_equal(hi, x.max(axis=others))
-            assert not nan.any()
-    x = _awkward(rng, (3, 4))
-    x[1, 2] = np.nan
-    _, _, nan = _compiled.min_max(x.reshape(1, 3, 4))
-    assert nan.tolist() == [False, True, False]
-
-
 def test_numpy_choice_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
     assert kernels.compiled() is None and kernels.active() == "numpy"

@@ -1,11 +1,11 @@
 """Which kernels compute the statistics of a batch: compiled (numba) or numpy.
 
 The numpy code in :mod:`qcal.numerics.observers` and :mod:`qcal.numerics.histogram` is the
-reference. With the ``qcal[fast]`` extra installed (numba), the hot loops (histogram counting,
-min/max with NaN detection, per-channel reductions) run as compiled kernels instead: one pass
-over each batch, without holding the GIL, so they overlap with onnxruntime's run of the next
-batch. They give the same statistics bit for bit: counts are integers, and min/max of float32
-values are exact whatever the order of the comparisons.
+reference. With the ``qcal[fast]`` extra installed (numba), histogram counting (per tensor and
+per channel, any layout) runs as a compiled kernel instead: one pass over each batch, without
+holding the GIL, so it overlaps with onnxruntime's run of the next batch. It gives the same
+statistics bit for bit: counts are integers, so neither the order nor the grouping of the
+additions can change them.
 
 The environment variable ``QCAL_KERNELS`` chooses: ``auto`` (the default: compiled when numba
 imports and :func:`preload` was called), ``numpy`` (the reference path, for debugging and for
