@@ -36,6 +36,7 @@ _UNDECIDED = object()
 _LOADING = object()
 _loaded: object = _UNDECIDED  # the compiled module, None for numpy, _UNDECIDED or _LOADING
 _generation = 0  # bumped by reset(): a preload started before it publishes nothing
+_chosen: str | None = None  # QCAL_KERNELS as read
 
 
 def compiled() -> ModuleType | None:
@@ -85,7 +86,11 @@ def preload() -> None:
 
 
 def _choice() -> str:
-    return os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    """``QCAL_KERNELS``, read once (every batch of every tensor asks)."""
+    global _chosen
+    if _chosen is None:
+        _chosen = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    return _chosen
 
 
 def active() -> str:
@@ -95,8 +100,8 @@ def active() -> str:
 
 def reset() -> None:
     """Forget the choice: the next batch reads ``QCAL_KERNELS`` again (for tests)."""
-    global _loaded, _generation
-    _loaded = _UNDECIDED
+    global _loaded, _generation, _chosen
+    _loaded, _chosen = _UNDECIDED, None
     _generation += 1
 
 
