@@ -112,6 +112,9 @@ def _cases() -> Iterator[tuple[str, Granularity, list[np.ndarray]]]:
     ]
     yield "per channel, many values", PerChannel(0), [_awkward(rng, (3, 200_000))]
     yield "per channel, float64", PerChannel(1), [_awkward(rng, (5, 4, 9), np.float64)]
+    yield "per channel, more channels than the kernel maps", PerChannel(0), [
+        _awkward(rng, (20_000, 3)) for _ in range(2)
+    ]
     nan = _awkward(rng, (40, 40))
     nan[3, 5] = np.nan
     pos_inf = _awkward(rng, (40, 40))

@@ -44,6 +44,9 @@ _STATE_VERSION = 1
 # a batch then costs a few microseconds instead of a full count. 128 KiB per observer that
 # sees such batches; halving it makes counting on 1 ms models about 10 % slower.
 _PENDING_KEYS = 1 << 15
+# The compiled kernel maps every (channel, sign, exponent) block to a row: 2 KiB per channel.
+# Past this many channels the numpy path, which counts a few channels at a time, is used.
+_COMPILED_MAX_CHANNELS = 1 << 14
 
 
 class HistogramObserver:
@@ -154,7 +157,7 @@ class HistogramObserver:
         self._axis = axis
         self._absorb_extremes(lo, hi)
         compiled = kernels.compiled()
-        if compiled is not None:
+        if compiled is not None and lo.shape[0] <= _COMPILED_MAX_CHANNELS:
             outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1 :])
             patterns = np.ascontiguousarray(x).view(np.uint32)
             self._count_compiled(compiled, patterns.reshape(outer, lo.shape[0], inner), x)
