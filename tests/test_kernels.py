@@ -346,3 +346,26 @@ def test_calibration_loads_the_kernels_only_when_counting_pays(
     assert started == [True]
     unknown.counted(pay // 2, 1)  # what was counted so far reaches it
     assert started == [True, True]
+
+
+@needs_numba
+def test_compiled_count_takes_back_a_batch_with_nan_it_was_told_was_finite(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Extremes that hide a NaN break update()'s contract; the kernel still refuses the batch
+    and leaves the counts as they were (its second, subtracting pass)."""
+    rng = np.random.default_rng(4)
+    good = _awkward(rng, (5000,))
+    bad = good.copy()
+    bad[1234] = np.nan
+
+    def run() -> Any:
+        observer = HistogramObserver(PerTensor())
+        observer.update(good)
+        before = json.dumps(observer.to_dict())
+        with pytest.raises(DataError, match="1 NaN"):
+            observer.update(bad, extremes=(good.min(), good.max()))
+        return before, json.dumps(observer.to_dict())
+
+    before, after = _with_kernels(monkeypatch, "numba", run)
+    assert before == after
