@@ -193,7 +193,7 @@ def test_numpy_choice_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.compiled() is None and kernels.active() == "numpy"
     observer = HistogramObserver(PerTensor())
     observer.update(np.float32([1.0, 2.0]))
-    assert observer._rows is None  # the compiled path keeps a row map; numpy never builds one
+    assert observer._offsets is None  # the compiled path keeps block offsets; numpy never builds them
 
 
 @needs_numba
@@ -208,7 +208,7 @@ def test_auto_choice_uses_numba_once_preloaded(monkeypatch: pytest.MonkeyPatch) 
     assert kernels.active() == "numba"
     observer = HistogramObserver(PerTensor())
     observer.update(np.float32([1.0, 2.0]))
-    assert observer._rows is not None
+    assert observer._offsets is not None
 
 
 def test_unknown_choice_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,11 @@ import numpy as np
 
 from qcal.numerics import kernels
 from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError
-from qcal.numerics.histogram._compiled_counting import NonFiniteValues, count_compiled, row_map
+from qcal.numerics.histogram._compiled_counting import (
+    NonFiniteValues,
+    block_offsets,
+    count_compiled,
+)
 from qcal.numerics.histogram._counting import _GROUPS, _count, _scratch_keys
 from qcal.numerics.histogram._snapshot import Histogram
 from qcal.numerics.observers import (
@@ -44,9 +48,9 @@ _STATE_VERSION = 1
 # a batch then costs a few microseconds instead of a full count. 128 KiB per observer that
 # sees such batches; halving it makes counting on 1 ms models about 10 % slower.
 _PENDING_KEYS = 1 << 15
-# The compiled kernel maps every (channel, sign, exponent) block to a row: 2 KiB per channel.
+# The compiled kernel maps every (channel, sign, exponent) block to its row: 4 KiB a channel.
 # Past this many channels the numpy path, which counts a few channels at a time, is used.
-_COMPILED_MAX_CHANNELS = 1 << 14
+_COMPILED_MAX_CHANNELS = 1 << 13
 
 
 class HistogramObserver:
@@ -91,7 +95,8 @@ class HistogramObserver:
         self._max: np.ndarray | None = None
         self._pending: np.ndarray | None = None  # buffered keys of small per-tensor batches
         self._pending_size = 0
-        self._rows: np.ndarray | None = None  # block id -> row of _counts, for the compiled path
+        # block id -> where its counts start in _counts (flat), for the compiled kernel
+        self._offsets: np.ndarray | None = None
 
     @property
     def granularity(self) -> Granularity:
@@ -200,12 +205,12 @@ class HistogramObserver:
         """Count (outer, channels, inner) float32 bit patterns with the compiled kernel."""
         self._flush()  # keys buffered by the numpy path, should the choice have changed
         channels = patterns.shape[1]
-        rows = self._rows
-        if rows is None or rows.size != channels * _GROUPS:
-            rows = row_map(self._groups, channels)
+        offsets = self._offsets
+        if offsets is None or offsets.size != channels * _GROUPS:
+            offsets = block_offsets(self._groups, channels, self._bits)
         try:
-            self._groups, self._counts, self._rows = count_compiled(
-                compiled, patterns, self._bits, self._groups, self._counts, rows
+            self._groups, self._counts, self._offsets = count_compiled(
+                compiled, patterns, self._bits, self._groups, self._counts, offsets
             )
         except NonFiniteValues:
             raise DataError(_non_finite_message(x)) from None
@@ -371,7 +376,7 @@ class HistogramObserver:
         table[np.searchsorted(merged, stored)] = self._counts
         table[np.searchsorted(merged, groups)] += counts
         self._groups, self._counts = merged, table
-        self._rows = None
+        self._offsets = None
 
 
 def _non_finite_message(x: np.ndarray) -> str:
