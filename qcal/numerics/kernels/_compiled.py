@@ -84,3 +84,5 @@ def warm_up() -> None:
     patterns = np.zeros((1, 1, 1), dtype=np.uint32)
     offsets = np.full(_GROUPS, -1, dtype=np.int64)
     count_bins(patterns, 15, 8, offsets, np.zeros((0, 256), dtype=np.int64), offsets < 0, 1)
+    patterns.flags.writeable = False  # read-only batches are another type to numba
+    count_bins(patterns, 15, 8, offsets, np.zeros((0, 256), dtype=np.int64), offsets < 0, 1)
