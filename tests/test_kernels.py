@@ -103,6 +103,9 @@ def _cases() -> Iterator[tuple[str, Granularity, list[np.ndarray]]]:
     yield "per tensor, float16", PerTensor(), [_awkward(rng, (2, 3000), np.float16) for _ in range(2)]
     yield "per tensor, integers", PerTensor(), [rng.integers(-300, 300, (40, 40)) for _ in range(2)]
     yield "per tensor, one value", PerTensor(), [np.float32([-0.0]), np.float32([0.0])]
+    frozen = _awkward(rng, (64, 64))
+    frozen.flags.writeable = False
+    yield "per tensor, read-only batch", PerTensor(), [frozen, frozen]
     yield "per tensor, empty batch", PerTensor(), [np.zeros((0, 4), np.float32), small[0]]
     for axis in (0, 1, -1):
         batches = [_awkward(rng, (4, 6, 5, 3)) for _ in range(3)]
