@@ -12,6 +12,7 @@ from qcal.numerics.errors import (
     ModelError,
     OutputError,
     QcalError,
+    StatisticsError,
 )
 from qcal.accuracy.evaluate import Comparison, OutputMetrics, compare_models
 from qcal.numerics.fakequant import fake_quantize, quantize
@@ -41,6 +42,8 @@ from qcal.numerics.observer_state import observer_from_dict
 from qcal.numerics.onnx_mapping import OnnxQParams, to_onnx_qparams
 from qcal.numerics.presets import PRESETS, Preset, PresetSpec, TensorRecipe, build_preset
 from qcal.pipeline import CalibrationResult, calibrate
+from qcal._collection import collect_statistics
+from qcal.calibration.statistics import Statistics, merge_statistics, read_statistics
 from qcal.numerics.schemes import (
     HorizonScheme,
     LearnedScaleScheme,
@@ -71,6 +74,12 @@ __all__ = [
     "TensorOverride",
     "calibrate",
     "compare_models",
+    # statistics files: collect, read, merge (calibrate(..., statistics=path) uses one)
+    "Statistics",
+    "StatisticsError",
+    "collect_statistics",
+    "merge_statistics",
+    "read_statistics",
     # statistics, parameters, fake-quant, presets and the ONNX mapping
     "PRESETS",
     "DataPolicy",

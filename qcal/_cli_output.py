@@ -3,6 +3,7 @@ metric tables of a run (the report's figures, formatted for a terminal)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -19,10 +20,20 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from qcal._verdict import other_warnings, quality_verdict
 from qcal.accuracy.gates import GateResult
+from qcal.drift import Drift
 
-stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
+
+def _console(*, stderr: bool) -> Console:
+    """Plain text when NO_COLOR is set (no colour nor any other style: https://no-color.org);
+    rich itself writes no control character when the stream is not a terminal."""
+    plain = bool(os.environ.get("NO_COLOR"))
+    return Console(stderr=stderr, highlight=False, color_system=None if plain else "auto")
+
+
+stderr = _console(stderr=True)
+stdout = _console(stderr=False)
 
 
 @contextmanager
@@ -93,7 +104,7 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
     _show_verdict(report)
     _show_latency(report["timings_seconds"])
-    for warning in report["warnings"]:
+    for warning in other_warnings(report):  # a failed gate's is its red "gate:" line above
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
     if result.output is not None:
@@ -104,38 +115,13 @@ def _show_summary(result: Any) -> None:
 
 def _show_verdict(report: dict[str, Any]) -> None:
     """The measured quality in one sentence, and what to do when it is below the floor."""
-    evaluation = report["evaluation"]
-    if not evaluation:
+    verdict = quality_verdict(report)
+    if verdict is None:
         return
-    outputs = evaluation["outputs"]
-    broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
-    agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
-    sqnrs = [o["sqnr_db"] for o in outputs if o["top1_agreement"] is None]
-    figures = []
-    if agreements:
-        figures.append(f"{min(agreements):.2%} of the decisions agree with the float model")
-    if sqnrs:
-        worst = min((s for s in sqnrs if s is not None), default=None)
-        figures.append("outputs identical to the float model's" if worst is None else
-                       f"worst SQNR {worst:.1f} dB (error energy {100 * 10 ** (-worst / 10):.2g} % of "
-                       "the signal's)")
-    said = "; ".join(figures)
-    floor = next((g for g in report["gates"] if g["option"] == "accuracy-floor"), None)
-    if broken:
-        stdout.print(f"[bold red]quality: BROKEN[/]: the quantized model computes NaN or infinite "
-                     f"values where the float model does not ({', '.join(broken)})")
-    elif floor is not None and not floor["passed"]:
-        minimum = report["config"]["min_coverage"]
-        stdout.print(f"[bold red]quality: below the accuracy floor[/] (99 % of decisions, 10 dB "
-                     f"elsewhere): {said}. Keeping float what harms most did not reach it with "
-                     f"{minimum:g} % of compute quantized. To go on: --min-coverage lower than "
-                     f"{minimum:g} allows more float compute, another --method may fit this "
-                     "model's ranges, --no-fallback accepts this model as it is")
-    elif report["config"]["fallback"] and not report["config"]["target_sqnr"] \
-            and report["config"]["max_agreement_drop"] is None:
-        stdout.print(f"[green]quality: within the accuracy floor[/]: {said}")
-    else:
-        stdout.print(f"quality: {said}")
+    style = {"broken": "bold red", "below-floor": "bold red", "within-floor": "green"}.get(
+        verdict.level)
+    headline = f"[{style}]{verdict.headline}[/]" if style else verdict.headline
+    stdout.print(f"{headline}: {verdict.detail}")
 
 
 def _show_accuracy(report: dict[str, Any]) -> None:
@@ -215,3 +201,19 @@ def _show_latency(timings: Mapping[str, float]) -> None:
                      "makes this a failed gate)[/]")
     else:
         stdout.print(line)
+
+
+def _drift_table(drift: Drift, title: str, limit: int | None = 25) -> Table:
+    """What moved between two reports, over its threshold first (`limit` rows; None: all)."""
+    table = Table(title=title, title_justify="left")
+    for col in ("tensor / output", "measure", "old", "new", "change", "threshold", ""):
+        table.add_column(col, justify="right" if col in ("change", "threshold") else "left")
+    shown = drift.moves if limit is None else drift.moves[:limit]
+    for move in shown:
+        change = "changed" if abs(move.change) == float("inf") else f"{move.change:.4g}"
+        table.add_row(move.name, move.measure, move.old, move.new, change,
+                      f"{move.threshold:g}", "[bold red]over[/]" if move.over else "ok")
+    if len(shown) < len(drift.moves):
+        table.caption = f"{len(drift.moves) - len(shown)} more moved within their thresholds " \
+                        "(--all shows every one)"
+    return table

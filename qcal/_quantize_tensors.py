@@ -9,17 +9,20 @@ and quantized here, large ones a block at a time; biases are read back from the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
 
+from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
 from qcal.config import CalibrationConfig
 from qcal.graph.files.large import WeightFile, tensor_array
 from qcal.graph.model import ActivationTarget, QuantPlan
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
 from qcal.graph.structure import FLOAT_TYPES, all_graphs
+from qcal.numerics import fakequant
 from qcal.numerics.errors import DataError, EmptyStatisticsError, ModelError
+from qcal.numerics.gptq import GptqResult, gptq_weight
 from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import TensorRecipe
@@ -96,8 +99,13 @@ def _observed(target: ActivationTarget, config: CalibrationConfig) -> bool:
 def _quantize_weights(
     model: onnx.ModelProto, plan: QuantPlan, recipe: TensorRecipe, config: CalibrationConfig,
     opset: int, *, operand_recipe: TensorRecipe | None = None,
+    hessians: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
-    """Codes and records of the planned weights; "operand" constants use `operand_recipe`."""
+    """Codes and records of the planned weights; "operand" constants use `operand_recipe`.
+
+    A weight whose node has a Hessian in `hessians` (keyed by node) gets GPTQ codes.
+    """
+    nodes = {n.name: n for n in model.graph.node}
     # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
     initializers = {i.name: i for g in all_graphs(model.graph) for i in g.initializer}
     weights: dict[str, QuantizedWeight] = {}
@@ -117,12 +125,62 @@ def _quantize_weights(
         qparams = recipe.qparams(choice.stats)
         onnx_qparams = recipe.to_onnx(qparams, opset=opset)
         codes = _quantize_in_blocks(recipe, array, qparams, opset)
+        rounded = None
+        if hessians and target.node in hessians and target.role == "weight":
+            rounded = _gptq(array, nodes[target.node], hessians[target.node], recipe, qparams,
+                            onnx_qparams, opset, codes)
+            codes = codes if rounded is None else rounded.codes
         weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="weight", method="minmax", choice=choice,
             qparams=qparams, onnx=onnx_qparams, consumers=(target.node,),
+            rounding=None if rounded is None else {
+                "method": "gptq", "output_error_nearest": rounded.error_nearest,
+                "output_error": rounded.error_gptq},
         )
     return weights, records
+
+
+def _gptq(
+    array: np.ndarray, node: onnx.NodeProto, hessian: np.ndarray, recipe: TensorRecipe,
+    qparams: QParams, onnx_qparams: OnnxQParams, opset: int, nearest: np.ndarray,
+) -> GptqResult | None:
+    """GPTQ codes of `node`'s weight, or None where its parameters do not follow its output
+    channels (a per-channel axis along the inputs): such weights round to nearest."""
+    trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+    row_axis = 1 if node.op_type == "MatMul" or (node.op_type == "Gemm" and not trans_b) else 0
+    if qparams.axis is not None and qparams.axis % array.ndim != row_axis:
+        return None
+    return gptq_weight(
+        array, row_axis=row_axis, groups=hessian.shape[0], hessian=hessian,
+        # The preset's own rounding and limits, with the ONNX parameters worked out once.
+        quantize=lambda column: fakequant.quantize(column, qparams, recipe.scheme, onnx_qparams),
+        scale=onnx_qparams.scale, zero_point=onnx_qparams.zero_point, nearest=nearest,
+    )
+
+
+def layer_hessians(
+    model: onnx.ModelProto, plan: QuantPlan, act_params: Mapping[str, OnnxQParams],
+    batches: Callable[[], Iterable[tuple[Mapping[str, np.ndarray], int]]], *,
+    providers: tuple[str, ...], threads: int, on_batch: Callable[[int], None] | None,
+) -> dict[str, np.ndarray]:
+    """The input Hessians of the planned Conv/MatMul/Gemm weights of the main graph whose
+    input is quantized per tensor (GPTQ's second pass over the calibration data)."""
+    nodes = {n.name: n for n in model.graph.node}
+    initializers = {i.name: i for i in model.graph.initializer}
+    targets = []
+    for weight in plan.weights:
+        node = nodes.get(weight.node)
+        if (weight.role != "weight" or node is None or weight.tensor not in initializers
+                or node.op_type not in ("Conv", "MatMul", "Gemm") or len(node.input) < 2
+                or node.input[1] != weight.tensor or node.input[0] not in act_params):
+            continue
+        target = hessian_target(node, list(initializers[weight.tensor].dims),
+                                act_params[node.input[0]])
+        if isinstance(target, HessianTarget):
+            targets.append(target)
+    return collect_hessians(model, targets, batches, providers=providers, threads=threads,
+                            on_batch=on_batch)
 
 
 def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:

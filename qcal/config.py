@@ -30,6 +30,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 __all__ = [
     "DEFAULT_PRESET",
     "METHODS",
+    "WEIGHT_ROUNDINGS",
     "CalibrationConfig",
     "TensorOverride",
     "config_from_mapping",
@@ -40,6 +41,9 @@ __all__ = [
 # uint8 asymmetric activations with int8 symmetric per-channel weights (PyTorch's x86 default) is
 # the layout onnxruntime's CPU kernels are fastest on, and its QDQ mapping is exact.
 DEFAULT_PRESET = "pytorch"
+# How weight codes are chosen: rounding to nearest, or GPTQ (a second pass over the calibration
+# data measures each layer's inputs; see qcal.numerics.gptq).
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # Presets of accelerators whose toolchains quantize every operator: their users emulate that
 # arithmetic, so Q/DQ goes on every node with a rule (placement "all") unless they say otherwise.
 ACCELERATOR_PRESETS = frozenset({"horizon", "horizon-rne"})
@@ -72,6 +76,7 @@ class CalibrationConfig:
     bins: int = 2048
     quantized_bins: int = 128
     per_channel: bool = True
+    weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None
@@ -106,6 +111,9 @@ class CalibrationConfig:
         self._check_numbers()
         if self.method not in METHODS:
             raise ConfigError(f"method: unknown {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ConfigError(f"weight-rounding: unknown {self.weight_rounding!r}; choose one of "
+                              f"{', '.join(WEIGHT_ROUNDINGS)}")
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"percentile: {self.percentile} is not in (0, 100]")
         if self.bins < 8:
@@ -257,6 +265,7 @@ _FLOAT_KEYS = {
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,
     "method": str,
+    "weight_rounding": str,
     "placement": str,
     **{key: (int, float) for key in _FLOAT_KEYS},
     "per_channel": bool,

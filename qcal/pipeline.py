@@ -40,7 +40,9 @@ from qcal._quantize_tensors import (
     _quantize_weights,
     blame_nan_weights,
     build_quantized,
+    layer_hessians,
 )
+from qcal._reuse import reuse_statistics
 from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
@@ -51,6 +53,7 @@ from qcal.accuracy.runnable import make_runnable
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
+from qcal.calibration.statistics import Statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
@@ -103,7 +106,8 @@ class _Timings:
         try:
             yield
         finally:
-            self.seconds[name] = round(time.perf_counter() - started, 6)
+            elapsed = time.perf_counter() - started  # a stage may come back (qparams)
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + elapsed, 6)
 
 
 def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Path, Path]:
@@ -121,12 +125,15 @@ def calibrate(
     force: bool = False,
     progress: Progress | None = None,
     enforce_gates: bool = True,
+    statistics: Path | Statistics | None = None,
 ) -> CalibrationResult:
     """Calibrate the model at `model_path`; write the QDQ model and report when paths are given.
 
     With `enforce_gates` (the default), a failed accuracy or coverage gate raises
     AccuracyGateError after both files are written; otherwise the caller checks
-    `CalibrationResult.gates` (the CLI does, after printing its summary).
+    `CalibrationResult.gates` (the CLI does, after printing its summary). With `statistics`,
+    the observers come from that statistics or ranges file (`qcal collect`), or from statistics
+    collected elsewhere for this run (on Ray), and the model does not run to collect them.
     """
     timings = _Timings()
     with timings.stage("validate"):
@@ -157,6 +164,8 @@ def calibrate(
         labels = load_labels(labels_path) if labels_path is not None else None
         plan = plan_quantization(prepared, _selection_rules(config))
         _check_overrides(config, plan)
+        reused = None if statistics is None else reuse_statistics(
+            statistics, loaded.sha256, plan, preset, config)
         _check_agreement_options(config, prepared)
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
         macs = _compute_macs(prepared, calib, config)
@@ -164,6 +173,7 @@ def calibrate(
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]
         read += [p for p in (calib.path, eval_path, labels_path) if p is not None]
+        read += [statistics] if isinstance(statistics, Path) else []
         for path, what in ((output, "output"), (report_path, "report")):
             if path is not None:
                 check_output_path(path, inputs=read, force=force, what=what)
@@ -173,28 +183,42 @@ def calibrate(
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
     with timings.stage("collect"):
-        observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
-                     for t in plan.activations if _observed(t, config)}
-        try:
-            summary = collect(
-                prepared, observers,
-                data_mod.iter_batches(calib, inputs, config.batch_size),
-                providers=config.providers, threads=config.threads,
-                on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
-                expected_samples=calib.num_samples(),
-            )
-        except DataError:
-            blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
-            raise
+        if reused is not None:  # read from a file: the model does not run for statistics
+            observers, summary = reused.observers, reused.summary
+        else:
+            observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
+                         for t in plan.activations if _observed(t, config)}
+            try:
+                summary = collect(
+                    prepared, observers,
+                    data_mod.iter_batches(calib, inputs, config.batch_size),
+                    providers=config.providers, threads=config.threads,
+                    on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
+                    expected_samples=calib.num_samples(),
+                )
+            except DataError:
+                blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
+                raise
 
     with timings.stage("qparams"):
         records = _activation_records(plan, observers, preset.activation, config, opset)
         # Tensors that received no values (If branches not taken, ...) stay float.
         unobserved = {t.tensor for t in plan.activations} - records.keys()
         plan = leave_unobserved_float(prepared, plan, unobserved)
+    hessians = None
+    if config.weight_rounding == "gptq":
+        with timings.stage("gptq"):
+            hessians = layer_hessians(
+                prepared, plan, {n: r.onnx for n, r in records.items()},
+                lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                providers=config.providers, threads=config.threads,
+                on_batch=_stage_progress(progress, "gptq", calib.num_samples()))
+    with timings.stage("qparams"):
         weights, weight_records = _quantize_weights(
-            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation
+            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation,
+            hessians=hessians,
         )
+        del hessians
         records.update(weight_records)
 
     with timings.stage("qdq"):
@@ -278,6 +302,7 @@ def calibrate(
             sensitivity=accuracy.sensitivity, fallback=accuracy.fallback, gates=gates,
             providers_used=summary.providers,
             external_data=staged.external if staged is not None else None,
+            statistics=None if reused is None else reused.source,
         )
         # Both files are written whole under temporary names before either gets its own: a
         # failed write (a full disk) leaves neither.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -34,7 +35,10 @@ from qcal.numerics.presets import Preset
 from qcal.numerics.ranges import RangeChoice
 from qcal.numerics.schemes import QParams
 
-__all__ = ["SCHEMA_VERSION", "TensorRecord", "build_report", "dump_report", "report_schema"]
+__all__ = [
+    "SCHEMA_VERSION", "TensorRecord", "build_report", "dump_report", "load_report",
+    "reading_report", "report_schema",
+]
 
 SCHEMA_VERSION = 1
 
@@ -48,6 +52,9 @@ class TensorRecord:
     qparams: QParams | None
     onnx: OnnxQParams
     consumers: tuple[str, ...]
+    # How a weight's codes were chosen, when not by rounding to nearest (GPTQ): the method and
+    # the layer's relative output error both ways.
+    rounding: Mapping[str, Any] | None = None
 
 
 def report_schema() -> dict[str, Any]:
@@ -116,6 +123,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
             "max": _floats(record.choice.stats.max),
             **record.choice.summary,
         }
+        if record.choice.histogram is not None:
+            entry["histogram"] = record.choice.histogram.to_json()
     if record.qparams is not None:
         entry["qparams"] = {
             "scale": _floats(record.qparams.scale),
@@ -135,6 +144,8 @@ def tensor_json(record: TensorRecord) -> dict[str, Any]:
         "deviations": list(q.deviations),
         "replacement": q.replacement,
     }
+    if record.rounding is not None:
+        entry["rounding"] = dict(record.rounding)
     return entry
 
 
@@ -175,6 +186,7 @@ def build_report(
     gates: Sequence[GateResult] = (),
     providers_used: Sequence[str] = (),
     external_data: ExternalFile | None = None,
+    statistics: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -225,6 +237,8 @@ def build_report(
             "synthetic": bool(calib.is_synthetic),
             "samples": calib_samples,
             "batch_size": config.batch_size,
+            # Only when the statistics were read from a file (calibrate --stats).
+            **({} if statistics is None else {"statistics": dict(statistics)}),
         },
         "runtime": {
             "providers_requested": list(config.providers),
@@ -293,8 +307,13 @@ def _accuracy_warnings(
         found.append(f"coverage: {coverage.note}")
     if fallback is not None and not fallback.reached:
         found.append(f"fallback: {fallback.message}")
-    found += [f"gate failed: {g.describe()}" for g in gates if not g.passed]
+    found += [gate_warning(g) for g in gates if not g.passed]
     return found
+
+
+def gate_warning(gate: GateResult) -> str:
+    """The warning a failed gate leaves in the report."""
+    return f"gate failed: {gate.describe()}"
 
 
 def _jsonable(value: Any) -> Any:
@@ -307,3 +326,45 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not np.isfinite(value):
         return str(value)
     return value
+
+
+# ------------------------------------------------------------------ reading a report back
+
+
+def load_report(path: Path, *, what: str = "report") -> dict[str, Any]:
+    """A report written by `qcal calibrate`, for `qcal report`, `qcal diff` and `--baseline`.
+
+    Raises:
+        DataError: the file is missing, not JSON, or not a qcal report of this schema version.
+    """
+    from qcal.numerics.errors import DataError
+
+    try:
+        report = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"{what} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise DataError(f"{what} {path}: cannot read it as JSON ({err})") from None
+    if not isinstance(report, dict) or "schema_version" not in report:
+        raise DataError(f"{what} {path}: not a qcal report (no schema_version)")
+    if report["schema_version"] != SCHEMA_VERSION:
+        raise DataError(f"{what} {path}: report schema {report['schema_version']!r}; this qcal "
+                        f"reads schema {SCHEMA_VERSION}")
+    missing = [key for key in report_schema()["required"] if key not in report]
+    if missing:
+        raise DataError(f"{what} {path}: not a complete qcal report (no {', '.join(missing)})")
+    return report
+
+
+@contextmanager
+def reading_report(*paths: Path) -> Iterator[None]:
+    """A field missing or of the wrong type in a report (edited by hand, or truncated) becomes
+    a DataError naming the file (or files), not an internal error."""
+    from qcal.numerics.errors import DataError
+
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        names = " or ".join(str(p) for p in paths)
+        raise DataError(f"report {names}: not a valid qcal report "
+                        f"({type(err).__name__}: {err})") from None

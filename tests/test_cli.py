@@ -483,3 +483,17 @@ def test_fail_if_slower_inf_is_off() -> None:
     from qcal.config import CalibrationConfig
 
     assert CalibrationConfig(fail_if_slower=math.inf).fail_if_slower is None
+
+
+def test_every_command_and_option_is_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = []
+    for name, command in sorted(main.commands.items()):
+        if f"qcal {name}" not in readme:
+            missing.append(f"qcal {name}")
+        for param in command.params:
+            flags = [o for o in (*param.opts, *param.secondary_opts) if o.startswith("--")]
+            # a --x/--no-x pair is documented by either side
+            if flags and flags != ["--help"] and not any(f in readme for f in flags):
+                missing.append(f"qcal {name} {flags[0]}")
+    assert missing == []

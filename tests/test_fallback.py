@@ -242,6 +242,9 @@ def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Pa
     assert not gates["fail-under-sqnr"]["passed"]
     assert gates["fail-under-agreement"]["passed"] and gates["fail-if-coverage-below"]["passed"]
     assert "fail-under-sqnr" in result.stderr and "fail-under-agreement" not in result.stderr
+    # The summary says it once, on the gate's own line: no warning repeats it.
+    assert result.stdout.count("--fail-under-sqnr 90") == 1, result.stdout
+    assert any(w.startswith("gate failed:") for w in report["warnings"])  # the report keeps it
 
 
 def test_coverage_gate_and_passing_gates(trap: Path, tmp_path: Path) -> None:

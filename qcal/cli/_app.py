@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from rich.markup import escape
 
 import qcal
 from qcal._cli_output import stderr
@@ -44,7 +45,8 @@ def reports_errors(command: F) -> F:
         except QcalError as err:
             if debug:
                 raise
-            stderr.print(f"[bold red]error ({err.title}):[/] {err}", soft_wrap=True)
+            # Escaped: a message may hold brackets (a tensor name, `pip install 'qcal[ray]'`).
+            stderr.print(f"[bold red]error ({err.title}):[/] {escape(str(err))}", soft_wrap=True)
             raise SystemExit(err.exit_code) from None
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
@@ -52,7 +54,7 @@ def reports_errors(command: F) -> F:
             if debug:
                 raise
             stderr.print(
-                f"[bold red]internal error:[/] {type(err).__name__}: {err} "
+                f"[bold red]internal error:[/] {type(err).__name__}: {escape(str(err))} "
                 "(rerun with --debug for the traceback)", soft_wrap=True,
             )
             raise SystemExit(EXIT_INTERNAL) from None

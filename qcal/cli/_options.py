@@ -29,14 +29,19 @@ def _parse_option_value(text: str) -> Any:
         return text
 
 
-def _preset_options(values: tuple[str, ...]) -> dict[str, Any]:
+def _key_values(values: tuple[str, ...], option: str, form: str = "KEY=VALUE") -> dict[str, Any]:
+    """`option`'s KEY=VALUE items, each value read by `_parse_option_value`."""
     options: dict[str, Any] = {}
     for item in values:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--preset-option: expected KEY=VALUE, got {item!r}")
+            raise ConfigError(f"{option}: expected {form}, got {item!r}")
         options[key.strip()] = _parse_option_value(value.strip())
     return options
+
+
+def _preset_options(values: tuple[str, ...]) -> dict[str, Any]:
+    return _key_values(values, "--preset-option")
 
 
 def _list_option(values: tuple[str, ...]) -> list[str]:

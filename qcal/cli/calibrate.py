@@ -8,10 +8,13 @@ from typing import Any
 
 import click
 
-from qcal._cli_output import _progress_bar, _show_summary
+from qcal._cli_output import _progress_bar, _show_summary, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.cli._options import _build_config
-from qcal.config import METHODS, CalibrationConfig
+from qcal.cli._run_extras import RunExtras
+from qcal.cli.diff import drift_options, raise_for_drift, show_drift
+from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
+from qcal.numerics.errors import ConfigError, OutputError
 
 
 @main.command()
@@ -36,6 +39,10 @@ from qcal.config import METHODS, CalibrationConfig
 @click.option("--bins", type=int, default=2048, show_default=True, help="Histogram bins (entropy, percentile, mse).")
 @click.option("--quantized-bins", type=int, default=128, show_default=True, help="Quantized bins for entropy.")
 @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
+@click.option("--weight-rounding", type=click.Choice(WEIGHT_ROUNDINGS), default="nearest",
+              show_default=True,
+              help="How weight codes are chosen: nearest, or gptq (minimises each layer's output "
+                   "error on the calibration data; one more pass over it).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
@@ -70,6 +77,33 @@ from qcal.config import METHODS, CalibrationConfig
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
                    "at 1 or 2 threads on this machine (e.g. 1.0).")
+@click.option("--html", type=_path, help="Also write the report as an HTML page with plots "
+              "(needs qcal[report]).")
+@click.option("--baseline", type=_existing, metavar="OLD.json",
+              help="Compare with the report of an earlier run and show what moved.")
+@drift_options
+@click.option("--summary-md", type=_path, metavar="PATH",
+              help="Also write a Markdown summary for a CI job page (appended to "
+                   "$GITHUB_STEP_SUMMARY too when it is set).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one line of JSON summing up the run on stdout, and nothing else.")
+@click.option("--stats", "--ranges", "stats", type=_existing, metavar="FILE",
+              help="Take the statistics from this file (qcal collect) instead of running the "
+                   "model for them, or the ranges from a TensorRT calibration cache or an "
+                   "onnxruntime TensorQuantOverrides / calibration cache JSON.")
+@click.option("--write-ranges", multiple=True, metavar="FORMAT=PATH",
+              help="Also write the activation ranges for another tool: tensorrt[:VERSION], "
+                   "onnxruntime-overrides, onnxruntime-cache, or onnxruntime-table (a folder) "
+                   "(repeatable).")
+@click.option("--checkpoint", type=_path, metavar="STATS",
+              help="Collect into this statistics file, resuming from it if it exists, then "
+                   "calibrate from it.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+              metavar="[ADDRESS]",
+              help="Collect the statistics on Ray workers, the data in shards (no address: a "
+                   "local Ray for this run; needs qcal[ray]). Put it after MODEL.")
+@click.option("--workers", type=int, metavar="N",
+              help="Ray workers [default: the CPUs of the local Ray or the cluster].")
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
@@ -81,6 +115,16 @@ def calibrate(**params: Any) -> None:
     from qcal.pipeline import default_output_paths
 
     ctx = click.get_current_context()
+    extras = RunExtras.take(params)
+    statistics, checkpoint = params.pop("stats"), params.pop("checkpoint")
+    exports = _range_exports(params.pop("write_ranges"))
+    ray_address, workers = params.pop("ray_address"), params.pop("workers")
+    if ray_address is not None and (statistics is not None or checkpoint is not None):
+        raise ConfigError("--ray collects the statistics: it goes with neither --stats nor "
+                          "--checkpoint")
+    if statistics is not None and checkpoint is not None:
+        raise ConfigError("--stats and --checkpoint: choose one (a checkpoint is a statistics "
+                          "file collected by this run)")
     config, outputs = _build_config(ctx, params)
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
@@ -91,11 +135,80 @@ def calibrate(**params: Any) -> None:
 
         for path, what in ((output, "output"), (report, "report")):
             check_output_path(path, inputs=[params["config"]], force=True, what=what)
-    show_progress = not params["quiet"] and sys.stderr.isatty()
-    with _progress_bar(show_progress) as progress:
+    read = [model, *(Path(p) for p in (config.data, config.eval_data, config.labels) if p)]
+    read += [statistics] if statistics is not None else []
+    extras.check(inputs=read + ([params["config"]] if params.get("config") else []),
+                 outputs=(output, report), force=bool(outputs.get("force")))
+    _check_range_exports(exports, checkpoint, model=model, outputs=(output, report),
+                         force=bool(outputs.get("force")))
+    quiet = params["quiet"] or extras.as_json  # --json: stdout holds the JSON line alone
+    with _progress_bar(not quiet and sys.stderr.isatty()) as progress:
+        if checkpoint is not None:  # collect (or resume) first, then calibrate from the file
+            from qcal._collection import collect_statistics
+
+            collect_statistics(model, config, checkpoint=checkpoint, histograms=False,
+                               progress=progress)
+            statistics = checkpoint
+        elif ray_address is not None:
+            from qcal._ray_shards import collect_on_ray
+
+            statistics = collect_on_ray(model, config, output=None, histograms=False,
+                                        address=ray_address, workers=workers, progress=progress)
         result = run_calibration(model, config, output=output, report_path=report,
                                  force=bool(outputs.get("force")), progress=progress,
-                                 enforce_gates=False)
-    if not params["quiet"]:
+                                 enforce_gates=False, statistics=statistics)
+    if exports:
+        from qcal.calibration.statistics import ranges_of_tensors, write_ranges
+
+        ranges = ranges_of_tensors(result.report["tensors"])
+        for kind, path in exports.items():
+            write_ranges(kind, path, ranges)
+    drift = extras.drift(result.report)
+    written = extras.write(result.report, drift)
+    if extras.as_json:
+        print(extras.json_line(result.report, drift, result.report_path), flush=True)
+    elif not quiet:
         _show_summary(result)
-    raise_for_failed(result.gates, result.report_path)  # after the summary: it shows the evidence
+        for path in written:
+            stdout.print(f"wrote {path}")
+        if drift is not None:
+            show_drift(drift, f"moved since {extras.baseline}")
+    # after the summary: it shows the evidence
+    raise_for_failed(result.gates, result.report_path)
+    if drift is not None:
+        raise_for_drift(drift, extras.fail_on_drift)
+
+
+def _check_range_exports(
+    exports: dict[str, Path], checkpoint: Path | None, *, model: Path,
+    outputs: tuple[Path, Path], force: bool,
+) -> None:
+    """`--write-ranges` and `--checkpoint` paths, checked before anything runs."""
+    from qcal.graph.files.atomic import check_output_path
+
+    for path in [*exports.values(), *([checkpoint] if checkpoint is not None else [])]:
+        check_output_path(path, inputs=[model, *outputs], force=True, what="ranges")
+    for kind, path in exports.items():
+        if kind == "onnxruntime-table":  # a folder: its three files are checked
+            if path.exists() and not path.is_dir():
+                raise OutputError(f"ranges: {path} is not a folder (onnxruntime-table writes "
+                                  "calibration.json, .flatbuffers and .cache into one)")
+            for name in ("calibration.json", "calibration.flatbuffers", "calibration.cache"):
+                if path.is_dir():
+                    check_output_path(path / name, inputs=[model], force=force, what="ranges")
+            continue
+        check_output_path(path, inputs=[model], force=force, what="ranges")
+
+
+def _range_exports(values: tuple[str, ...]) -> dict[str, Path]:
+    """`--write-ranges FORMAT=PATH` values, checked before anything runs."""
+    from qcal.calibration.statistics import RANGE_FORMATS
+
+    exports: dict[str, Path] = {}
+    for value in values:
+        kind, sep, path = value.partition("=")
+        if not sep or not path or kind.partition(":")[0] not in RANGE_FORMATS:
+            raise ConfigError(f"--write-ranges: expected FORMAT=PATH with FORMAT one of "
+                              f"{', '.join(RANGE_FORMATS)}, got {value!r}")
+        exports[kind] = Path(path)
+    return exports

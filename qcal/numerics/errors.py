@@ -17,10 +17,12 @@ __all__ = [
     "CalibrationInterrupted",
     "ConfigError",
     "DataError",
+    "DriftGateError",
     "EmptyStatisticsError",
     "ModelError",
     "OutputError",
     "QcalError",
+    "StatisticsError",
 ]
 
 EXIT_OK = 0
@@ -72,6 +74,18 @@ class AccuracyGateError(QcalError):
 
     exit_code = 7
     title = "accuracy gate failed"
+
+
+class DriftGateError(AccuracyGateError):
+    """--fail-on-drift: a run moved further from its baseline report than the thresholds allow."""
+
+    title = "drift gate failed"
+class StatisticsError(QcalError):
+    """A statistics or ranges file is unreadable, malformed, or does not fit the model, plan or
+    method asked for (collect again, or choose options the file holds statistics for)."""
+
+    exit_code = 8
+    title = "statistics do not fit"
 
 
 class CalibrationInterrupted(QcalError):

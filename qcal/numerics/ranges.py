@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 
 from qcal.numerics.errors import DataError
-from qcal.numerics.histogram import HistogramObserver, select_range
+from qcal.numerics.histogram import (
+    CompactHistogram,
+    HistogramObserver,
+    compact_histogram,
+    select_range,
+)
 from qcal.numerics.observers import Granularity, MinMaxStats, Observer
 from qcal.numerics.presets import TensorRecipe
 
@@ -46,6 +51,7 @@ class RangeChoice:
     observed: MinMaxStats                 # the extremes the data reached
     stats: MinMaxStats                    # the range given to compute_qparams
     summary: dict[str, Any] = field(default_factory=dict)   # method details for the report
+    histogram: CompactHistogram | None = None  # histogram methods: what the report plots
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -66,13 +72,16 @@ def choose_range(
     `percentile` overrides `settings.percentile` (a per-tensor setting).
     """
     if method in HISTOGRAM_METHODS:
+        histogram = observer.state()
+        symmetric = bool(getattr(recipe.scheme, "symmetric", True))
         selection = select_range(
-            observer.state(), method, recipe,
+            histogram, method, recipe,
             percentile=settings.percentile if percentile is None else percentile,
-            symmetric_percentile=bool(getattr(recipe.scheme, "symmetric", True)),
+            symmetric_percentile=symmetric,
             bins=settings.bins, quantized_bins=settings.quantized_bins,
         )
-        choice = RangeChoice(selection.observed, selection.stats, dict(selection.summary))
+        choice = RangeChoice(selection.observed, selection.stats, dict(selection.summary),
+                             compact_histogram(histogram, symmetric=symmetric))
     else:
         state = observer.state()
         choice = RangeChoice(observed=state, stats=state, summary={"method": method})

@@ -16,6 +16,12 @@ observed extremes, so no value moves by more than its bin's width.
 
 from __future__ import annotations
 
+from qcal.numerics.histogram._compact import (
+    CANDIDATE_PERCENTILES,
+    PLOT_BINS,
+    CompactHistogram,
+    compact_histogram,
+)
 from qcal.numerics.histogram._distribution import (
     Distribution,
     abs_distribution,
@@ -30,14 +36,18 @@ from qcal.numerics.histogram._select import RANGE_METHODS, select_range
 from qcal.numerics.histogram._snapshot import Histogram
 
 __all__ = [
+    "CANDIDATE_PERCENTILES",
     "DEFAULT_MANTISSA_BITS",
+    "PLOT_BINS",
     "RANGE_METHODS",
+    "CompactHistogram",
     "Distribution",
     "Histogram",
     "HistogramObserver",
     "QuantRecipe",
     "RangeSelection",
     "abs_distribution",
+    "compact_histogram",
     "entropy_divergences",
     "entropy_range",
     "mse_range",

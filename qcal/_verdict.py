@@ -1,0 +1,74 @@
+"""The measured quality of a run in one sentence, read from its report: what the terminal
+summary, the HTML page and the Markdown summary all say, in the same words."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from qcal.accuracy.gates import GateResult
+from qcal.report import gate_warning
+
+__all__ = ["Verdict", "other_warnings", "quality_verdict"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`level`: "broken", "below-floor", "within-floor" or "measured" (no floor was checked)."""
+
+    level: str
+    headline: str   # "quality: within the accuracy floor", ...
+    detail: str     # the figures, and what to do when below the floor
+
+    @property
+    def text(self) -> str:
+        return f"{self.headline}: {self.detail}" if self.detail else self.headline
+
+    @property
+    def ok(self) -> bool:
+        return self.level in ("within-floor", "measured")
+
+
+def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
+    """None when the report has no evaluation (nothing was measured)."""
+    evaluation = report["evaluation"]
+    if not evaluation:
+        return None
+    outputs = evaluation["outputs"]
+    broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
+    agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
+    sqnrs = [o["sqnr_db"] for o in outputs if o["top1_agreement"] is None]
+    figures = []
+    if agreements:
+        figures.append(f"{min(agreements):.2%} of the decisions agree with the float model")
+    if sqnrs:
+        worst = min((s for s in sqnrs if s is not None), default=None)
+        figures.append("outputs identical to the float model's" if worst is None else
+                       f"worst SQNR {worst:.1f} dB (error energy {100 * 10 ** (-worst / 10):.2g} % of "
+                       "the signal's)")
+    said = "; ".join(figures)
+    floor = next((g for g in report["gates"] if g["option"] == "accuracy-floor"), None)
+    config = report["config"]
+    if broken:
+        return Verdict("broken", "quality: BROKEN",
+                       "the quantized model computes NaN or infinite values where the float "
+                       f"model does not ({', '.join(broken)})")
+    if floor is not None and not floor["passed"]:
+        minimum = config["min_coverage"]
+        return Verdict(
+            "below-floor",
+            "quality: below the accuracy floor (99 % of decisions, 10 dB elsewhere)",
+            f"{said}. Keeping float what harms most did "
+            f"not reach it with {minimum:g} % of compute quantized. To go on: --min-coverage "
+            f"lower than {minimum:g} allows more float compute, another --method may fit this "
+            "model's ranges, --no-fallback accepts this model as it is")
+    if config["fallback"] and not config["target_sqnr"] and config["max_agreement_drop"] is None:
+        return Verdict("within-floor", "quality: within the accuracy floor", said)
+    return Verdict("measured", "quality", said)
+
+
+def other_warnings(report: Mapping[str, Any]) -> list[str]:
+    """The report's warnings but those of failed gates, which the gates' own lines show."""
+    shown = {gate_warning(GateResult(**g)) for g in report["gates"]}
+    return [w for w in report["warnings"] if w not in shown]

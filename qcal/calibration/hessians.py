@@ -1,0 +1,257 @@
+"""The inputs' second moments (``H = sum x x^T``) of the layers whose weights GPTQ rounds.
+
+A second pass over the calibration data, once the activations' parameters are known. Each
+layer's input is taken as the quantized model will see it: the integer codes of its
+QuantizeLinear, less the zero point, so H is a matrix of integers. Per batch it is computed in
+float64, where every partial sum of such products is an integer below 2^53 and therefore exact,
+then added into int64: the result is the same whatever the batch size or the order of the data.
+
+Conv inputs are unfolded into the patches each output sees (zero padding included: a padded
+position is a code equal to the zero point); a group of a grouped Conv has its own H.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from qcal.calibration.collect import expose_tensors
+from qcal.calibration.runtime import create_session
+from qcal.numerics.errors import DataError
+from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
+
+__all__ = ["HessianTarget", "collect_hessians", "hessian_target"]
+
+Feed = Mapping[str, np.ndarray]
+# Patches unfolded at a time (values): bounds the temporary memory of a large feature map.
+_CHUNK_VALUES = 2**22
+# A Conv's H takes the patches of at most this many output positions of each sample (evenly
+# spaced): H's cost per position is the layer's inputs squared, which on large feature maps
+# would be many times the cost of the model itself, and a few thousand positions per sample
+# already measure the inputs' correlations.
+POSITIONS_PER_SAMPLE = 4096
+# Hessians held at once; more targets than fit are collected in further passes over the data.
+MEMORY_BUDGET_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class HessianTarget:
+    """A layer whose input's second moments are collected.
+
+    Attributes:
+        node: the Conv/MatMul/Gemm node.
+        tensor: its data input (a quantized activation).
+        scale, zero_point, code_range: the input's QuantizeLinear parameters (per tensor).
+        groups: Conv groups (1 for MatMul/Gemm).
+        kernel, strides, pads, dilations: Conv geometry over the spatial axes (empty for
+            MatMul/Gemm); pads as ONNX lists them (all begins, then all ends).
+        transposed: a Gemm with transA: its input is (K, M), not (M, K).
+        inputs_per_group: columns of H (channels per group x kernel size, or K).
+    """
+
+    node: str
+    tensor: str
+    scale: float
+    zero_point: int
+    code_range: tuple[int, int]
+    groups: int
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    pads: tuple[int, ...]
+    dilations: tuple[int, ...]
+    transposed: bool
+    inputs_per_group: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups * self.inputs_per_group**2 * 8
+
+
+def hessian_target(
+    node: onnx.NodeProto, weight_shape: Sequence[int], act: OnnxQParams
+) -> HessianTarget | str:
+    """The target for `node` reading weights of `weight_shape` through an input quantized
+    with `act`, or the reason it has none."""
+    if np.asarray(act.scale).size != 1:
+        return "its input is quantized per channel"
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    quantized = (float(np.asarray(act.scale)), int(np.asarray(act.zero_point)),
+                 ONNX_CODE_LIMITS[act.dtype])
+    if node.op_type == "Conv":
+        spatial = len(weight_shape) - 2
+        if spatial not in (1, 2):
+            return f"a {spatial}-d Conv"
+        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
+            return "a Conv with auto_pad SAME"
+        return HessianTarget(
+            node.name, node.input[0], *quantized, groups=int(attrs.get("group", 1)),
+            kernel=tuple(weight_shape[2:]), strides=tuple(attrs.get("strides", [1] * spatial)),
+            pads=tuple(attrs.get("pads", [0] * 2 * spatial)),
+            dilations=tuple(attrs.get("dilations", [1] * spatial)), transposed=False,
+            inputs_per_group=int(np.prod(weight_shape[1:])),
+        )
+    if node.op_type in ("MatMul", "Gemm") and len(weight_shape) == 2:
+        trans_b = node.op_type == "Gemm" and bool(attrs.get("transB", 0))
+        return HessianTarget(
+            node.name, node.input[0], *quantized, groups=1, kernel=(), strides=(), pads=(),
+            dilations=(), transposed=node.op_type == "Gemm" and bool(attrs.get("transA", 0)),
+            inputs_per_group=int(weight_shape[1] if trans_b else weight_shape[0]),
+        )
+    return f"a {node.op_type} with a {len(weight_shape)}-d weight"
+
+
+def _centered_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
+    """QuantizeLinear's codes of `x` (float32 division, half to even), less the zero point."""
+    lo, hi = target.code_range
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.rint(np.asarray(x, dtype=np.float32) / np.float32(target.scale))
+    q = np.clip(np.nan_to_num(q, nan=0.0) + target.zero_point, lo, hi)
+    return np.asarray(q - target.zero_point, dtype=np.float64)
+
+
+def _largest_code(target: HessianTarget) -> int:
+    lo, hi = target.code_range
+    return max(abs(lo - target.zero_point), abs(hi - target.zero_point), 1)
+
+
+class _ExactSum:
+    """H accumulated in float64 while every entry is certainly an integer below 2^53 (so every
+    sum is exact), moved into int64 before it could leave that range."""
+
+    def __init__(self, target: HessianTarget) -> None:
+        shape = (target.groups, target.inputs_per_group, target.inputs_per_group)
+        self.total = np.zeros(shape, np.int64)
+        self.running = np.zeros(shape, np.float64)
+        self.square = _largest_code(target) ** 2
+        self.bound = 0  # largest |entry| `running` can hold: positions x largest product
+        self.rows = max(1, min(_CHUNK_VALUES // max(target.inputs_per_group, 1),
+                               2**53 // self.square))
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        """H[g] += rows[g].T @ rows[g] for rows (groups, n, inputs) of integers; rows wait
+        until a block's worth has come, so small batches make one product, not many."""
+        self.pending.append(rows)
+        self.pending_rows += rows.shape[1]
+        if self.pending_rows >= self.rows:
+            self._multiply()
+
+    def _multiply(self) -> None:
+        if not self.pending:
+            return
+        rows = np.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
+        self.pending, self.pending_rows = [], 0
+        for start in range(0, rows.shape[1], self.rows):
+            block = rows[:, start : start + self.rows]
+            if self.bound + block.shape[1] * self.square >= 2**53:
+                self.flush()
+            self.running += np.transpose(block, (0, 2, 1)) @ block
+            self.bound += block.shape[1] * self.square
+
+    def flush(self) -> None:
+        self.total += self.running.astype(np.int64)
+        self.running[...] = 0.0
+        self.bound = 0
+
+    def result(self) -> np.ndarray:
+        self._multiply()
+        self.flush()
+        return self.total
+
+
+def _positions(out: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Output positions whose patches enter H: all of them, or POSITIONS_PER_SAMPLE evenly
+    spaced (in row-major order) when a sample has more. Chosen from the shape alone, so a
+    sample contributes the same positions whatever batch it comes in."""
+    total = int(np.prod(out))
+    flat = np.arange(total) if total <= POSITIONS_PER_SAMPLE else (
+        np.arange(POSITIONS_PER_SAMPLE) * total // POSITIONS_PER_SAMPLE)
+    return np.unravel_index(flat, tuple(out))
+
+
+def _patches(x: np.ndarray, target: HessianTarget) -> Iterable[np.ndarray]:
+    """Unfolded patches of one sample (channels, *spatial), as (groups, n, inputs_per_group),
+    a block of positions at a time."""
+    spatial = len(target.kernel)
+    begins, ends = target.pads[:spatial], target.pads[spatial:]
+    padded = np.pad(x, [(0, 0)] + [(b, e) for b, e in zip(begins, ends)])
+    out = [
+        (padded.shape[1 + a] - target.dilations[a] * (target.kernel[a] - 1) - 1)
+        // target.strides[a] + 1
+        for a in range(spatial)
+    ]
+    if min(out, default=1) <= 0:
+        return
+    channels = x.shape[0] // target.groups
+    taps = list(np.ndindex(*target.kernel))
+    coords = _positions(out)
+    step = max(1, _CHUNK_VALUES // max(1, x.shape[0] * len(taps)))
+    for first in range(0, len(coords[0]), step):
+        chosen = [c[first : first + step] for c in coords]
+        columns = [
+            padded[(slice(None),) + tuple(chosen[a] * target.strides[a]
+                                          + tap[a] * target.dilations[a] for a in range(spatial))]
+            for tap in taps
+        ]
+        # (channels, taps, positions) -> (groups, positions, channels per group x taps)
+        unfolded = np.stack(columns, axis=1).reshape(target.groups, channels * len(taps), -1)
+        yield np.transpose(unfolded, (0, 2, 1))
+
+
+def _update(acc: _ExactSum, value: np.ndarray, target: HessianTarget) -> None:
+    codes = _centered_codes(value, target)
+    if not target.kernel:  # MatMul/Gemm: rows of the last axis (Gemm transA: columns)
+        rows = codes.T if target.transposed else codes.reshape(-1, codes.shape[-1])
+        acc.add(rows[None])
+        return
+    for sample in codes:
+        for block in _patches(sample, target):
+            acc.add(block)
+
+
+def collect_hessians(
+    model: onnx.ModelProto,
+    targets: Sequence[HessianTarget],
+    batches: Callable[[], Iterable[tuple[Feed, int]]],
+    *,
+    providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    threads: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """H (int64, groups x inputs x inputs) per target node, over every batch `batches()` gives.
+
+    Targets whose Hessians do not fit in MEMORY_BUDGET_BYTES together are collected in further
+    passes; a target alone above the budget is left out (its weights round to nearest).
+    """
+    passes: list[list[HessianTarget]] = []
+    held = math.inf
+    for target in sorted(targets, key=lambda t: t.node):
+        if target.nbytes > MEMORY_BUDGET_BYTES:
+            continue
+        if held + target.nbytes > MEMORY_BUDGET_BYTES:
+            passes.append([])
+            held = 0
+        passes[-1].append(target)
+        held += target.nbytes
+    hessians: dict[str, np.ndarray] = {}
+    for group in passes:
+        tensors = sorted({t.tensor for t in group})
+        session = create_session(expose_tensors(model, tensors), providers=providers,
+                                 threads=threads, what="GPTQ model", node_order=True)
+        acc = {t.node: _ExactSum(t) for t in group}
+        for feed, n in batches():
+            try:
+                values = dict(zip(tensors, session.run(tensors, dict(feed))))
+            except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
+                raise DataError(f"onnxruntime failed on the GPTQ pass: {err}") from None
+            for target in group:
+                _update(acc[target.node], values[target.tensor], target)
+            if on_batch is not None:
+                on_batch(n)
+        hessians.update({node: sums.result() for node, sums in acc.items()})
+    return hessians

@@ -1,0 +1,224 @@
+"""GPTQ weight rounding: the algorithm against its definition, the input Hessians against an
+independent unfolding, and `--weight-rounding gptq` end to end (better outputs, same bytes
+whatever the batching and data order)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.calibration import hessians
+from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
+from qcal.cli import main
+from qcal.numerics.gptq import gptq_codes, output_error
+from qcal.numerics.onnx_mapping import OnnxQParams
+
+SAMPLE_MODELS = Path(__file__).resolve().parents[1] / "sample_models"
+
+
+def _symmetric(weights: np.ndarray, levels: int = 63) -> tuple:
+    """A per-row symmetric quantizer of (groups, rows, inputs) weights, and its inverse."""
+    scale = np.abs(weights).max(axis=2).reshape(-1) / levels
+
+    def quantize(column: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(column / scale), -levels - 1, levels).astype(np.int8)
+
+    def dequantize(codes: np.ndarray) -> np.ndarray:
+        return codes.astype(np.float64) * scale.reshape((-1,) + (1,) * (codes.ndim - 1))
+
+    return quantize, dequantize
+
+
+def _correlated(rng: np.random.Generator, groups: int, inputs: int) -> np.ndarray:
+    mix = rng.normal(size=(inputs, inputs)) * 0.4 + np.eye(inputs)
+    x = rng.normal(size=(groups, 800, inputs)) @ mix
+    return np.einsum("gpi,gpj->gij", x, x)
+
+
+def test_output_error_is_the_relative_squared_output_error() -> None:
+    rng = np.random.default_rng(1)
+    w, delta = rng.normal(size=(2, 3, 5)), rng.normal(size=(2, 3, 5)) * 0.01
+    x = rng.normal(size=(2, 40, 5))
+    hessian = np.einsum("gpi,gpj->gij", x, x)
+    expected = sum(np.sum((x[g] @ delta[g].T) ** 2) for g in range(2)) / sum(
+        np.sum((x[g] @ w[g].T) ** 2) for g in range(2))
+    assert output_error(delta, w, hessian) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gptq_lowers_the_output_error_of_correlated_inputs() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 16, 150))
+    hessian = _correlated(rng, 3, 150)
+    quantize, dequantize = _symmetric(w)
+    result = gptq_codes(w, hessian, quantize, dequantize)
+    nearest = np.stack([quantize(w.reshape(48, 150)[:, j]) for j in range(150)], axis=1)
+    restored = lambda c: np.stack([dequantize(c[:, j]) for j in range(c.shape[1])], 1)
+    # The errors it reports are the definition's, computed here independently.
+    assert result.error_nearest == pytest.approx(
+        output_error(restored(nearest).reshape(w.shape) - w, w, hessian), rel=1e-12)
+    assert result.error_gptq == pytest.approx(
+        output_error(restored(result.codes).reshape(w.shape) - w, w, hessian), rel=1e-12)
+    assert result.error_gptq < 0.7 * result.error_nearest
+    assert result.codes.dtype == np.int8 and result.codes.min() >= -64 and result.codes.max() <= 63
+    assert not np.array_equal(result.codes, nearest)
+
+
+def test_uncorrelated_inputs_give_the_nearest_codes() -> None:
+    """With H a multiple of the identity no column's error can be absorbed by another."""
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(1, 8, 30))
+    quantize, dequantize = _symmetric(w)
+    result = gptq_codes(w, np.eye(30)[None] * 7.0, quantize, dequantize)
+    nearest = np.stack([quantize(w[0][:, j]) for j in range(30)], axis=1)
+    assert np.array_equal(result.codes, nearest)
+    assert result.error_gptq == result.error_nearest
+
+
+def test_inputs_that_never_vary_keep_their_nearest_codes() -> None:
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(1, 6, 20))
+    hessian = _correlated(rng, 1, 20)
+    hessian[:, 4, :] = hessian[:, :, 4] = 0.0  # input 4 is always zero
+    quantize, dequantize = _symmetric(w)
+    result = gptq_codes(w, hessian, quantize, dequantize)
+    assert np.array_equal(result.codes[:, 4], quantize(w[0][:, 4]))
+    assert result.error_gptq <= result.error_nearest
+
+
+# ---------------------------------------------------------------------- input Hessians
+
+
+def _act(scale: float, zero_point: int) -> OnnxQParams:
+    return OnnxQParams(dtype=TensorProto.UINT8, scale=np.array(scale, np.float32),
+                       zero_point=np.array(zero_point, np.uint8), axis=None, clip_min=None,
+                       clip_max=None, exact=True, deviations=(), replacement=None, min_opset=10)
+
+
+def _conv_model(weight: np.ndarray, **attrs: object) -> onnx.ModelProto:
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", **attrs)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 7, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tuple,
+                        limit: int) -> np.ndarray:
+    """Output position by output position, the patch each sees, in plain loops (of each
+    sample's first `limit` positions, evenly spaced, when it has more)."""
+    lo, hi = target.code_range
+    codes = np.clip(np.rint(x.astype(np.float32) / np.float32(target.scale)) + target.zero_point,
+                    lo, hi).astype(np.int64) - target.zero_point
+    (kh, kw), (sh, sw), (dh, dw) = target.kernel, target.strides, target.dilations
+    top, left, bottom, right = target.pads
+    per_group = weight_shape[1]
+    hessian = np.zeros((target.groups, target.inputs_per_group, target.inputs_per_group), np.int64)
+    height, width = x.shape[2] + top + bottom, x.shape[3] + left + right
+    rows, cols = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
+    total = rows * cols
+    chosen = range(total) if total <= limit else [i * total // limit for i in range(limit)]
+    for sample in codes:
+        for position in chosen:
+            oy, ox = divmod(position, cols)
+            for g in range(target.groups):
+                patch = []
+                for c in range(g * per_group, (g + 1) * per_group):
+                    for i in range(kh):
+                        for j in range(kw):
+                            y, xx = oy * sh + i * dh - top, ox * sw + j * dw - left
+                            inside = 0 <= y < x.shape[2] and 0 <= xx < x.shape[3]
+                            patch.append(sample[c, y, xx] if inside else 0)
+                v = np.array(patch, np.int64)
+                hessian[g] += np.outer(v, v)
+    return hessian
+
+
+@pytest.mark.parametrize(("attrs", "limit"), [
+    ({"pads": [1, 0, 2, 1], "strides": [2, 1], "dilations": [1, 2], "group": 2}, 4096),
+    ({"pads": [0, 0, 0, 0], "strides": [1, 1]}, 4096),
+    ({"pads": [1, 1, 1, 1], "strides": [1, 1]}, 7),  # only 7 positions of each sample
+])
+def test_conv_hessian_matches_the_patches_it_sees(
+    attrs: dict, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hessians, "POSITIONS_PER_SAMPLE", limit)
+    rng = np.random.default_rng(4)
+    group = int(attrs.get("group", 1))
+    weight = rng.normal(size=(6, 4 // group, 3, 2)).astype(np.float32)
+    model = _conv_model(weight, **attrs)
+    target = hessian_target(model.graph.node[0], weight.shape, _act(0.05, 11))
+    assert isinstance(target, HessianTarget)
+    x = rng.normal(size=(3, 4, 7, 6)).astype(np.float32) * 3
+    whole = collect_hessians(model, [target], lambda: [({"x": x}, 3)])["conv"]
+    one_by_one = collect_hessians(
+        model, [target], lambda: [({"x": x[i : i + 1]}, 1) for i in (2, 0, 1)])["conv"]
+    assert whole.dtype == np.int64
+    assert np.array_equal(whole, _naive_conv_hessian(x, target, weight.shape, limit))
+    assert np.array_equal(whole, one_by_one)  # any batching, any order: integers
+
+
+def test_matmul_hessian_is_the_codes_gram_matrix() -> None:
+    rng = np.random.default_rng(5)
+    weight = rng.normal(size=(5, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    target = hessian_target(model.graph.node[0], weight.shape, _act(0.02, 128))
+    assert isinstance(target, HessianTarget)
+    x = rng.normal(size=(2, 4, 5)).astype(np.float32)
+    codes = np.clip(np.rint(x / np.float32(0.02)) + 128, 0, 255).astype(np.int64) - 128
+    rows = codes.reshape(-1, 5)
+    got = collect_hessians(model, [target], lambda: [({"x": x}, 2)])["mm"]
+    assert np.array_equal(got, (rows.T @ rows)[None])
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def _calibrate(tmp: Path, model: Path, name: str, *args: str) -> dict:
+    result = CliRunner().invoke(main, [
+        "calibrate", str(model), "-o", str(tmp / f"{name}.onnx"), "--report",
+        str(tmp / f"{name}.json"), "--no-fallback", "-q", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads((tmp / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("model", ["digits_cnn", "transformer_block"])
+def test_gptq_improves_the_quantized_model(tmp_path: Path, model: str) -> None:
+    path = SAMPLE_MODELS / f"{model}.onnx"
+    nearest = _calibrate(tmp_path, path, "nearest")
+    gptq = _calibrate(tmp_path, path, "gptq", "--weight-rounding", "gptq")
+    onnx.checker.check_model(str(tmp_path / "gptq.onnx"))
+    sqnr = lambda r: min(o["sqnr_db"] for o in r["evaluation"]["outputs"])
+    assert sqnr(gptq) > sqnr(nearest) + 1.0
+    rounded = [t for t in gptq["tensors"] if "rounding" in t]
+    assert rounded and all(t["role"] == "weight" for t in rounded)
+    assert all(t["rounding"]["output_error"] < t["rounding"]["output_error_nearest"]
+               for t in rounded)
+    assert "rounding" not in json.dumps(nearest["tensors"])
+    # Same scales as rounding to nearest: only the codes differ.
+    scales = lambda r: {t["name"]: t["onnx"]["scale"] for t in r["tensors"]}
+    assert scales(gptq) == scales(nearest)
+
+
+def test_gptq_output_does_not_depend_on_batching_or_order(tmp_path: Path) -> None:
+    with np.load(SAMPLE_MODELS / "digits_cnn.calib.npz") as data:
+        arrays = {k: data[k][:64] for k in data.files}
+    forward, backward = tmp_path / "forward.npz", tmp_path / "backward.npz"
+    np.savez(forward, **arrays)
+    np.savez(backward, **{k: v[::-1] for k, v in arrays.items()})
+    model = SAMPLE_MODELS / "digits_cnn.onnx"
+    common = ["--weight-rounding", "gptq", "--eval-data", str(forward)]
+    _calibrate(tmp_path, model, "a", "--data", str(forward), *common)
+    _calibrate(tmp_path, model, "b", "--data", str(backward), "--batch-size", "7", *common)
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
