@@ -383,6 +383,7 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
         return
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         widths = [
@@ -394,11 +395,11 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
         for row in rows:
             print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
         return
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i < 3 else "right", overflow="fold")
-    for row in rows:
-        table.add_row(*row)
+        table.add_column(escape(column), justify="left" if i < 3 else "right", overflow="fold")
+    for row in rows:  # escaped: "qcal[fast]" is text, not rich markup
+        table.add_row(*(escape(v) for v in row))
     Console(width=max(100, min(200, _terminal_width()))).print(table)
 
 

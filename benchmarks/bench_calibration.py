@@ -16,6 +16,7 @@ Results: a table on stdout, JSON in benchmarks/results/calibration-<time>.json (
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections import defaultdict
@@ -39,7 +40,11 @@ from _common import (
     work_dir,
     write_results,
 )
+from _ratios import render_ratios
 from models import ALL_MODELS, BenchmarkSetupError, BenchModel, get_models
+
+HISTOGRAM_METHODS = ("percentile", "entropy", "mse")
+QCAL_TOOLS = {"auto": "qcal", "numpy": "qcal", "numba": "qcal[fast]"}
 
 QUICK = {
     "models": "digits_cnn,transformer_block,ppocr_cls,ppocr_rec,ppocr_det",
@@ -64,6 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(ORT_METHODS),
         help="quantize_static methods ('' for none): " + ", ".join(ORT_METHODS),
     )
+    parser.add_argument(
+        "--kernels",
+        default="numpy,numba" if importlib.util.find_spec("numba") else "numpy",
+        help="kernels of the qcal histogram jobs, one job each: numpy (QCAL_KERNELS=numpy, the "
+        "core path, shown as `qcal`) and numba (QCAL_KERNELS=auto with numba installed, as a "
+        "user of the qcal[fast] extra runs, shown as `qcal[fast]`); min-max methods use no "
+        "kernel and run once",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=1, help="samples per run, all tools")
     parser.add_argument(
@@ -82,7 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--qcal-args", default="", help="extra `qcal calibrate` arguments (cli mode)"
     )
     parser.add_argument(
-        "--qcal-config", default="{}", help="extra CalibrationConfig fields as JSON (library mode)"
+        "--qcal-config",
+        default='{"fallback": false}',
+        help="extra CalibrationConfig fields as JSON (library mode); the default leaves out the "
+        "fallback search, which quantize_static has no counterpart of",
     )
     parser.add_argument(
         "--qcal-eval-samples",
@@ -129,19 +145,23 @@ def build_jobs(model: BenchModel, n: int, args: argparse.Namespace) -> list[dict
     out = work_dir("calibration", model.name)
     eval_data = model.eval_data(args.qcal_eval_samples) if args.qcal_eval_samples > 0 else None
     for method in _names(args.methods):
-        stem = out / f"qcal-{method}-{n}"
-        jobs.append(
-            dict(
-                base,
-                kind="qcal",
-                tool="qcal",
-                method=method,
-                output=str(stem) + ".qdq.onnx",
-                report=str(stem) + ".qcal.json",
-                eval_data=str(eval_data) if eval_data else None,
-                config=json.loads(args.qcal_config),
+        choices = _names(args.kernels) if method in HISTOGRAM_METHODS else ["auto"]
+        for kernels in choices:
+            stem = out / f"qcal-{method}-{kernels}-{n}"
+            jobs.append(
+                dict(
+                    base,
+                    kind="qcal",
+                    tool=QCAL_TOOLS[kernels],
+                    # numba runs as a user with the extra gets it: QCAL_KERNELS=auto
+                    kernels="auto" if kernels == "numba" else kernels,
+                    method=method,
+                    output=str(stem) + ".qdq.onnx",
+                    report=str(stem) + ".qcal.json",
+                    eval_data=str(eval_data) if eval_data else None,
+                    config=json.loads(args.qcal_config),
+                )
             )
-        )
     for method in _names(args.ort_methods):
         jobs.append(
             dict(
@@ -201,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             # rotate the order each repeat so no job always runs first (cold caches) or last
             order = jobs[0:1] + _rotate(jobs[1:], repeat)
             for job in order:
-                tag = f"{job['tool']}-{job['method']}-{n}-r{repeat}"
+                tag = f"{job['tool']}-{job['method']}-{n}-r{repeat}".replace("[fast]", "-fast")
                 result = run_job(job, args, tag)
                 if not args.keep_outputs:  # only the cost is measured here; models can be large
                     for key in ("output",):
@@ -297,7 +317,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "peak_minus_baseline_mib": (max(peaks) - median(baselines))
                 if peaks and baselines
                 else None,
-                "comparable_ort_method": COMPARABLE.get(method) if tool == "qcal" else None,
+                "comparable_ort_method": COMPARABLE.get(method) if tool != "ort" else None,
                 "errors": errors,
             }
         )
@@ -308,7 +328,7 @@ def render(
     summary: list[dict[str, Any]], per_sample: list[dict[str, Any]], args: argparse.Namespace
 ) -> None:
     def key(row: dict[str, Any]) -> tuple[Any, ...]:
-        tool_rank = {"float": 0, "qcal": 1, "ort": 2}[row["tool"]]
+        tool_rank = {"float": 0, "qcal": 1, "qcal[fast]": 2, "ort": 3}[row["tool"]]
         method_rank = _method_rank(row)
         return (row["model"], row["samples"], method_rank, tool_rank)
 
@@ -335,6 +355,7 @@ def render(
         ["model", "N", "job", "time s", "x float", "peak MiB", "peak-base MiB", "status"],
         rows,
     )
+    render_ratios(summary)
     _render_growth(summary)
     _render_marginal(per_sample)
 

@@ -194,6 +194,7 @@ def calibrate(
                     data_mod.iter_batches(calib, inputs, config.batch_size),
                     providers=config.providers, threads=config.threads,
                     on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
+                    expected_samples=calib.num_samples(),
                 )
             except DataError:
                 blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
@@ -233,6 +234,10 @@ def calibrate(
         if runnable.repaired:
             records = _planned_records(records, plan, quant_model)
         records.update(_bias_records(quant_model, plan))
+        # The first evaluation of this model runs in the session that checked it (a large
+        # model's is closed instead: it would stay open through every later stage).
+        checked = [(quant_model, runnable.session)] if weight_file is None else []
+        del runnable
 
     source = eval_source if eval_source is not None else calib
     eval_labels = labels if eval_source is not None or config.labels else None
@@ -240,10 +245,12 @@ def calibrate(
     reference = FloatReference()  # every evaluation below compares with the same float run
 
     def evaluate(model: onnx.ModelProto, stage: str = "evaluate") -> Comparison:
+        session = checked.pop()[1] if checked and checked[0][0] is model else None
         return compare_models(
             prepared, model, data_mod.iter_batches(source, inputs, config.batch_size),
             labels=eval_labels, providers=config.providers, threads=config.threads,
             on_batch=_stage_progress(progress, stage, source.num_samples()), reference=reference,
+            quant_session=session,
         )
 
     accuracy = _improve_accuracy(

@@ -210,17 +210,21 @@ def compare_models(
     threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
     reference: FloatReference | None = None,
+    quant_session: Any = None,
 ) -> Comparison:
     """Run both models on every batch; labels (one int per sample, in data order) are optional.
-    A `reference` shared by calls on the same float model, data and settings saves rerunning it."""
+    A `reference` shared by calls on the same float model, data and settings saves rerunning it;
+    `quant_session`, a session already open on `quant_model` with these providers and threads,
+    saves building it again."""
     reference = reference if reference is not None else FloatReference(budget_bytes=0)
     if reference.session is None:
         reference.session = create_session(float_model, providers=providers, threads=threads,
                                            what="float model")
         reference.rules = decision_rules(float_model)
     float_session = reference.session
-    quant_session = create_session(quant_model, providers=providers, threads=threads,
-                                   what="quantized model")
+    if quant_session is None:
+        quant_session = create_session(quant_model, providers=providers, threads=threads,
+                                       what="quantized model")
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -42,6 +43,9 @@ class Runnable:
     model: onnx.ModelProto
     plan: QuantPlan
     repaired: Mapping[str, str]
+    # The session that ran `model`, still open (the evaluation's options): the evaluation can
+    # use it instead of building the same session again.
+    session: Any = field(default=None, compare=False, repr=False)
 
 
 def make_runnable(
@@ -58,9 +62,9 @@ def make_runnable(
     repaired: dict[str, str] = {}
     model = build(plan)
     for _ in range(_MAX_REPAIRS + 1):
-        failure = _run_failure(model, feed, providers, threads)
+        failure, session = _run_failure(model, feed, providers, threads)
         if failure is None:
-            return Runnable(model, plan, repaired)
+            return Runnable(model, plan, repaired, session)
         node = _culprit(float_model, model, failure, plan)
         if node is None or node in repaired or len(repaired) == _MAX_REPAIRS:
             raise ModelError(f"onnxruntime cannot run the quantized model: {failure}")
@@ -74,18 +78,19 @@ def make_runnable(
 def _run_failure(
     model: onnx.ModelProto, feed: Mapping[str, np.ndarray], providers: tuple[str, ...],
     threads: int,
-) -> str | None:
+) -> tuple[str | None, Any]:
+    """(None, the open session) when onnxruntime runs `model` on `feed`, else (why, None)."""
     try:
         session = create_session(model, providers=providers, threads=threads,
                                  what="quantized model")
         names = [o.name for o in session.get_outputs()]
         session.run(names, dict(feed))
     except ModelError as err:
-        return str(err)
+        return str(err), None
     except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
         text = str(err).strip()
-        return " ".join(text.split()) if text else type(err).__name__
-    return None
+        return (" ".join(text.split()) if text else type(err).__name__), None
+    return None, session
 
 
 def _culprit(

@@ -8,6 +8,9 @@ Each batch's arrays go to the observers and are dropped before the next-but-one 
 peak memory depends on the batch size, never on the number of samples. Observer updates of batch
 k run on a worker thread while onnxruntime computes batch k+1 (both release the GIL); batches
 reach the observers strictly in data order, so order-dependent observers (EMA) stay deterministic.
+When whole tensors are observed, onnxruntime's idle threads sleep instead of spinning, so that
+the observers' threads get the cores onnxruntime is not computing on (histograms counted by
+the compiled kernels of ``qcal[fast]`` leave the GIL for the whole count).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from qcal.calibration.reduce_min_max import (
 )
 from qcal.calibration.runtime import create_session
 from qcal.graph.structure import element_types
+from qcal.numerics import kernels
 from qcal.numerics.errors import DataError, ModelError, QcalError
 from qcal.numerics.observers import Observer, PerChannel, PerTensorExtremesFeed
 
@@ -43,6 +47,8 @@ OnBatch = Callable[[int], None]
 # per batch. numpy leaves the GIL in its counting and reduction loops, and while the observers
 # are the bottleneck onnxruntime has finished the next batch and leaves a core idle.
 _WORKERS = 2
+# Values to count from which loading the compiled kernels pays (a second of numpy counting).
+_KERNELS_PAY_FROM_VALUES = 300_000_000
 
 
 @dataclass(frozen=True)
@@ -236,8 +242,13 @@ def collect(
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
     threads: int = 0,
     on_batch: OnBatch | None = None,
+    expected_samples: int | None = None,
 ) -> CollectionSummary:
-    """Run `model` on every batch and update `observers` (keyed by tensor name) in data order."""
+    """Run `model` on every batch and update `observers` (keyed by tensor name) in data order.
+
+    `expected_samples` (the size of the data, when known) decides early whether loading the
+    compiled kernels pays (:class:`_KernelsWhenWorthIt`); results never depend on it.
+    """
     started = time.perf_counter()
     # Tensors of If/Loop/Scan bodies reach the outputs through routes of their own.
     routed = expose_subgraph_tensors(model, observers)
@@ -252,12 +263,13 @@ def collect(
     )
     session = create_session(
         expose_tensors(calibration_model, whole), providers=providers, threads=threads,
-        what="calibration model", node_order=True,
+        what="calibration model", node_order=True, spin=not whole,
     )
     del calibration_model
     output_names = reduced.output_names + whole
     statistics = _ReducedFeed(by_output, reduced)
     samples = batch_count = 0
+    kernels_when_worth_it = _KernelsWhenWorthIt(expected_samples)
     # The batch being observed, with its feed and first sample (to name bad inputs on failure).
     pending: tuple[list[Future[None]], Feed, int, int] | None = None
     # Not a `with` block: on an interrupt (Ctrl-C raises wherever the program is, even inside a
@@ -270,9 +282,11 @@ def collect(
                 _wait(*pending)  # keeps at most two batches of activations alive
             batch, extremes = statistics.read(dict(zip(output_names, arrays)))
             futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
+            shares = _whole_tensor_shares(by_output, set(whole), output_names, arrays)
+            kernels_when_worth_it.counted(sum(arrays[i].size for s in shares for i in s), n)
             futures += [
                 pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
-                for share in _whole_tensor_shares(by_output, set(whole), output_names, arrays)
+                for share in shares
             ]
             pending = (futures, feed, samples, n)
             del arrays
@@ -295,6 +309,36 @@ def collect(
     return CollectionSummary(
         samples, batch_count, time.perf_counter() - started, tuple(session.get_providers())
     )
+
+
+class _KernelsWhenWorthIt:
+    """Starts loading the compiled kernels (``qcal[fast]``) once a run counts enough values.
+
+    numpy counts a histogram value in about 3 ns, the compiled kernels in about 1.3, but loading
+    them (importing numba) holds the interpreter for most of a second, which small runs would
+    feel: the kernels are loaded only when the values still to count, projected from the data
+    size when it is known (else those counted so far), pay for that. Batches counted before
+    they are ready take the numpy path; the statistics are the same either way.
+    """
+
+    def __init__(self, expected_samples: int | None) -> None:
+        self._expected = expected_samples
+        self._values = 0
+        self._samples = 0
+        self._started = False
+
+    def counted(self, values: int, samples: int) -> None:
+        """One batch of `samples` is about to have `values` counted by histograms."""
+        if self._started or not values:
+            return
+        self._values += values
+        self._samples += samples
+        projected = self._values
+        if self._expected and self._expected > self._samples:
+            projected = self._values * self._expected // max(self._samples, 1)
+        if projected >= _KERNELS_PAY_FROM_VALUES:
+            kernels.preload()
+            self._started = True
 
 
 def _samples_text(first: int, n: int) -> str:

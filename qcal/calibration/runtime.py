@@ -24,9 +24,13 @@ def available_providers() -> list[str]:
 
 
 def _session_options(
-    threads: int, *, node_order: bool = False, optimize: bool = True
+    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = True
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if not spin:
+        # Idle onnxruntime threads sleep instead of spinning: a core they would spin on is
+        # free for the statistics of the previous batch, computed on another thread meanwhile.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if node_order:
@@ -50,13 +54,15 @@ def create_session(
     what: str = "model",
     node_order: bool = False,
     optimize: bool = True,
+    spin: bool = True,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
     (onnxruntime's default order may run them much later). Without `optimize`, onnxruntime
     skips its graph optimizations: the session opens faster and runs slower, which pays for a
-    session that runs once.
+    session that runs once. Without `spin`, its idle threads sleep rather than spin, leaving
+    their cores to other threads of the process.
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
@@ -67,7 +73,7 @@ def create_session(
             f"provider: {', '.join(missing)} not available in this onnxruntime "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
-    options = _session_options(threads, node_order=node_order, optimize=optimize)
+    options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin)
     try:
         if serialized_size(model) < _MAX_INLINE_BYTES:
             model_bytes = _mapping_weights(model, options, what)
