@@ -11,23 +11,21 @@ The supporting steps live beside it: `qcal._inputs` resolves and checks what the
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from qcal._accuracy_stage import _compute_macs, _improve_accuracy
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
     _check_overrides,
     _eval_source_path,
     _labels_path,
-    _SampleRange,
     _selection_rules,
     load_labels,
 )
@@ -43,14 +41,12 @@ from qcal._quantize_tensors import (
     measure_layer_inputs,
 )
 from qcal._reuse import reuse_statistics
-from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
+from qcal._stages import Progress, _stage_progress, _Timings
+from qcal.accuracy.coverage import measure_coverage
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
-from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
-from qcal.accuracy.localise import localise_error
 from qcal.accuracy.runnable import make_runnable
-from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
 from qcal.calibration.statistics import Statistics
@@ -71,9 +67,7 @@ from qcal.graph.model import (
     plan_quantization,
     prepare_model,
 )
-from qcal.graph.qdq import InsertQDQ, QuantizedWeight
 from qcal.numerics.errors import ConfigError, DataError, OutputError
-from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report, dump_report
 
@@ -82,8 +76,6 @@ __all__ = [
     "plan_model",
 ]
 
-Progress = Callable[[str, int, "int | None"], None]
-"""Called as progress(stage, samples_done_since_last_call, total_samples_or_None)."""
 
 
 @dataclass(frozen=True)
@@ -95,19 +87,6 @@ class CalibrationResult:
     report_path: Path | None
     gates: tuple[GateResult, ...] = ()
 
-
-@dataclass
-class _Timings:
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - started  # a stage may come back (qparams)
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + elapsed, 6)
 
 
 def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Path, Path]:
@@ -336,108 +315,6 @@ def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
     nothing in it is quantized, and Q/DQ would come with the opset asked for)."""
     versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     return int(versions[0]) if versions else otherwise
-
-
-def _stage_progress(progress: Progress | None, stage: str, total: int | None) -> Callable[[int], None] | None:
-    if progress is None:
-        return None
-    progress(stage, 0, total)
-    return lambda n: progress(stage, n, total)
-
-
-# ------------------------------------------------------------------ accuracy: sensitivity, fallback
-
-
-@dataclass(frozen=True)
-class _Accuracy:
-    sensitivity: SensitivityResult | None
-    fallback: FallbackResult | None
-    comparison: Comparison | None = None  # the full model's, when the floor held without help
-
-
-def _compute_macs(
-    model: onnx.ModelProto, calib: Any, config: CalibrationConfig
-) -> dict[str, int | None]:
-    first = next(iter(calib.samples()), None)
-    probe = None if first is None else shape_probe(
-        model, first, providers=config.providers, threads=config.threads)
-    return compute_macs(model, first, run_shapes=probe)
-
-
-def _improve_accuracy(
-    model: onnx.ModelProto, plan: QuantPlan, quant_model: onnx.ModelProto,
-    act_params: Mapping[str, OnnxQParams], weights: Mapping[str, QuantizedWeight], *,
-    config: CalibrationConfig, inputs: Any, source: Any, macs: Mapping[str, int | None],
-    evaluate: Callable[..., Comparison], timings: _Timings, progress: Progress | None,
-) -> _Accuracy:
-    """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
-    or, by default, the accuracy floor. The floor is checked on the full model first; only when
-    it fails is the error localised (two passes, `qcal.accuracy.localise`) and searched."""
-    sensitivity = None
-    if config.wants_sensitivity:
-        with timings.stage("sensitivity"):
-            count, screen = _sensitivity_samples(config, plan, source)
-            sensitivity = measure_sensitivity(
-                model, plan, act_params, weights,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
-                screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
-                threads=config.threads,
-                on_batch=_stage_progress(progress, "sensitivity", count),
-            )
-        if not config.has_fallback_target:
-            return _Accuracy(sensitivity, None)
-    elif not config.fallback:
-        return _Accuracy(None, None)
-    target = config.accuracy_target()
-    if sensitivity is None:
-        with timings.stage("evaluate"):
-            comparison = evaluate(quant_model)
-        if target.is_met(comparison):
-            return _Accuracy(None, None, comparison)
-        with timings.stage("localise"):
-            count = min(_LOCALISE_SAMPLES, source.num_samples() or _LOCALISE_SAMPLES)
-            sensitivity = localise_error(
-                model, quant_model, plan,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
-                providers=config.providers, threads=config.threads,
-            )
-    floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
-    with timings.stage("fallback"):
-        fallback = search_fallback(
-            model=model, plan=plan, candidates=rank_candidates(model, plan, sensitivity, macs),
-            macs=macs, target=target, floor=floor,
-            write=lambda restricted: InsertQDQ(restricted, act_params, weights)(model).model,
-            evaluate=lambda quantized: evaluate(quantized, "fallback"),
-        )
-    return _Accuracy(sensitivity, fallback)
-
-
-_LOCALISE_SAMPLES = 4  # samples the two localisation passes run on (every tensor exposed)
-
-
-# Sensitivity runs the model once per tensor and sample. Every tensor is screened on a few
-# samples (as many of 4 as keep that under 256 runs, at least 1); those that matter
-# (`qcal.accuracy.sensitivity.SCREEN_FRACTION`, typically a few dozen) are measured on all the
-# sensitivity samples, 16 by default, within 1024 more runs: the figures the fallback ranks by
-# rest on many samples, and a model of hundreds of tensors costs at most its tensor count plus
-# 1024 runs instead of tensors x samples.
-_SENSITIVITY_SAMPLES = 16
-_SCREEN_SAMPLES = 4
-_SCREEN_RUNS = 256
-_REFINE_RUNS = 1024
-
-
-def _sensitivity_samples(
-    config: CalibrationConfig, plan: QuantPlan, source: Any
-) -> tuple[int, int]:
-    """(samples for the relevant tensors, screening samples for every tensor)."""
-    units = len({a.tensor for a in plan.activations if a.consumers})
-    units += len({w.tensor for w in plan.weights})
-    wanted = config.sensitivity_samples or _SENSITIVITY_SAMPLES
-    available = source.num_samples()
-    total = min(wanted, available) if available else wanted
-    screen = max(1, min(_SCREEN_SAMPLES, _SCREEN_RUNS // max(units, 1)))
-    return total, min(total, screen)
 
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal import pipeline
+from qcal import _accuracy_stage, pipeline
 from qcal.config import CalibrationConfig
 
 
@@ -18,18 +18,18 @@ def calibrate_capturing_sensitivity(path: Path, config: CalibrationConfig) -> di
     `plan`, `acts` and `weights` that `measure_sensitivity` got, its `result`, and the
     calibration's own result as `calibration`."""
     captured: dict[str, Any] = {}
-    original = pipeline.measure_sensitivity
+    original = _accuracy_stage.measure_sensitivity
 
     def capture(model, plan, acts, weights, batches, **kwargs):  # type: ignore[no-untyped-def]
         captured.update(model=model, plan=plan, acts=acts, weights=weights)
         captured["result"] = original(model, plan, acts, weights, batches, **kwargs)
         return captured["result"]
 
-    pipeline.measure_sensitivity = capture
+    _accuracy_stage.measure_sensitivity = capture
     try:
         captured["calibration"] = pipeline.calibrate(path, config)
     finally:
-        pipeline.measure_sensitivity = original
+        _accuracy_stage.measure_sensitivity = original
     return captured
 
 
