@@ -5,7 +5,9 @@ config -> model (load, prepare, plan) -> data -> collect (observers) -> qparams 
 headers and output paths.
 
 The supporting steps live beside it: `qcal._inputs` resolves and checks what the run reads,
-`qcal._quantize_tensors` turns observers and weights into records and codes (the qparams stage).
+`qcal._quantize_tensors` turns observers and weights into records and codes (the qparams stage),
+`qcal._accuracy_stage` checks the accuracy floor and runs the fallback, `qcal._stages` holds the
+progress callback and the stage timings.
 """
 
 from __future__ import annotations
