@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -15,6 +15,8 @@ from qcal.numerics.errors import ConfigError
 
 # Flags that shape the run but are not part of CalibrationConfig; the config file may set them too.
 _OUTPUT_KEYS = ("output", "report", "force")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _parse_option_value(text: str) -> Any:
@@ -95,3 +97,15 @@ def _file_outputs(config_path: Path | None, file_values: dict[str, Any]) -> dict
             value = str(config_path.parent / value)  # relative to the file, as the README says
         outputs[key] = value
     return outputs
+
+
+def ray_options(command: F) -> F:
+    """--ray [ADDRESS] and --workers, for the commands that collect statistics."""
+    command = click.option(
+        "--workers", type=int, metavar="N",
+        help="Ray workers [default: the CPUs of the local Ray or the cluster].")(command)
+    return click.option(
+        "--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+        metavar="[ADDRESS]",
+        help="Collect the statistics on Ray workers, the data in shards, and merge them (no "
+             "address: a local Ray for this run; needs qcal[ray]). Put it after MODEL.")(command)

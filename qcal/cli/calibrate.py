@@ -10,7 +10,7 @@ import click
 
 from qcal._cli_output import _progress_bar, _show_summary, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
-from qcal.cli._options import _build_config
+from qcal.cli._options import _build_config, ray_options
 from qcal.cli._run_extras import RunExtras
 from qcal.cli.diff import drift_options, raise_for_drift, show_drift
 from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
@@ -101,12 +101,7 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("--checkpoint", type=_path, metavar="STATS",
               help="Collect into this statistics file, resuming from it if it exists, then "
                    "calibrate from it.")
-@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
-              metavar="[ADDRESS]",
-              help="Collect the statistics on Ray workers, the data in shards (no address: a "
-                   "local Ray for this run; needs qcal[ray]). Put it after MODEL.")
-@click.option("--workers", type=int, metavar="N",
-              help="Ray workers [default: the CPUs of the local Ray or the cluster].")
+@ray_options
 @click.option("--config", type=_path, help="TOML file with the same keys as these flags (flags win).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")

@@ -10,7 +10,7 @@ import click
 
 from qcal._cli_output import _progress_bar, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
-from qcal.cli._options import _build_config
+from qcal.cli._options import _build_config, ray_options
 from qcal.cli.calibrate import calibrate as calibrate_command
 from qcal.numerics.errors import ConfigError
 
@@ -34,12 +34,7 @@ _SHARED = (
                    "resume from it if it exists.")
 @click.option("--checkpoint-every", type=int, default=1024, show_default=True, metavar="N",
               help="Samples between two checkpoints.")
-@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
-              metavar="[ADDRESS]",
-              help="Shard the data across Ray workers and merge their statistics (no address: "
-                   "a local Ray for this run; needs qcal[ray]). Put it after MODEL.")
-@click.option("--workers", type=int, metavar="N",
-              help="Ray workers [default: the CPUs of the local Ray or the cluster].")
+@ray_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @reports_errors
