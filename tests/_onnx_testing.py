@@ -80,3 +80,31 @@ def conv_bn_relu(rng: np.random.Generator, *, with_bias: bool = True) -> onnx.Mo
         helper.make_node("Relu", ["bn_out"], ["y"], name="relu"),
     ]
     return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+
+
+def residual_classifier(
+    rng: np.random.Generator, *, in_channels: int, channels: int, classes: int, side: int,
+    second_scale: float, softmax: bool = False,
+) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv + residual Add -> global pool -> Gemm (-> Softmax), batch free;
+    output "y". Weights drawn from `rng` in a fixed order."""
+    logits = "logits" if softmax else "y"
+    nodes = [
+        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["s"], name="residual"),
+        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="pool"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "G", "gb"], [logits], name="fc", transB=1),
+    ]
+    if softmax:
+        nodes.append(helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=1))
+    inits = {
+        "W1": (rng.standard_normal((channels, in_channels, 3, 3)) * 0.3).astype(np.float32),
+        "B1": (rng.standard_normal(channels) * 0.1).astype(np.float32),
+        "W2": (rng.standard_normal((channels, channels, 3, 3)) * second_scale).astype(np.float32),
+        "G": (rng.standard_normal((classes, channels)) * 0.5).astype(np.float32),
+        "gb": np.zeros(classes, np.float32),
+    }
+    return build_model(nodes, [float_input("x", ["N", in_channels, side, side])], ["y"], inits)

@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, float_input
+from _onnx_testing import residual_classifier
 from click.testing import CliRunner
-from onnx import helper
 
 from qcal.cli import main
 
@@ -27,24 +26,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A conv net with a residual Add and a classifier, and 24 samples of data."""
     folder = tmp_path_factory.mktemp("determinism")
     rng = np.random.default_rng(11)
-    nodes = [
-        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "W2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-        helper.make_node("Add", ["c2", "r1"], ["s"], name="residual"),
-        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="pool"),
-        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
-        helper.make_node("Gemm", ["f", "G", "gb"], ["logits"], name="fc", transB=1),
-        helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=1),
-    ]
-    inits = {
-        "W1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
-        "B1": (rng.standard_normal(8) * 0.1).astype(np.float32),
-        "W2": (rng.standard_normal((8, 8, 3, 3)) * 0.1).astype(np.float32),
-        "G": (rng.standard_normal((5, 8)) * 0.5).astype(np.float32),
-        "gb": np.zeros(5, np.float32),
-    }
-    model = build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], inits)
+    model = residual_classifier(rng, in_channels=3, channels=8, classes=5, side=12,
+                                second_scale=0.1, softmax=True)
     onnx.save(model, folder / "m.onnx")
     np.savez(folder / "d.npz", x=rng.standard_normal((24, 3, 12, 12)).astype(np.float32))
     return folder / "m.onnx", folder / "d.npz"

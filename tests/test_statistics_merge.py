@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, float_input
+from _onnx_testing import residual_classifier
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import helper
 
 from qcal._collection import collect_statistics
 from qcal.calibration.statistics import Statistics, merge_statistics
@@ -29,25 +28,10 @@ METHODS = ("minmax", "percentile", "entropy", "mse")
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A conv net with a residual Add and a classifier, batch dimension free."""
-    rng = np.random.default_rng(5)
-    nodes = [
-        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "W2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-        helper.make_node("Add", ["c2", "r1"], ["s"], name="residual"),
-        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="pool"),
-        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
-        helper.make_node("Gemm", ["f", "G", "gb"], ["y"], name="fc", transB=1),
-    ]
-    inits = {
-        "W1": (rng.standard_normal((6, 2, 3, 3)) * 0.3).astype(np.float32),
-        "B1": (rng.standard_normal(6) * 0.1).astype(np.float32),
-        "W2": (rng.standard_normal((6, 6, 3, 3)) * 0.2).astype(np.float32),
-        "G": (rng.standard_normal((4, 6)) * 0.5).astype(np.float32),
-        "gb": np.zeros(4, np.float32),
-    }
+    model = residual_classifier(np.random.default_rng(5), in_channels=2, channels=6, classes=4,
+                                side=6, second_scale=0.2)
     path = tmp_path_factory.mktemp("merge") / "m.onnx"
-    onnx.save(build_model(nodes, [float_input("x", ["N", 2, 6, 6])], ["y"], inits), path)
+    onnx.save(model, path)
     return path
 
 
