@@ -138,8 +138,13 @@ def collect_on_ray(
                     if progress is not None:
                         progress("collect", stop - start, samples)
         except BaseException:
-            for ref in pending:
-                ray.cancel(ref, force=True)
+            # A Ray this run started is shut down below, which ends its workers. Force-cancelling
+            # a task that is finishing at that moment can abort the whole process inside Ray
+            # (its task manager's "unexpected system state"), so only a cluster that outlives
+            # the run has its tasks cancelled.
+            if not started:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
             raise
     finally:
         if started:
