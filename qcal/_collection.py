@@ -9,7 +9,6 @@ a run given the same checkpoint file verifies and skips those samples and goes o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import onnx
 
 from qcal._inputs import _check_overrides, _selection_rules
 from qcal._quantize_tensors import _observed, blame_nan_weights
+from qcal._stages import Progress
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import collect
 from qcal.calibration.statistics import (
@@ -45,7 +45,6 @@ from qcal.numerics.ranges import HISTOGRAM_METHODS
 __all__ = ["CHECKPOINT_EVERY", "CollectionInputs", "collect_statistics", "plan_header",
            "prepare_collection"]
 
-Progress = Callable[[str, int, "int | None"], None]
 # Samples between two checkpoints: each chunk opens its own onnxruntime session (well under a
 # second for the sample and PP-OCR models), so a checkpoint costs little against the chunk.
 CHECKPOINT_EVERY = 1024

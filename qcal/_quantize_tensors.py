@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 
 from qcal.calibration.hessians import (
-    HessianTarget,
     LayerInputs,
     collect_hessians,
     hessian_target,
@@ -204,7 +203,7 @@ def measure_layer_inputs(
             continue
         target = hessian_target(node, list(initializers[weight.tensor].dims),
                                 act_params[node.input[0]], products=gptq)
-        if isinstance(target, HessianTarget):
+        if target is not None:
             targets.append(target)
     return collect_hessians(model, targets, batches, providers=providers, threads=threads,
                             on_batch=on_batch)

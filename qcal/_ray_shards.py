@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qcal._collection import collect_statistics, prepare_collection, range_method
+from qcal._stages import Progress
 from qcal.calibration.statistics import Statistics, merge_statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, write_atomic
@@ -26,7 +26,6 @@ from qcal.numerics.presets import build_preset
 
 __all__ = ["collect_on_ray"]
 
-Progress = Callable[[str, int, "int | None"], None]
 SHARDS_PER_WORKER = 2
 _RETRIES = 2
 # For the tests of retries: the first shard to find no file at this path creates it and kills

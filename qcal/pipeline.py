@@ -186,11 +186,12 @@ def calibrate(
         # Tensors that received no values (If branches not taken, ...) stay float.
         unobserved = {t.tensor for t in plan.activations} - records.keys()
         plan = leave_unobserved_float(prepared, plan, unobserved)
+        act_params = {name: rec.onnx for name, rec in records.items()}  # activations only yet
     layer_inputs = None
     if config.weight_rounding == "gptq" or config.bias_correction:
         with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
             layer_inputs = measure_layer_inputs(
-                prepared, plan, {n: r.onnx for n, r in records.items()},
+                prepared, plan, act_params,
                 lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
                 gptq=config.weight_rounding == "gptq", providers=config.providers,
                 threads=config.threads,
@@ -204,7 +205,6 @@ def calibrate(
         records.update(weight_records)
 
     with timings.stage("qdq"):
-        act_params = {name: rec.onnx for name, rec in records.items() if rec.role == "activation"}
         build = partial(build_quantized, prepared, act_params, weights, weight_file)
         # One sample through onnxruntime: a node it cannot run quantized is kept float.
         first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))

@@ -99,20 +99,21 @@ class LayerInputs:
 
 def hessian_target(
     node: onnx.NodeProto, weight_shape: Sequence[int], act: OnnxQParams, *, products: bool = True
-) -> HessianTarget | str:
+) -> HessianTarget | None:
     """The target for `node` reading weights of `weight_shape` through an input quantized
-    with `act` (H too, or only the sums without `products`), or the reason it has none."""
+    with `act` (H too, or only the sums without `products`); None for a layer the pass
+    does not unfold (input quantized per channel, 3-d Conv, auto_pad SAME, a weight not 2-d)."""
     if np.asarray(act.scale).size != 1:
-        return "its input is quantized per channel"
+        return None
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     quantized = (float(np.asarray(act.scale)), int(np.asarray(act.zero_point)),
                  ONNX_CODE_LIMITS[act.dtype])
     if node.op_type == "Conv":
         spatial = len(weight_shape) - 2
         if spatial not in (1, 2):
-            return f"a {spatial}-d Conv"
+            return None
         if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
-            return "a Conv with auto_pad SAME"
+            return None
         return HessianTarget(
             node.name, node.input[0], *quantized, groups=int(attrs.get("group", 1)),
             kernel=tuple(weight_shape[2:]), strides=tuple(attrs.get("strides", [1] * spatial)),
@@ -128,7 +129,7 @@ def hessian_target(
             inputs_per_group=int(weight_shape[1] if trans_b else weight_shape[0]),
             products=products,
         )
-    return f"a {node.op_type} with a {len(weight_shape)}-d weight"
+    return None
 
 
 def _centered_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:

@@ -101,14 +101,10 @@ def gptq_codes(
     def column_codes(values: np.ndarray) -> np.ndarray:
         return quantize(values.reshape(groups * rows))
 
-    def back(codes: np.ndarray) -> np.ndarray:
-        return dequantize(codes)
-
-
     h = np.array(hessian, dtype=np.float64)
     if nearest is None:
         nearest = np.stack([column_codes(flat[:, j]) for j in range(columns)], axis=1)
-    error_nearest = output_error(back(nearest).reshape(w.shape) - w, w, h)
+    error_nearest = output_error(dequantize(nearest).reshape(w.shape) - w, w, h)
     diagonal = np.diagonal(h, axis1=1, axis2=2).copy()
     dead = diagonal <= 0
     if dead.all():
@@ -138,7 +134,7 @@ def gptq_codes(
         work[:, :, stop:] -= errors @ factors[:, start:stop, stop:]
     result = np.empty_like(codes)
     result[:, order] = codes
-    error_gptq = output_error(back(result).reshape(w.shape) - w, w,
+    error_gptq = output_error(dequantize(result).reshape(w.shape) - w, w,
                               np.asarray(hessian, dtype=np.float64))
     if error_gptq >= error_nearest:  # never worse than rounding to nearest on its own data
         return GptqResult(nearest, error_nearest, error_nearest)
