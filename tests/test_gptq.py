@@ -4,6 +4,7 @@ whatever the batching and data order)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,8 +113,8 @@ def _conv_model(weight: np.ndarray, **attrs: object) -> onnx.ModelProto:
 
 def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tuple,
                         limit: int) -> np.ndarray:
-    """Output position by output position, the patch each sees, in plain loops (of each
-    sample's first `limit` positions, evenly spaced, when it has more)."""
+    """Output position by output position, the patch each sees, in plain loops: H of each
+    sample's first `limit` positions, evenly spaced, when it has more; the sums of all."""
     lo, hi = target.code_range
     codes = np.clip(np.rint(x.astype(np.float32) / np.float32(target.scale)) + target.zero_point,
                     lo, hi).astype(np.int64) - target.zero_point
@@ -126,9 +127,10 @@ def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tupl
     height, width = x.shape[2] + top + bottom, x.shape[3] + left + right
     rows, cols = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
     total = rows * cols
-    chosen = range(total) if total <= limit else [i * total // limit for i in range(limit)]
+    # H sees `limit` evenly spaced positions of each sample; the sums see every position
+    chosen = set(range(total) if total <= limit else [i * total // limit for i in range(limit)])
     for sample in codes:
-        for position in chosen:
+        for position in range(total):
             oy, ox = divmod(position, cols)
             for g in range(target.groups):
                 patch = []
@@ -139,7 +141,8 @@ def _naive_conv_hessian(x: np.ndarray, target: HessianTarget, weight_shape: tupl
                             inside = 0 <= y < x.shape[2] and 0 <= xx < x.shape[3]
                             patch.append(sample[c, y, xx] if inside else 0)
                 v = np.array(patch, np.int64)
-                hessian[g] += np.outer(v, v)
+                if position in chosen:
+                    hessian[g] += np.outer(v, v)
                 sums[g] += v
             count += 1
     return hessian, sums, count
@@ -172,6 +175,10 @@ def test_conv_hessian_matches_the_patches_it_sees(
     assert one_by_one.hessian is not None  # any batching, any order: integers
     assert np.array_equal(whole, one_by_one.hessian)
     assert np.array_equal(measured.sums, one_by_one.sums)
+    sums_only = dataclasses.replace(target, products=False)  # bias correction alone
+    only = collect_hessians(model, [sums_only], lambda: [({"x": x}, 3)])["conv"]
+    assert only.hessian is None
+    assert np.array_equal(only.sums, sums) and only.count == count
 
 
 def test_matmul_hessian_is_the_codes_gram_matrix() -> None:

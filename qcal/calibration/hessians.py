@@ -81,7 +81,8 @@ class LayerInputs:
     Attributes:
         hessian: H per group (int64, groups x inputs x inputs), None when not asked for.
         sums: per group the sum of each input column over every position (int64).
-        count: the positions summed (each sample's, or its evenly spaced subset).
+        count: the positions summed (every output position of every sample; H may see an
+            evenly spaced subset of them, see POSITIONS_PER_SAMPLE).
         scale: the input's scale: a code step in real units (the mean of input j is
             ``scale * sums[g, j] / count``).
     """
@@ -162,14 +163,23 @@ class _ExactSum:
         self.scale = target.scale
         self.square = _largest_code(target) ** 2
         self.bound = 0  # largest |entry| `running` can hold: positions x largest product
-        self.rows = max(1, min(_CHUNK_VALUES // max(target.inputs_per_group, 1),
+        # Rows held before a product: a block of every group's rows stays near _CHUNK_VALUES
+        # values (a depthwise Conv has hundreds of groups of a few inputs each).
+        self.rows = max(1, min(_CHUNK_VALUES // max(target.groups * target.inputs_per_group, 1),
                                2**53 // self.square))
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
 
+    def add_sums(self, sums: np.ndarray, positions: int) -> None:
+        """Column sums (groups, inputs) of `positions` more rows, exact integers."""
+        self.sums += sums.astype(np.int64)
+        self.count += positions
+
     def add(self, rows: np.ndarray) -> None:
         """H[g] += rows[g].T @ rows[g] for rows (groups, n, inputs) of integers; rows wait
         until a block's worth has come, so small batches make one product, not many."""
+        if not self.products:
+            return
         self.pending.append(rows)
         self.pending_rows += rows.shape[1]
         if self.pending_rows >= self.rows:
@@ -182,11 +192,6 @@ class _ExactSum:
         self.pending, self.pending_rows = [], 0
         for start in range(0, rows.shape[1], self.rows):
             block = rows[:, start : start + self.rows]
-            # Column sums of at most `self.rows` integers below 2^16 each: exact in float64.
-            self.sums += block.sum(axis=1).astype(np.int64)
-            self.count += block.shape[1]
-            if not self.products:
-                continue
             if self.bound + block.shape[1] * self.square >= 2**53:
                 self.flush()
             self.running += np.transpose(block, (0, 2, 1)) @ block
@@ -214,9 +219,9 @@ def _positions(out: Sequence[int]) -> tuple[np.ndarray, ...]:
     return np.unravel_index(flat, tuple(out))
 
 
-def _patches(x: np.ndarray, target: HessianTarget) -> Iterable[np.ndarray]:
-    """Unfolded patches of one sample (channels, *spatial), as (groups, n, inputs_per_group),
-    a block of positions at a time."""
+def _padded(x: np.ndarray, target: HessianTarget) -> tuple[np.ndarray, list[int]]:
+    """One sample (channels, *spatial) with the Conv's zero padding (a code equal to the zero
+    point, 0 once centred), and the Conv's output size."""
     spatial = len(target.kernel)
     begins, ends = target.pads[:spatial], target.pads[spatial:]
     padded = np.pad(x, [(0, 0)] + [(b, e) for b, e in zip(begins, ends)])
@@ -225,12 +230,34 @@ def _patches(x: np.ndarray, target: HessianTarget) -> Iterable[np.ndarray]:
         // target.strides[a] + 1
         for a in range(spatial)
     ]
-    if min(out, default=1) <= 0:
-        return
-    channels = x.shape[0] // target.groups
+    return padded, out
+
+
+def _tap_sums(padded: np.ndarray, out: Sequence[int], target: HessianTarget) -> np.ndarray:
+    """The sum over every output position of each patch column, (groups, inputs_per_group):
+    per kernel tap one strided slice of the padded input, summed, so nothing is unfolded."""
+    spatial = len(target.kernel)
+    per_tap = [
+        padded[(slice(None),) + tuple(
+            slice(tap[a] * target.dilations[a],
+                  tap[a] * target.dilations[a] + (out[a] - 1) * target.strides[a] + 1,
+                  target.strides[a])
+            for a in range(spatial))].sum(axis=tuple(range(1, 1 + spatial)))
+        for tap in np.ndindex(*target.kernel)
+    ]
+    # (channels, taps) -> (groups, channels per group x taps), the weight's own order
+    return np.stack(per_tap, axis=1).reshape(target.groups, -1)
+
+
+def _patches(padded: np.ndarray, out: Sequence[int], target: HessianTarget
+             ) -> Iterable[np.ndarray]:
+    """Unfolded patches of one padded sample at the positions H takes, as
+    (groups, n, inputs_per_group), a block of positions at a time."""
+    spatial = len(target.kernel)
+    channels = padded.shape[0] // target.groups
     taps = list(np.ndindex(*target.kernel))
     coords = _positions(out)
-    step = max(1, _CHUNK_VALUES // max(1, x.shape[0] * len(taps)))
+    step = max(1, _CHUNK_VALUES // max(1, padded.shape[0] * len(taps)))
     for first in range(0, len(coords[0]), step):
         chosen = [c[first : first + step] for c in coords]
         columns = [
@@ -247,11 +274,18 @@ def _update(acc: _ExactSum, value: np.ndarray, target: HessianTarget) -> None:
     codes = _centered_codes(value, target)
     if not target.kernel:  # MatMul/Gemm: rows of the last axis (Gemm transA: columns)
         rows = codes.T if target.transposed else codes.reshape(-1, codes.shape[-1])
+        # Sums of integers below 2^16, far fewer than 2^37 of them: exact in float64.
+        acc.add_sums(rows.sum(axis=0)[None], rows.shape[0])
         acc.add(rows[None])
         return
     for sample in codes:
-        for block in _patches(sample, target):
-            acc.add(block)
+        padded, out = _padded(sample, target)
+        if min(out, default=1) <= 0:
+            continue
+        acc.add_sums(_tap_sums(padded, out, target), int(np.prod(out)))
+        if target.products:
+            for block in _patches(padded, out, target):
+                acc.add(block)
 
 
 def collect_hessians(
