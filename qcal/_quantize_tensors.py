@@ -146,7 +146,8 @@ def _quantize_weights(
             if config.bias_correction and measured.count > 0:
                 shift = output_mean_shift(
                     array, codes, row_axis=row_axis, scale=onnx_qparams.scale,
-                    zero_point=onnx_qparams.zero_point, input_means=measured.means())
+                    zero_point=onnx_qparams.zero_point, input_means=measured.means(),
+                    real_means=measured.real_means())
         weights[target.tensor] = QuantizedWeight(codes=codes, onnx=onnx_qparams, bias_shift=shift)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="weight", method="minmax", choice=choice,

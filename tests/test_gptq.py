@@ -179,6 +179,25 @@ def test_conv_hessian_matches_the_patches_it_sees(
     only = collect_hessians(model, [sums_only], lambda: [({"x": x}, 3)])["conv"]
     assert only.hessian is None
     assert np.array_equal(only.sums, sums) and only.count == count
+    # The float input's means, from every patch of the unquantized input (zero padding)
+    assert np.array_equal(measured.real_sums, one_by_one.real_sums)
+    real = _naive_patch_means(x, target, weight.shape)
+    assert np.allclose(measured.real_means(), real, rtol=0, atol=target.scale / 2**16)
+    assert not np.allclose(measured.means(), real, rtol=0, atol=target.scale / 2**16)
+
+
+def _naive_patch_means(x: np.ndarray, target: HessianTarget, weight_shape: tuple) -> np.ndarray:
+    (kh, kw), (sh, sw), (dh, dw) = target.kernel, target.strides, target.dilations
+    top, left, bottom, right = target.pads
+    padded = np.pad(x.astype(np.float64), [(0, 0), (0, 0), (top, bottom), (left, right)])
+    rows = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    cols = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    patches = [padded[n, :, oy * sh + i * dh, ox * sw + j * dw]
+               for n in range(x.shape[0]) for oy in range(rows) for ox in range(cols)
+               for i in range(kh) for j in range(kw)]
+    per_tap = np.array(patches).reshape(-1, kh * kw, x.shape[1])  # (positions, taps, channels)
+    means = per_tap.mean(axis=0).T  # (channels, taps)
+    return means.reshape(target.groups, weight_shape[1] * kh * kw)
 
 
 def test_matmul_hessian_is_the_codes_gram_matrix() -> None:
@@ -199,6 +218,8 @@ def test_matmul_hessian_is_the_codes_gram_matrix() -> None:
     assert got.hessian is not None and np.array_equal(got.hessian, (rows.T @ rows)[None])
     assert np.array_equal(got.sums, rows.sum(axis=0)[None]) and got.count == 8
     assert got.means() == pytest.approx(rows.mean(axis=0)[None] * float(np.float32(0.02)), rel=1e-12)
+    real = x.astype(np.float64).reshape(-1, 5).mean(axis=0)[None]
+    assert np.allclose(got.real_means(), real, rtol=0, atol=0.02 / 2**16)
 
 
 # ---------------------------------------------------------------------- end to end
@@ -246,24 +267,33 @@ def test_gptq_output_does_not_depend_on_batching_or_order(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------- bias correction
 
 
-def test_output_mean_shift_is_the_weight_error_times_the_input_mean() -> None:
+def test_output_mean_shift_is_the_quantized_mean_less_the_float_mean() -> None:
     rng = np.random.default_rng(6)
     weight = rng.normal(size=(6, 2, 3, 3))  # a Conv with 2 groups of 3 output channels
     scale = np.abs(weight).reshape(6, -1).max(axis=1) / 63.5
     codes = np.clip(np.rint(weight / scale[:, None, None, None]), -64, 63).astype(np.int8)
     means = rng.normal(size=(2, 18))
+    real = means + rng.normal(size=(2, 18)) * 0.1  # the input before quantization
     shift = output_mean_shift(weight, codes, row_axis=0, scale=scale,
-                              zero_point=np.zeros(6, np.int8), input_means=means)
+                              zero_point=np.zeros(6, np.int8), input_means=means,
+                              real_means=real)
+    for o in range(6):
+        restored = codes[o].astype(np.float64).reshape(-1) * scale[o]
+        expected = restored @ means[o // 3] - weight[o].reshape(-1) @ real[o // 3]
+        assert shift[o] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    same = output_mean_shift(weight, codes, row_axis=0, scale=scale,
+                             zero_point=np.zeros(6, np.int8), input_means=means,
+                             real_means=means)  # an input quantized without a mean error
     for o in range(6):
         restored = codes[o].astype(np.float64).reshape(-1) * scale[o]
         expected = (restored - weight[o].reshape(-1)) @ means[o // 3]
-        assert shift[o] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert same[o] == pytest.approx(expected, rel=1e-12, abs=1e-15)
     # MatMul weights (K, N): the output channels are the columns.
     w2 = rng.normal(size=(5, 4))
     c2 = np.rint(w2 / 0.05).astype(np.int8)
     mean2 = rng.normal(size=(1, 5))
     got = output_mean_shift(w2, c2, row_axis=1, scale=np.float32(0.05),
-                            zero_point=np.int8(0), input_means=mean2)
+                            zero_point=np.int8(0), input_means=mean2, real_means=mean2)
     assert got == pytest.approx((c2 * float(np.float32(0.05)) - w2).T @ mean2[0], rel=1e-9)
 
 

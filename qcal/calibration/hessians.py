@@ -35,6 +35,12 @@ _CHUNK_VALUES = 2**22
 # would be many times the cost of the model itself, and a few thousand positions per sample
 # already measure the inputs' correlations.
 POSITIONS_PER_SAMPLE = 4096
+# The float input's sums are kept in integer steps of scale / FINE_STEPS: exact and the same
+# in any order, to within 1/FINE_STEPS of a code step (far below what a bias can hold).
+FINE_STEPS = 1 << 16
+# |x| / fine step at most this (2^15 code steps: far outside any range): the sums of a
+# sample's values stay exact in float64 up to 2^22 values per channel, in int64 beyond.
+_FINE_LIMIT = float(1 << 31)
 # Hessians held at once; more targets than fit are collected in further passes over the data.
 MEMORY_BUDGET_BYTES = 1 << 30
 
@@ -85,16 +91,25 @@ class LayerInputs:
             evenly spaced subset of them, see POSITIONS_PER_SAMPLE).
         scale: the input's scale: a code step in real units (the mean of input j is
             ``scale * sums[g, j] / count``).
+        real_sums: the same sums of the input before quantization, in steps of
+            ``scale / FINE_STEPS`` (integers, so they too are exact in any order).
     """
 
     hessian: np.ndarray | None
     sums: np.ndarray
     count: int
     scale: float
+    real_sums: np.ndarray
 
     def means(self) -> np.ndarray:
-        """The mean of each input column per group, in real units (float64)."""
+        """The mean of each input column per group as quantized, in real units (float64)."""
         means: np.ndarray = self.sums * (self.scale / max(self.count, 1))
+        return means
+
+    def real_means(self) -> np.ndarray:
+        """The mean of each input column per group before quantization (float64, to within
+        the fine step: see _fine_codes)."""
+        means: np.ndarray = self.real_sums * (self.scale / FINE_STEPS / max(self.count, 1))
         return means
 
 
@@ -142,6 +157,13 @@ def _centered_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
     return np.asarray(q - target.zero_point, dtype=np.float64)
 
 
+def _fine_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
+    """`x` in integer steps of scale / FINE_STEPS (float64 holding integers; NaN as 0)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        fine = np.rint(np.asarray(x, dtype=np.float64) * (FINE_STEPS / target.scale))
+    return np.clip(np.nan_to_num(fine, nan=0.0), -_FINE_LIMIT, _FINE_LIMIT)
+
+
 def _largest_code(target: HessianTarget) -> int:
     lo, hi = target.code_range
     return max(abs(lo - target.zero_point), abs(hi - target.zero_point), 1)
@@ -159,6 +181,7 @@ class _ExactSum:
         self.total = np.zeros(shape, np.int64)
         self.running = np.zeros(shape, np.float64)
         self.sums = np.zeros((target.groups, target.inputs_per_group), np.int64)
+        self.real_sums = np.zeros((target.groups, target.inputs_per_group), np.int64)
         self.count = 0
         self.scale = target.scale
         self.square = _largest_code(target) ** 2
@@ -170,9 +193,10 @@ class _ExactSum:
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
 
-    def add_sums(self, sums: np.ndarray, positions: int) -> None:
-        """Column sums (groups, inputs) of `positions` more rows, exact integers."""
+    def add_sums(self, sums: np.ndarray, real_sums: np.ndarray, positions: int) -> None:
+        """Column sums (groups, inputs) of `positions` more rows, codes and fine steps."""
         self.sums += sums.astype(np.int64)
+        self.real_sums += real_sums
         self.count += positions
 
     def add(self, rows: np.ndarray) -> None:
@@ -206,7 +230,7 @@ class _ExactSum:
         self._multiply()
         self.flush()
         return LayerInputs(self.total if self.products else None, self.sums, self.count,
-                           self.scale)
+                           self.scale, self.real_sums)
 
 
 def _positions(out: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -234,19 +258,26 @@ def _padded(x: np.ndarray, target: HessianTarget) -> tuple[np.ndarray, list[int]
 
 
 def _tap_sums(padded: np.ndarray, out: Sequence[int], target: HessianTarget) -> np.ndarray:
-    """The sum over every output position of each patch column, (groups, inputs_per_group):
-    per kernel tap one strided slice of the padded input, summed, so nothing is unfolded."""
+    """The sum over every output position of each patch column, (groups, inputs_per_group),
+    int64, with nothing unfolded: one spatial axis at a time, each kernel tap's strided slice
+    of that axis summed (k_h x H x W_out + k_h x k_w x H_out per channel, not k_h x k_w x
+    H_out x W_out). `padded` holds integers, whose float64 sums are exact below 2^53."""
     spatial = len(target.kernel)
-    per_tap = [
-        padded[(slice(None),) + tuple(
-            slice(tap[a] * target.dilations[a],
-                  tap[a] * target.dilations[a] + (out[a] - 1) * target.strides[a] + 1,
-                  target.strides[a])
-            for a in range(spatial))].sum(axis=tuple(range(1, 1 + spatial)))
-        for tap in np.ndindex(*target.kernel)
-    ]
-    # (channels, taps) -> (groups, channels per group x taps), the weight's own order
-    return np.stack(per_tap, axis=1).reshape(target.groups, -1)
+    sums = padded if padded[0].size * _FINE_LIMIT < 2**53 else padded.astype(np.int64)
+    # sums: (channels, spatial axes not yet summed..., taps of the axes summed...)
+    for a in reversed(range(spatial)):
+        axis = 1 + a
+        step, dilation = target.strides[a], target.dilations[a]
+        span = (out[a] - 1) * step + 1
+        per_tap = []
+        for tap in range(target.kernel[a]):
+            index: list[slice] = [slice(None)] * sums.ndim
+            index[axis] = slice(tap * dilation, tap * dilation + span, step)
+            per_tap.append(sums[tuple(index)].sum(axis=axis))
+        sums = np.stack(per_tap, axis=axis)
+    # (channels, taps in row-major order) -> (groups, channels per group x taps), the
+    # weight's own order
+    return np.asarray(sums).astype(np.int64).reshape(target.groups, -1)
 
 
 def _patches(padded: np.ndarray, out: Sequence[int], target: HessianTarget
@@ -272,17 +303,20 @@ def _patches(padded: np.ndarray, out: Sequence[int], target: HessianTarget
 
 def _update(acc: _ExactSum, value: np.ndarray, target: HessianTarget) -> None:
     codes = _centered_codes(value, target)
+    fine = _fine_codes(value, target)
     if not target.kernel:  # MatMul/Gemm: rows of the last axis (Gemm transA: columns)
         rows = codes.T if target.transposed else codes.reshape(-1, codes.shape[-1])
-        # Sums of integers below 2^16, far fewer than 2^37 of them: exact in float64.
-        acc.add_sums(rows.sum(axis=0)[None], rows.shape[0])
+        real = fine.T if target.transposed else fine.reshape(-1, fine.shape[-1])
+        acc.add_sums(rows.astype(np.int64).sum(axis=0)[None],
+                     real.astype(np.int64).sum(axis=0)[None], rows.shape[0])
         acc.add(rows[None])
         return
-    for sample in codes:
+    for sample, fine_sample in zip(codes, fine):
         padded, out = _padded(sample, target)
         if min(out, default=1) <= 0:
             continue
-        acc.add_sums(_tap_sums(padded, out, target), int(np.prod(out)))
+        acc.add_sums(_tap_sums(padded, out, target),
+                     _tap_sums(_padded(fine_sample, target)[0], out, target), int(np.prod(out)))
         if target.products:
             for block in _patches(padded, out, target):
                 acc.add(block)

@@ -1,11 +1,14 @@
 """Bias correction: the mean shift a weight's codes cause in its layer's output, for the bias
 to take back.
 
-A layer computes ``y = W x + b``. With quantized weights it computes ``W_q x + b``, whose mean
-over the data differs by ``(W_q - W) E[x]`` per output channel: a systematic error that every
-later layer sees, largest where a channel has few weights (depthwise convolutions). Subtracting
-that shift from the bias (before the bias is stored as int32) removes it on the calibration
-data; the rounding noise around the mean stays.
+A layer computes ``y = W x + b``. Quantized, it computes ``W_q x_q + b``, whose mean over the
+data differs by ``W_q E[x_q] - W E[x]`` per output channel: the weights' codes shift it by
+``(W_q - W) E[x_q]``, largest where a channel has few weights (depthwise convolutions), and the
+input's quantization by ``W (E[x_q] - E[x])``, which a range that clips the input's tail makes
+large (rounding alone leaves it near 0). Both are systematic errors that every later layer sees.
+Subtracting their sum from the bias (before the bias is stored as int32) removes them on the
+calibration data, for the layer's input as the float model feeds it; the rounding noise around
+the mean stays.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ __all__ = ["output_mean_shift"]
 
 def output_mean_shift(
     array: np.ndarray, codes: np.ndarray, *, row_axis: int, scale: np.ndarray,
-    zero_point: np.ndarray, input_means: np.ndarray,
+    zero_point: np.ndarray, input_means: np.ndarray, real_means: np.ndarray,
 ) -> np.ndarray:
-    """``(W_q - W) E[x]`` per output channel (float64).
+    """``W_q E[x_q] - W E[x]`` per output channel (float64).
 
     `array` is the float weight and `codes` its codes, in the weight's own layout, the output
     channels along `row_axis`; `scale`/`zero_point` dequantize the codes (one per output channel
@@ -34,8 +37,10 @@ def output_mean_shift(
     scale64 = np.broadcast_to(np.asarray(scale, dtype=np.float64).reshape(-1), (rows,))
     zero64 = np.broadcast_to(np.asarray(zero_point, dtype=np.float64).reshape(-1), (rows,))
     restored = (flat_codes.astype(np.float64) - zero64.reshape(along)) * scale64.reshape(along)
-    delta = restored - weights.reshape(rows, -1)
     groups = input_means.shape[0]
-    per_group = delta.reshape(groups, rows // groups, -1)
-    shift: np.ndarray = np.einsum("gri,gi->gr", per_group, input_means).reshape(rows)
+    quantized = np.einsum("gri,gi->gr", restored.reshape(groups, rows // groups, -1),
+                          np.asarray(input_means, dtype=np.float64))
+    exact = np.einsum("gri,gi->gr", weights.reshape(groups, rows // groups, -1),
+                      np.asarray(real_means, dtype=np.float64))
+    shift: np.ndarray = (quantized - exact).reshape(rows)
     return shift
