@@ -161,7 +161,8 @@ def _fine_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
     """`x` in integer steps of scale / FINE_STEPS (float64 holding integers; NaN as 0)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         fine = np.rint(np.asarray(x, dtype=np.float64) * (FINE_STEPS / target.scale))
-    return np.clip(np.nan_to_num(fine, nan=0.0), -_FINE_LIMIT, _FINE_LIMIT)
+    clipped: np.ndarray = np.clip(np.nan_to_num(fine, nan=0.0), -_FINE_LIMIT, _FINE_LIMIT)
+    return clipped
 
 
 def _largest_code(target: HessianTarget) -> int:
