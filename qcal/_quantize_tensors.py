@@ -42,8 +42,10 @@ def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor
 
 def _activation_records(
     plan: QuantPlan, observers: Mapping[str, Observer], recipe: TensorRecipe,
-    config: CalibrationConfig, opset: int,
+    config: CalibrationConfig, opset: int, *, output_side: frozenset[str] = frozenset(),
 ) -> dict[str, TensorRecord]:
+    """Each observed activation's range and parameters (`output_side`: see `choose_range`),
+    and those of the tensors that share another's."""
     records: dict[str, TensorRecord] = {}
     for target in plan.activations:
         if target.tensor not in observers:
@@ -52,7 +54,8 @@ def _activation_records(
         try:
             choice = choose_range(observers[target.tensor], recipe, method,
                                   config.histogram_settings(),
-                                  percentile=config.percentile_for(target.tensor))
+                                  percentile=config.percentile_for(target.tensor),
+                                  output_side=target.tensor in output_side)
         except EmptyStatisticsError:
             continue  # received no values: the caller leaves it float
         except DataError as err:

@@ -112,7 +112,7 @@ def _is_zip(path: Path) -> bool:
 def _reuse_ranges(path: Path, plan: QuantPlan, config: CalibrationConfig) -> ReusedStatistics:
     """Observers that give each tensor the range a ranges file holds for it."""
     kind, ranges = read_ranges(path)
-    methods = sorted({config.method_for(t.tensor) for t in plan.activations} - {"minmax"})
+    methods = sorted({config.method_for(t.tensor) for t in plan.activations} - {"minmax", "auto"})
     if methods:
         raise StatisticsError(f"{path}: a ranges file gives each tensor its range; --method "
                               f"{methods[0]} does not apply (leave it at minmax)")

@@ -69,6 +69,7 @@ from qcal.graph.model import (
     plan_quantization,
     prepare_model,
 )
+from qcal.graph.output_side import output_side_tensors
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report, dump_report
@@ -182,7 +183,8 @@ def calibrate(
                 raise
 
     with timings.stage("qparams"):
-        records = _activation_records(plan, observers, preset.activation, config, opset)
+        records = _activation_records(plan, observers, preset.activation, config, opset,
+                                      output_side=output_side_tensors(prepared.graph))
         # Tensors that received no values (If branches not taken, ...) stay float.
         unobserved = {t.tensor for t in plan.activations} - records.keys()
         plan = leave_unobserved_float(prepared, plan, unobserved)

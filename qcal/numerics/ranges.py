@@ -1,9 +1,15 @@
 """Calibration method -> observer, and observer state -> the range handed to `compute_qparams`.
 
 `minmax` and `moving-average` take the range straight from the preset's own observers; the
-histogram methods (`percentile`, `entropy`, `mse`) observe a streaming histogram and choose a
-range from it. Either way the chosen range goes through the preset's scheme, so every preset works
-with every method.
+histogram methods (`percentile`, `entropy`, `mse`, `auto`) observe a streaming histogram and
+choose a range from it. Either way the chosen range goes through the preset's scheme, so every
+preset works with every method.
+
+`auto` takes the mse range (the least squared error of the actual fake-quantization, clipping
+included), except on the model's output side (`qcal.graph.output_side`), where it keeps the
+exact extremes: there a clipped tail is the output's own error, not one of many a layer sums.
+Entropy is not a candidate: its threshold ignores what clipping costs, and can cut off a tail
+the model needs (see the README's Range methods).
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ __all__ = [
 ]
 
 # Every range method; the histogram ones choose a range from a streaming histogram.
-METHODS = ("minmax", "moving-average", "percentile", "entropy", "mse")
-HISTOGRAM_METHODS = frozenset({"percentile", "entropy", "mse"})
+METHODS = ("auto", "minmax", "moving-average", "percentile", "entropy", "mse")
+HISTOGRAM_METHODS = frozenset({"auto", "percentile", "entropy", "mse"})
 
 
 @dataclass(frozen=True)
@@ -65,22 +71,32 @@ def new_observer(recipe: TensorRecipe, method: str, granularity: Granularity) ->
 
 def choose_range(
     observer: Observer, recipe: TensorRecipe, method: str, settings: HistogramSettings,
-    *, percentile: float | None = None,
+    *, percentile: float | None = None, output_side: bool = False,
 ) -> RangeChoice:
     """The range for `method`; a non-finite range (infinite values in the data) is refused.
 
-    `percentile` overrides `settings.percentile` (a per-tensor setting).
+    `percentile` overrides `settings.percentile` (a per-tensor setting); `output_side` tells
+    `auto` the tensor is on the model's output side (it then keeps the observed extremes).
     """
+    if method == "auto" and not isinstance(observer, HistogramObserver):
+        method = "minmax"  # a range read from elsewhere (a ranges file) is kept as it is
     if method in HISTOGRAM_METHODS:
         histogram = observer.state()
         symmetric = bool(getattr(recipe.scheme, "symmetric", True))
         selection = select_range(
-            histogram, method, recipe,
+            histogram, "mse" if method == "auto" else method, recipe,
             percentile=settings.percentile if percentile is None else percentile,
             symmetric_percentile=symmetric,
             bins=settings.bins, quantized_bins=settings.quantized_bins,
         )
-        choice = RangeChoice(selection.observed, selection.stats, dict(selection.summary),
+        summary, stats = dict(selection.summary), selection.stats
+        if method == "auto":  # the report keeps mse's errors for both candidates
+            summary.update(method="auto", chose="minmax" if output_side else "mse")
+            if output_side:
+                stats = selection.observed
+                summary.update(reason="output side: its tail would clip the model's outputs",
+                               clipped_fraction=[0.0] * len(summary["clipped_fraction"]))
+        choice = RangeChoice(selection.observed, stats, summary,
                              compact_histogram(histogram, symmetric=symmetric))
     else:
         state = observer.state()

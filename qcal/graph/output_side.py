@@ -1,0 +1,32 @@
+"""The output side of a model: the tensors its outputs read through no layer that mixes values.
+
+A range that clips one of these tensors clips the model's outputs themselves: the largest
+logit of a classifier (its decision then ties with the next), a box coordinate, an embedding's
+largest components. Behind a Conv/MatMul/Gemm, a clipped tail is one error among the many the
+layer sums, which a range's squared error weighs; in front of the outputs it is the result.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from qcal.graph.placement import ANCHOR_OPS
+
+__all__ = ["output_side_tensors"]
+
+
+def output_side_tensors(graph: onnx.GraphProto) -> frozenset[str]:
+    """The main graph's outputs and every tensor they read back to the nearest
+    Conv/ConvTranspose/MatMul/Gemm (whose outputs are included, not their inputs)."""
+    producers = {out: node for node in graph.node for out in node.output if out}
+    seen: set[str] = set()
+    stack = [output.name for output in graph.output]
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        node = producers.get(tensor)
+        if node is not None and node.op_type not in ANCHOR_OPS:
+            stack.extend(name for name in node.input if name)
+    return frozenset(seen)
