@@ -71,13 +71,13 @@ class CalibrationConfig:
 
     preset: str = DEFAULT_PRESET
     preset_options: Mapping[str, Any] = field(default_factory=dict)
-    method: str = "minmax"
+    method: str = "auto"  # mse, but the exact extremes on the output side (numerics.ranges)
     percentile: float = 99.99
     bins: int = 2048
     quantized_bins: int = 128
     per_channel: bool = True
     weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
-    bias_correction: bool = False  # biases absorb the mean output shift of the weights' codes
+    bias_correction: bool = True  # biases absorb the mean output shift quantization causes
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None

@@ -136,7 +136,7 @@ def test_calibrate_against_a_baseline(baseline: Path, tmp_path: Path) -> None:
                 "--baseline", baseline, "--fail-on-drift", "--method", "percentile",
                 "--limit", "50")
     assert other.exit_code == 7, other.output
-    assert "method: 'minmax' -> 'percentile'" in other.output
+    assert "method: 'auto' -> 'percentile'" in other.output
     assert (tmp_path / "b.onnx").exists() and (tmp_path / "b.json").exists()  # evidence kept
     # the same comparison from the files
     drift = compare_reports(json.loads(baseline.read_text()),

@@ -100,7 +100,7 @@ def test_report_keeps_histograms_of_histogram_methods_only(entropy_run: Path, tm
     assert all("histogram" not in t for t in report["tensors"] if t["role"] != "activation")
     minmax = tmp_path / "m.json"
     assert run("calibrate", DIGITS, "-o", tmp_path / "m.onnx", "--report", minmax, "-q",
-               "--no-fallback").exit_code == 0
+               "--method", "minmax", "--no-fallback").exit_code == 0
     assert all("histogram" not in t for t in json.loads(minmax.read_text())["tensors"])
 
 

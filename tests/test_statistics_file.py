@@ -120,7 +120,7 @@ def test_other_preset_with_the_same_observer_is_byte_identical(
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--preset", "mindspore"], "collect with --preset mindspore"),
+    (["--preset", "mindspore", "--method", "minmax"], "collect with --preset mindspore"),
     (["--method", "moving-average"], "collect with --method moving-average"),
     (["--op-types", "Conv,MatMul,Gemm,Add,Relu,MaxPool,Flatten,Reshape", "--placement", "all"],
      None),

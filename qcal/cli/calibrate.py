@@ -33,8 +33,9 @@ from qcal.numerics.errors import ConfigError, OutputError
               help="Quantization semantics to follow (see `qcal presets`).")
 @click.option("--preset-option", multiple=True, metavar="KEY=VALUE",
               help="A preset parameter under its framework's name, e.g. reduce_range=true.")
-@click.option("--method", type=click.Choice(METHODS), default="minmax", show_default=True,
-              help="How activation ranges are chosen.")
+@click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True,
+              help="How activation ranges are chosen (auto: mse, but the exact extremes of "
+                   "tensors the outputs read directly).")
 @click.option("--percentile", type=float, default=99.99, show_default=True, help="For --method percentile.")
 @click.option("--bins", type=int, default=2048, show_default=True, help="Histogram bins (entropy, percentile, mse).")
 @click.option("--quantized-bins", type=int, default=128, show_default=True, help="Quantized bins for entropy.")
@@ -43,8 +44,8 @@ from qcal.numerics.errors import ConfigError, OutputError
               show_default=True,
               help="How weight codes are chosen: nearest, or gptq (minimises each layer's output "
                    "error on the calibration data; one more pass over it).")
-@click.option("--bias-correction/--no-bias-correction", default=False, show_default=True,
-              help="Correct Conv/Gemm biases for the mean shift the weights' codes cause on "
+@click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
+              help="Correct Conv/Gemm biases for the mean output shift quantization causes on "
                    "the calibration data (one more pass over it).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
