@@ -85,12 +85,16 @@ def _float_reasons(by_reason: dict[str, int]) -> list[tuple[int, str]]:
 def _show_summary(result: Any) -> None:
     report = result.report
     cov = report["coverage"]
-    stdout.print(
-        f"[bold]qcal[/] {report['preset']['name']} preset, method {report['config']['method']}: "
-        f"{cov['quantized']} of {cov['nodes']} nodes quantized, {cov['skipped']} kept in float; "
-        f"{len(report['tensors'])} tensors; calibrated on {report['data']['samples']} samples"
-        f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
-    )
+    if report.get("weight_only"):
+        stdout.print(_weight_only_line(report["weight_only"]))
+    else:
+        stdout.print(
+            f"[bold]qcal[/] {report['preset']['name']} preset, method "
+            f"{report['config']['method']}: {cov['quantized']} of {cov['nodes']} nodes "
+            f"quantized, {cov['skipped']} kept in float; {len(report['tensors'])} tensors; "
+            f"calibrated on {report['data']['samples']} samples"
+            f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
+        )
     for count, reason in _float_reasons(cov["skipped_by_reason"]):
         stdout.print(f"  kept in float: {count} × {reason}")
     _show_accuracy(report)
@@ -111,6 +115,19 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"wrote {result.output}")
     if result.report_path is not None:
         stdout.print(f"wrote {result.report_path}")
+
+
+def _weight_only_line(section: dict[str, Any]) -> str:
+    """--weight-only: how many weights went to 4 bits, the model's size, GPTQ's effect."""
+    line = (f"[bold]qcal[/] weight-only int{section['bits']} ({section['format']}, block "
+            f"{section['block_size']}, {section['rounding']}): {section['weights_quantized']} "
+            f"MatMul/Gemm weights to {section['bits']} bits; model "
+            f"{section['model_bytes_before'] / 1e6:.2f} MB -> "
+            f"{section['model_bytes_after'] / 1e6:.2f} MB")
+    if section["mean_output_error"] is not None:
+        line += (f"; mean layer output error {section['mean_output_error_nearest']:.3g} "
+                 f"nearest -> {section['mean_output_error']:.3g} gptq")
+    return line
 
 
 def _show_verdict(report: dict[str, Any]) -> None:
