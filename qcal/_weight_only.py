@@ -24,12 +24,14 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.model import NodeDecision, QuantPlan
 from qcal.graph.weight_only import WeightOnlyTarget, weight_only_targets, write_weight_only
 from qcal.numerics.blockwise import BITS, BlockQuant, quantize_rtn
-from qcal.numerics.errors import EmptyStatisticsError
+from qcal.numerics.errors import ConfigError, EmptyStatisticsError
 from qcal.numerics.gptq_blocks import gptq_blocks
 from qcal.numerics.observers import MinMaxObserver, PerTensor
 from qcal.numerics.onnx_mapping import OnnxQParams
 
-__all__ = ["WeightOnlyResult", "quantize_weight_only", "weight_only_plan"]
+__all__ = [
+    "WeightOnlyResult", "check_weight_only_config", "quantize_weight_only", "weight_only_plan",
+]
 
 Batches = Callable[[], Iterable[tuple[Mapping[str, np.ndarray], int]]]
 _MEASURE_CODE = 32767  # the inputs are measured as int16 codes (symmetric)
@@ -43,6 +45,20 @@ class WeightOnlyResult:
     model: onnx.ModelProto
     section: dict[str, Any]
     summary: CollectionSummary | None
+
+
+def check_weight_only_config(config: CalibrationConfig, *, statistics: bool) -> None:
+    """ConfigError for the options a weight-only run has no use for (no activation is
+    quantized, so there is nothing to read ranges for, correct or keep float)."""
+    if config.weight_only is None:
+        return
+    unused = [name for name, given in (
+        ("--stats", statistics), ("--bias-correction", config.bias_correction),
+        ("--sensitivity", config.sensitivity),
+        ("--target-sqnr/--max-agreement-drop", config.has_fallback_target)) if given]
+    if unused:
+        raise ConfigError(f"weight-only: activations stay float; it goes with none of "
+                          f"{', '.join(unused)}")
 
 
 def _measure_inputs(

@@ -44,7 +44,12 @@ from qcal._quantize_tensors import (
 )
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
-from qcal._weight_only import WeightOnlyResult, quantize_weight_only, weight_only_plan
+from qcal._weight_only import (
+    WeightOnlyResult,
+    check_weight_only_config,
+    quantize_weight_only,
+    weight_only_plan,
+)
 from qcal.accuracy.coverage import measure_coverage
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
@@ -150,6 +155,7 @@ def calibrate(
         reused = None if statistics is None else reuse_statistics(
             statistics, loaded.sha256, plan, preset, config)
         _check_agreement_options(config, prepared)
+        check_weight_only_config(config, statistics=statistics is not None)
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
         macs = _compute_macs(prepared, calib, config)
         written = [p for p in (output, report_path) if p is not None]

@@ -266,3 +266,15 @@ def test_the_default_report_records_no_weight_only_options(tmp_path: Path) -> No
     model, data, _ = _write_mlp(tmp_path, np.random.default_rng(8))
     report = _calibrate(tmp_path, model, data, "int8", "--no-fallback")
     assert "weight_only" not in report and "block_size" not in report["config"]
+
+
+@pytest.mark.parametrize("flag", [["--bias-correction"], ["--sensitivity"],
+                                  ["--target-sqnr", "30"]])
+def test_weight_only_refuses_options_it_has_no_use_for(tmp_path: Path, flag: list[str]) -> None:
+    model, data, _ = _write_mlp(tmp_path, np.random.default_rng(9))
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data),
+                                       "--weight-only", "int4", *flag,
+                                       "-o", str(tmp_path / "o.onnx")])
+    assert result.exit_code == 3
+    assert "weight-only: activations stay float" in result.output
+    assert not (tmp_path / "o.onnx").exists()
