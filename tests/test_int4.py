@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -19,6 +20,7 @@ from qcal.cli import main
 from qcal.graph.weight_only import weight_only_targets, write_weight_only
 from qcal.numerics.blockwise import pack_nibbles, quantize_rtn, unpack_nibbles
 from qcal.numerics.gptq_blocks import gptq_blocks
+from qcal.report import report_schema
 
 
 def _reference_blocks(w_nk: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,7 +202,9 @@ def _calibrate(tmp_path: Path, model: Path, data: Path, name: str, *flags: str) 
     result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data), "-o",
                                        str(out), "--report", str(report), "-q", *flags])
     assert result.exit_code == 0, result.output
-    return json.loads(report.read_text())
+    loaded = json.loads(report.read_text())
+    jsonschema.validate(loaded, report_schema())
+    return loaded
 
 
 def test_weight_only_end_to_end_gptq_beats_nearest_on_the_layer_outputs(tmp_path: Path) -> None:
@@ -278,3 +282,18 @@ def test_weight_only_refuses_options_it_has_no_use_for(tmp_path: Path, flag: lis
     assert result.exit_code == 3
     assert "weight-only: activations stay float" in result.output
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_the_summary_and_json_line_say_what_went_to_4_bits(tmp_path: Path) -> None:
+    model, data, _ = _write_mlp(tmp_path, np.random.default_rng(10))
+    base = ["calibrate", str(model), "--data", str(data), "--weight-only", "int4", "--force",
+            "-o", str(tmp_path / "o.onnx"), "--report", str(tmp_path / "o.json")]
+    shown = CliRunner().invoke(main, base)
+    assert shown.exit_code == 0, shown.output
+    assert "2 MatMul/Gemm weights to 4 bits" in " ".join(shown.output.split())
+    line = CliRunner().invoke(main, [*base, "--json"])
+    summary = json.loads(line.output)["weight_only"]
+    report = json.loads((tmp_path / "o.json").read_text())["weight_only"]
+    assert summary["weights_quantized"] == 2
+    assert summary["model_bytes_after"] == report["model_bytes_after"] < summary["model_bytes_before"]
+    assert report["model_bytes_after"] == len((tmp_path / "o.onnx").read_bytes())
