@@ -297,3 +297,21 @@ def test_the_summary_and_json_line_say_what_went_to_4_bits(tmp_path: Path) -> No
     assert summary["weights_quantized"] == 2
     assert summary["model_bytes_after"] == report["model_bytes_after"] < summary["model_bytes_before"]
     assert report["model_bytes_after"] == len((tmp_path / "o.onnx").read_bytes())
+
+
+def test_weight_only_on_a_model_with_weights_in_files_writes_the_same_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qcal.graph.files.large
+    import qcal.graph.files.save
+
+    model, data, _ = _write_mlp(tmp_path, np.random.default_rng(11))
+    flags = ("--weight-only", "int4", "--weight-rounding", "gptq")
+    _calibrate(tmp_path, model, data, "inline", *flags)
+    monkeypatch.setattr(qcal.graph.files.save, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(qcal.graph.files.large, "DETACH_MIN_BYTES", 1000)
+    _calibrate(tmp_path, model, data, "external", *flags)
+    assert (tmp_path / "external.onnx.data").is_file()
+    inline, external = onnx.load(tmp_path / "inline.onnx"), onnx.load(tmp_path / "external.onnx")
+    for tensor in (*inline.graph.initializer, *external.graph.initializer):
+        tensor.ClearField("data_location")
+    assert inline.SerializeToString() == external.SerializeToString()

@@ -1,13 +1,18 @@
 """GPTQ for weights quantized in blocks along their inputs (`qcal.numerics.blockwise`).
 
 As in `qcal.numerics.gptq`, the inputs are quantized one at a time and each one's error is
-spread over the inputs not yet quantized, weighted by the inputs' correlations (H). With a
-scale per block of inputs, the block's scale and zero point are set from the block's weights as
-they stand when its first input is reached, after the updates of every earlier block (the
-grouping of the GPTQ paper): the parameters follow the weights GPTQ has already moved.
-Inputs go in their natural order, so every block is quantized whole, one after the other.
+spread over the inputs not yet quantized, weighted by the inputs' correlations (H). Each block's
+scale and zero point are fixed from the block's own weights before any input is processed
+("static groups"): they are those of rounding to nearest, and GPTQ only chooses codes on each
+block's grid. That lets the inputs go largest input energy first (GPTQ's "act order", as in
+`qcal.numerics.gptq`), which a block whose parameters followed the weights GPTQ has moved (the
+grouping of the GPTQ paper, blocks in input order) would not allow. Measured on the MatMul weights
+of three transformer-like models (README, Weight-only 4-bit): the paper's grouping and static
+groups in input order give the same output error within 2 %, static groups with act order
+10-50 % less. And the parameters depend on the weights alone, not on the calibration data.
 
-Deterministic: float64 linear algebra on the same inputs, in a fixed order.
+Deterministic: float64 linear algebra on the same inputs, in a fixed order (largest input
+energy first, ties by index).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 from qcal.numerics.blockwise import (
     BlockQuant,
-    block_qparams,
+    dequantize_blocks,
     quantize_blocks,
     quantize_rtn,
 )
@@ -26,7 +31,7 @@ from qcal.numerics.gptq import inverse_factors, output_error
 
 __all__ = ["BlockGptqResult", "gptq_blocks", "relative_output_error"]
 
-# Inputs quantized between two updates of the rest (GPTQ's lazy batch), in whole blocks.
+# Inputs quantized between two updates of the rest (GPTQ's lazy batch).
 _LAZY_INPUTS = 128
 
 
@@ -65,32 +70,28 @@ def gptq_blocks(weights: np.ndarray, hessian: np.ndarray, block_size: int) -> Bl
     if dead.size == inputs:
         return BlockGptqResult(nearest, error_nearest, error_nearest)
     h[dead, dead] = 1.0
-    factors = inverse_factors(h[None])
+    order = np.lexsort((np.arange(inputs), -diagonal))
+    factors = inverse_factors(h[order][:, order][None])
     if factors is None:
         return BlockGptqResult(nearest, error_nearest, error_nearest)
     upper = factors[0]
-    work = w.copy()
-    codes = np.repeat(nearest.zero_points[:, :, None], block_size, axis=2)  # padding: zero point
-    scales = np.empty_like(nearest.scales)
-    zero_points = np.empty_like(nearest.zero_points)
-    lazy = block_size * max(1, _LAZY_INPUTS // block_size)
-    for start in range(0, inputs, lazy):
-        stop = min(start + lazy, inputs)
+    blocks, offsets = np.divmod(order, block_size)
+    work = w[:, order].copy()
+    codes = nearest.codes.copy()  # the padding keeps its zero points
+    scales, zero_points = nearest.scales, nearest.zero_points
+    for start in range(0, inputs, _LAZY_INPUTS):
+        stop = min(start + _LAZY_INPUTS, inputs)
         errors = np.zeros((rows, stop - start))
         for j in range(start, stop):
-            block, offset = divmod(j, block_size)
-            if offset == 0:  # the block's parameters from its weights as they stand now
-                scale, zero = block_qparams(work[:, j : min(j + block_size, inputs)])
-                scales[:, block], zero_points[:, block] = scale, zero
+            block = blocks[j]
             column = quantize_blocks(work[:, j, None], scales[:, block], zero_points[:, block])
-            codes[:, block, offset] = column[:, 0]
-            restored = ((column[:, 0].astype(np.float32) - zero_points[:, block])
-                        * scales[:, block]).astype(np.float64)
-            error = (work[:, j] - restored) / upper[j, j]
+            codes[:, block, offsets[j]] = column[:, 0]
+            restored = dequantize_blocks(column, scales[:, block], zero_points[:, block])
+            error = (work[:, j] - restored[:, 0]) / upper[j, j]
             work[:, j + 1 : stop] -= error[:, None] * upper[None, j, j + 1 : stop]
             errors[:, j - start] = error
         work[:, stop:] -= errors @ upper[start:stop, stop:]
-    chosen = BlockQuant(codes.astype(np.uint8), scales, zero_points, inputs)
+    chosen = BlockQuant(codes, scales, zero_points, inputs)
     error_gptq = relative_output_error(w, chosen, hessian)
     if error_gptq >= error_nearest:  # never worse than rounding to nearest on its own data
         return BlockGptqResult(nearest, error_nearest, error_nearest)
