@@ -19,7 +19,7 @@ from typing import Any
 from qcal.accuracy.fallback import AccuracyTarget
 from qcal.accuracy.gates import Gates
 from qcal.graph.placement import PLACEMENTS
-from qcal.graph.weight_only import check_weight_only_options
+from qcal.graph.weight_only import DEFAULT_BLOCK_SIZE, check_weight_only_options
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
 
@@ -80,7 +80,7 @@ class CalibrationConfig:
     weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
     bias_correction: bool = False  # biases absorb the mean output shift of the weights' codes
     weight_only: str | None = None  # "int4": MatMul/Gemm weights alone, in blocks along K
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     weight_only_format: str = "matmulnbits"  # or "qdq"
     data: Path | None = None
     eval_data: Path | None = None

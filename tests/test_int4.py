@@ -315,3 +315,14 @@ def test_weight_only_on_a_model_with_weights_in_files_writes_the_same_model(
     for tensor in (*inline.graph.initializer, *external.graph.initializer):
         tensor.ClearField("data_location")
     assert inline.SerializeToString() == external.SerializeToString()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--block-size", "64"),
+                                             ("--weight-only-format", "qdq")])
+def test_weight_only_options_without_weight_only_are_an_error(
+        tmp_path: Path, flag: str, value: str) -> None:
+    model, data, _ = _write_mlp(tmp_path, np.random.default_rng(12))
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data), flag, value,
+                                       "-o", str(tmp_path / "o.onnx")])
+    assert result.exit_code == 3
+    assert f"{flag[2:]}: applies to --weight-only runs alone" in result.output

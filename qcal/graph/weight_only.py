@@ -22,13 +22,14 @@ from qcal.numerics.blockwise import BITS, BlockQuant, pack_nibbles
 from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = [
-    "FORMATS", "QDQ_OPSET", "WEIGHT_ONLY", "WeightOnlyTarget", "check_weight_only_options",
-    "weight_only_targets", "write_weight_only",
+    "DEFAULT_BLOCK_SIZE", "FORMATS", "QDQ_OPSET", "WEIGHT_ONLY", "WeightOnlyTarget",
+    "check_weight_only_options", "weight_only_targets", "write_weight_only",
 ]
 
 FORMATS = ("matmulnbits", "qdq")
 QDQ_OPSET = 21  # DequantizeLinear with uint4 and block_size
 WEIGHT_ONLY = ("int4",)
+DEFAULT_BLOCK_SIZE = 32
 _MS_DOMAIN = "com.microsoft"
 
 
@@ -42,6 +43,9 @@ def check_weight_only_options(weight_only: str | None, block_size: int, fmt: str
     if fmt not in FORMATS:
         raise ConfigError(f"weight-only-format: unknown {fmt!r}; choose one of "
                           f"{', '.join(FORMATS)}")
+    if weight_only is None and (block_size != DEFAULT_BLOCK_SIZE or fmt != FORMATS[0]):
+        option = "block-size" if block_size != DEFAULT_BLOCK_SIZE else "weight-only-format"
+        raise ConfigError(f"{option}: applies to --weight-only runs alone (add --weight-only int4)")
 
 
 @dataclass(frozen=True)
