@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal._stages import Progress, _stage_progress
 from qcal.calibration.collect import CollectionSummary, collect
 from qcal.calibration.hessians import LayerInputs, collect_hessians, hessian_target
 from qcal.config import CalibrationConfig
@@ -63,14 +64,15 @@ def check_weight_only_config(config: CalibrationConfig, *, statistics: bool) -> 
 
 def _measure_inputs(
     model: onnx.ModelProto, targets: list[WeightOnlyTarget], config: CalibrationConfig,
-    batches: Batches, on_batch: Callable[[int], None] | None, expected_samples: int | None,
+    batches: Batches, progress: Progress | None, samples: int | None,
 ) -> tuple[dict[str, LayerInputs], CollectionSummary]:
     nodes = {n.name: n for n in model.graph.node}
     dims = {i.name: list(i.dims) for i in model.graph.initializer}
     observers = {nodes[t.node].input[0]: MinMaxObserver(PerTensor()) for t in targets}
     summary = collect(model, observers, batches(), providers=config.providers,
-                      threads=config.threads, on_batch=on_batch,
-                      expected_samples=expected_samples)
+                      threads=config.threads,
+                      on_batch=_stage_progress(progress, "calibrate", samples),
+                      expected_samples=samples)
     measured = []
     for target in targets:
         node = nodes[target.node]
@@ -89,7 +91,8 @@ def _measure_inputs(
         if found is not None:
             measured.append(found)
     hessians = collect_hessians(model, measured, batches, providers=config.providers,
-                                threads=config.threads, on_batch=on_batch)
+                                threads=config.threads,
+                                on_batch=_stage_progress(progress, "layer inputs", samples))
     return hessians, summary
 
 
@@ -105,9 +108,10 @@ def _model_bytes(model: onnx.ModelProto) -> int:
 
 def quantize_weight_only(
     model: onnx.ModelProto, config: CalibrationConfig, batches: Batches, *,
-    on_batch: Callable[[int], None] | None = None, expected_samples: int | None = None,
+    progress: Progress | None = None, samples: int | None = None,
 ) -> WeightOnlyResult:
-    """`model` with its qualifying MatMul/Gemm weights at 4 bits, per `config`."""
+    """`model` with its qualifying MatMul/Gemm weights at 4 bits, per `config`; `batches()`
+    gives the calibration data (`samples` of them, when known), read by GPTQ alone."""
     targets = weight_only_targets(model, op_types=config.op_types,
                                   exclude_op_types=config.exclude_op_types,
                                   exclude_nodes=config.exclude_nodes)
@@ -117,8 +121,7 @@ def quantize_weight_only(
     hessians: dict[str, LayerInputs] = {}
     summary = None
     if gptq and targets:
-        hessians, summary = _measure_inputs(model, targets, config, batches, on_batch,
-                                            expected_samples)
+        hessians, summary = _measure_inputs(model, targets, config, batches, progress, samples)
     initializers = {i.name: i for i in model.graph.initializer}
     quants: dict[str, BlockQuant] = {}
     entries = []

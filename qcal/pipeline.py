@@ -233,8 +233,7 @@ def calibrate(
         with timings.stage("weight-only"):
             weight_only = quantize_weight_only(
                 prepared, config, lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
-                on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
-                expected_samples=calib.num_samples())
+                progress=progress, samples=calib.num_samples())
         quant_model, plan = weight_only.model, weight_only_plan(plan, weight_only.section)
         summary = weight_only.summary or CollectionSummary(0, 0, 0.0)
         records, act_params, weights, checked = {}, {}, {}, []
