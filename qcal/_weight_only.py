@@ -5,7 +5,7 @@ Rounding to nearest needs no data. GPTQ (`--weight-rounding gptq`) needs each la
 input's second moments: a first pass over the calibration data finds each input's range, a
 second measures ``H = sum x x^T`` on the input quantized to 16 bits on that range (integers, so
 the sums are exact and the same whatever the batch split or data order;
-`qcal.calibration.hessians`); 16 bits keep every input to within 1/65535 of its range.
+`qcal.calibration.hessians`); 16 bits keep every input within 1/65534 of its largest magnitude.
 """
 
 from __future__ import annotations
