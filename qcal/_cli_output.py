@@ -85,12 +85,16 @@ def _float_reasons(by_reason: dict[str, int]) -> list[tuple[int, str]]:
 def _show_summary(result: Any) -> None:
     report = result.report
     cov = report["coverage"]
-    stdout.print(
-        f"[bold]qcal[/] {report['preset']['name']} preset, method {report['config']['method']}: "
-        f"{cov['quantized']} of {cov['nodes']} nodes quantized, {cov['skipped']} kept in float; "
-        f"{len(report['tensors'])} tensors; calibrated on {report['data']['samples']} samples"
-        f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
-    )
+    if report.get("weight_only"):
+        stdout.print(_weight_only_line(report["weight_only"]))
+    else:
+        stdout.print(
+            f"[bold]qcal[/] {report['preset']['name']} preset, method "
+            f"{report['config']['method']}: {cov['quantized']} of {cov['nodes']} nodes "
+            f"quantized, {cov['skipped']} kept in float; {len(report['tensors'])} tensors; "
+            f"calibrated on {report['data']['samples']} samples"
+            f" with {', '.join(report['runtime']['providers_used']) or 'onnxruntime'}"
+        )
     for count, reason in _float_reasons(cov["skipped_by_reason"]):
         stdout.print(f"  kept in float: {count} × {reason}")
     _show_accuracy(report)
@@ -103,7 +107,7 @@ def _show_summary(result: Any) -> None:
         style = "green" if gate["passed"] else "bold red"
         stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
     _show_verdict(report)
-    _show_latency(report["timings_seconds"])
+    _show_latency(report["timings_seconds"], weight_only="weight_only" in report)
     for warning in other_warnings(report):  # a failed gate's is its red "gate:" line above
         style = "bold red" if "SYNTHETIC" in warning else "yellow"
         stdout.print(f"[{style}]warning:[/] {warning}")
@@ -111,6 +115,19 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"wrote {result.output}")
     if result.report_path is not None:
         stdout.print(f"wrote {result.report_path}")
+
+
+def _weight_only_line(section: dict[str, Any]) -> str:
+    """--weight-only: how many weights went to 4 bits, the model's size, GPTQ's effect."""
+    line = (f"[bold]qcal[/] weight-only int{section['bits']} ({section['format']}, block "
+            f"{section['block_size']}, {section['rounding']}): {section['weights_quantized']} "
+            f"MatMul/Gemm weights to {section['bits']} bits; model "
+            f"{section['model_bytes_before'] / 1e6:.2f} MB -> "
+            f"{section['model_bytes_after'] / 1e6:.2f} MB")
+    if section["mean_output_error"] is not None:
+        line += (f"; mean layer output error {section['mean_output_error_nearest']:.3g} "
+                 f"nearest -> {section['mean_output_error']:.3g} gptq")
+    return line
 
 
 def _show_verdict(report: dict[str, Any]) -> None:
@@ -181,7 +198,7 @@ def _fmt(value: float | None, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
-def _show_latency(timings: Mapping[str, float]) -> None:
+def _show_latency(timings: Mapping[str, float], weight_only: bool = False) -> None:
     """The measured speed of the written model (machine timings, so not in the warnings)."""
     float_s = timings.get("latency_float_1_thread")
     quant_s = timings.get("latency_quantized_1_thread")
@@ -195,10 +212,11 @@ def _show_latency(timings: Mapping[str, float]) -> None:
     if two_float and two_quant is not None:
         line += f"; at 2 threads {two_quant / two_float:.2f}x"
         ratio = max(ratio, two_quant / two_float)
+    why = ("unpacking 4-bit weights costs more than reading them saves on layers this small"
+           if weight_only else "the Q/DQ pairs cost more than the integer kernels save")
     if ratio > 1.05:
-        stdout.print(f"[yellow]{line}: slower than the float model; on a model this small the "
-                     "Q/DQ pairs cost more than the integer kernels save (--fail-if-slower "
-                     "makes this a failed gate)[/]")
+        stdout.print(f"[yellow]{line}: slower than the float model; on a model this small "
+                     f"{why} (--fail-if-slower makes this a failed gate)[/]")
     else:
         stdout.print(line)
 

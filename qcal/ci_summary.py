@@ -127,4 +127,15 @@ def machine_summary(report: Mapping[str, Any], *, drift: Drift | None = None,
         "drift_over": None if drift is None else len(drift.over),
         "warnings": len(report["warnings"]),
         "exit_code": 7 if failed else 0,
+        **_weight_only(report),
     }
+
+
+def _weight_only(report: Mapping[str, Any]) -> dict[str, Any]:
+    """--weight-only runs: the weights written at 4 bits and the model's size before and after."""
+    section = report.get("weight_only")
+    if not section:
+        return {}
+    return {"weight_only": {key: section[key] for key in (
+        "bits", "block_size", "format", "rounding", "weights_quantized", "model_bytes_before",
+        "model_bytes_after", "mean_output_error_nearest", "mean_output_error")}}

@@ -19,6 +19,7 @@ from typing import Any
 from qcal.accuracy.fallback import AccuracyTarget
 from qcal.accuracy.gates import Gates
 from qcal.graph.placement import PLACEMENTS
+from qcal.graph.weight_only import DEFAULT_BLOCK_SIZE, check_weight_only_options
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
 
@@ -78,6 +79,9 @@ class CalibrationConfig:
     per_channel: bool = True
     weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
     bias_correction: bool = True  # biases absorb the mean output shift quantization causes
+    weight_only: str | None = None  # "int4": MatMul/Gemm weights alone, in blocks along K
+    block_size: int = DEFAULT_BLOCK_SIZE
+    weight_only_format: str = "matmulnbits"  # or "qdq"
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None
@@ -115,6 +119,7 @@ class CalibrationConfig:
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise ConfigError(f"weight-rounding: unknown {self.weight_rounding!r}; choose one of "
                               f"{', '.join(WEIGHT_ROUNDINGS)}")
+        check_weight_only_options(self.weight_only, self.block_size, self.weight_only_format)
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"percentile: {self.percentile} is not in (0, 100]")
         if self.bins < 8:
@@ -236,6 +241,8 @@ class CalibrationConfig:
         """The resolved configuration, as recorded in the report."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
+            if f.name in _WEIGHT_ONLY_KEYS and self.weight_only is None:
+                continue  # recorded in weight-only runs alone: other reports stay as they were
             value = getattr(self, f.name)
             if isinstance(value, Path):
                 value = str(value)
@@ -254,10 +261,11 @@ class CalibrationConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
 _PATH_KEYS = {"data", "eval_data", "labels"}
+_WEIGHT_ONLY_KEYS = {"weight_only", "block_size", "weight_only_format"}
 _LIST_KEYS = {"op_types", "exclude_op_types", "exclude_nodes", "exclude_tensors", "providers"}
 _INT_KEYS = {
     "bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads", "opset",
-    "sensitivity_samples",
+    "sensitivity_samples", "block_size",
 }
 _FLOAT_KEYS = {
     "percentile", "target_sqnr", "max_agreement_drop", "min_coverage", "fail_under_sqnr",
@@ -267,6 +275,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "preset": str,
     "method": str,
     "weight_rounding": str,
+    "weight_only": str, "weight_only_format": str,
     "placement": str,
     **{key: (int, float) for key in _FLOAT_KEYS},
     "per_channel": bool,

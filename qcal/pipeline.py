@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 
-from qcal._accuracy_stage import _compute_macs, _improve_accuracy
+from qcal._accuracy_stage import _Accuracy, _compute_macs, _improve_accuracy
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
@@ -44,13 +44,19 @@ from qcal._quantize_tensors import (
 )
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
+from qcal._weight_only import (
+    WeightOnlyResult,
+    check_weight_only_config,
+    quantize_weight_only,
+    weight_only_plan,
+)
 from qcal.accuracy.coverage import measure_coverage
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
 from qcal.calibration import data as data_mod
-from qcal.calibration.collect import collect
+from qcal.calibration.collect import CollectionSummary, collect
 from qcal.calibration.statistics import Statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
@@ -70,6 +76,7 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
+from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report, dump_report
@@ -122,7 +129,7 @@ def calibrate(
         preset = build_preset(config.preset, config.preset_options)
         loaded = load_model(model_path)
         # In place: only the loaded model's path and hash are used from here on.
-        prepared, steps = prepare_model(loaded.model, min_opset=config.opset, in_place=True)
+        prepared, steps = prepare_model(loaded.model, min_opset=_min_opset(config), in_place=True)
         # A large model is calibrated with its large weights in files (its own external data,
         # or a temporary file for those in memory): onnxruntime maps them and qcal reads one
         # at a time, so memory stays close to one copy of the weights.
@@ -149,6 +156,7 @@ def calibrate(
         reused = None if statistics is None else reuse_statistics(
             statistics, loaded.sha256, plan, preset, config)
         _check_agreement_options(config, prepared)
+        check_weight_only_config(config, statistics=statistics is not None)
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
         macs = _compute_macs(prepared, calib, config)
         written = [p for p in (output, report_path) if p is not None]
@@ -164,63 +172,74 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
-    with timings.stage("collect"):
-        if reused is not None:  # read from a file: the model does not run for statistics
-            observers, summary = reused.observers, reused.summary
-        else:
-            observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
-                         for t in plan.activations if _observed(t, config)}
-            try:
-                summary = collect(
-                    prepared, observers,
-                    data_mod.iter_batches(calib, inputs, config.batch_size),
-                    providers=config.providers, threads=config.threads,
-                    on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
-                    expected_samples=calib.num_samples(),
-                )
-            except DataError:
-                blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
-                raise
+    weight_only: WeightOnlyResult | None = None
+    if config.weight_only is None:
+        with timings.stage("collect"):
+            if reused is not None:  # read from a file: the model does not run for statistics
+                observers, summary = reused.observers, reused.summary
+            else:
+                observers = {t.tensor: _activation_observer(preset.activation, config, t.tensor)
+                             for t in plan.activations if _observed(t, config)}
+                try:
+                    summary = collect(
+                        prepared, observers,
+                        data_mod.iter_batches(calib, inputs, config.batch_size),
+                        providers=config.providers, threads=config.threads,
+                        on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
+                        expected_samples=calib.num_samples(),
+                    )
+                except DataError:
+                    blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
+                    raise
 
-    with timings.stage("qparams"):
-        records = _activation_records(plan, observers, preset.activation, config, opset,
-                                      output_side=output_side_tensors(prepared.graph))
-        # Tensors that received no values (If branches not taken, ...) stay float.
-        unobserved = {t.tensor for t in plan.activations} - records.keys()
-        plan = leave_unobserved_float(prepared, plan, unobserved)
-        act_params = {name: rec.onnx for name, rec in records.items()}  # activations only yet
-    layer_inputs = None
-    if config.weight_rounding == "gptq" or config.bias_correction:
-        with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
-            layer_inputs = measure_layer_inputs(
-                prepared, plan, act_params,
-                lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
-                gptq=config.weight_rounding == "gptq", providers=config.providers,
-                threads=config.threads,
-                on_batch=_stage_progress(progress, "layer inputs", calib.num_samples()))
-    with timings.stage("qparams"):
-        weights, weight_records = _quantize_weights(
-            prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation,
-            layer_inputs=layer_inputs,
-        )
-        del layer_inputs
-        records.update(weight_records)
+        with timings.stage("qparams"):
+            records = _activation_records(plan, observers, preset.activation, config, opset,
+                                          output_side=output_side_tensors(prepared.graph))
+            # Tensors that received no values (If branches not taken, ...) stay float.
+            unobserved = {t.tensor for t in plan.activations} - records.keys()
+            plan = leave_unobserved_float(prepared, plan, unobserved)
+            act_params = {name: rec.onnx for name, rec in records.items()}  # activations only yet
+        layer_inputs = None
+        if config.weight_rounding == "gptq" or config.bias_correction:
+            with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
+                layer_inputs = measure_layer_inputs(
+                    prepared, plan, act_params,
+                    lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                    gptq=config.weight_rounding == "gptq", providers=config.providers,
+                    threads=config.threads,
+                    on_batch=_stage_progress(progress, "layer inputs", calib.num_samples()))
+        with timings.stage("qparams"):
+            weights, weight_records = _quantize_weights(
+                prepared, plan, preset.weight, config, opset, operand_recipe=preset.activation,
+                layer_inputs=layer_inputs,
+            )
+            del layer_inputs
+            records.update(weight_records)
 
-    with timings.stage("qdq"):
-        build = partial(build_quantized, prepared, act_params, weights, weight_file)
-        # One sample through onnxruntime: a node it cannot run quantized is kept float.
+        with timings.stage("qdq"):
+            build = partial(build_quantized, prepared, act_params, weights, weight_file)
+            # One sample through onnxruntime: a node it cannot run quantized is kept float.
+            first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
+            runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
+                                     threads=config.threads)
+            del build
+            plan, quant_model = runnable.plan, runnable.model
+            if runnable.repaired:
+                records = _planned_records(records, plan, quant_model)
+            records.update(_bias_records(quant_model, plan))
+            # The first evaluation of this model runs in the session that checked it (a large
+            # model's is closed instead: it would stay open through every later stage).
+            checked = [(quant_model, runnable.session)] if weight_file is None else []
+            del runnable
+    else:  # MatMul/Gemm weights alone, activations float: no Q/DQ, so no fallback either
+        with timings.stage("weight-only"):
+            weight_only = quantize_weight_only(
+                prepared, config, lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                progress=progress, samples=calib.num_samples())
+        quant_model, plan = weight_only.model, weight_only_plan(plan, weight_only.section)
+        summary = weight_only.summary or CollectionSummary(0, 0, 0.0)
+        records, act_params, weights, checked = {}, {}, {}, []
         first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
-        runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
-                                 threads=config.threads)
-        del build
-        plan, quant_model = runnable.plan, runnable.model
-        if runnable.repaired:
-            records = _planned_records(records, plan, quant_model)
-        records.update(_bias_records(quant_model, plan))
-        # The first evaluation of this model runs in the session that checked it (a large
-        # model's is closed instead: it would stay open through every later stage).
-        checked = [(quant_model, runnable.session)] if weight_file is None else []
-        del runnable
 
     source = eval_source if eval_source is not None else calib
     eval_labels = labels if eval_source is not None or config.labels else None
@@ -236,7 +255,7 @@ def calibrate(
             quant_session=session,
         )
 
-    accuracy = _improve_accuracy(
+    accuracy = _Accuracy(None, None) if weight_only is not None else _improve_accuracy(
         prepared, plan, quant_model, act_params, weights, config=config, inputs=inputs,
         source=source, macs=macs, evaluate=evaluate, timings=timings, progress=progress,
     )
@@ -287,6 +306,7 @@ def calibrate(
             providers_used=summary.providers,
             external_data=staged.external if staged is not None else None,
             statistics=None if reused is None else reused.source,
+            weight_only=None if weight_only is None else weight_only.section,
         )
         # Both files are written whole under temporary names before either gets its own: a
         # failed write (a full disk) leaves neither.
@@ -312,6 +332,13 @@ def calibrate(
 def _large_model(model: onnx.ModelProto) -> bool:
     """Whether `model` is calibrated with its large weights in files (`qcal.graph.files.large`)."""
     return has_external_data(model) or needs_external_data(model)
+
+
+def _min_opset(config: CalibrationConfig) -> int:
+    """The opset the model is upgraded to: the asked one, and 21 for weight-only int4 QDQ."""
+    if config.weight_only is not None and config.weight_only_format == "qdq":
+        return max(config.opset, QDQ_OPSET)
+    return config.opset
 
 
 def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:

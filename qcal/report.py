@@ -191,6 +191,7 @@ def build_report(
     providers_used: Sequence[str] = (),
     external_data: ExternalFile | None = None,
     statistics: Mapping[str, Any] | None = None,
+    weight_only: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -261,6 +262,8 @@ def build_report(
         },
         "fallback": None if fallback is None else fallback_json(fallback),
         "gates": [g.to_json() for g in gates],
+        # --weight-only runs alone: their 4-bit weights (other runs' reports stay as they were)
+        **({} if weight_only is None else {"weight_only": dict(weight_only)}),
         "tensors": [tensor_json(records[name]) for name in sorted(records)],
         "nodes": [
             {"name": n.node, "op_type": n.op_type, "quantized": n.quantized, "reason": n.reason}

@@ -14,6 +14,7 @@ from qcal.cli._options import _build_config, ray_options
 from qcal.cli._run_extras import RunExtras
 from qcal.cli.diff import drift_options, raise_for_drift, show_drift
 from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
+from qcal.graph.weight_only import FORMATS, WEIGHT_ONLY
 from qcal.numerics.errors import ConfigError, OutputError
 
 
@@ -47,6 +48,15 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
               help="Correct Conv/Gemm biases for the mean output shift quantization causes on "
                    "the calibration data (one more pass over it).")
+@click.option("--weight-only", type=click.Choice(WEIGHT_ONLY),
+              help="Quantize only MatMul/Gemm weights, to 4 bits in blocks along their inputs; "
+                   "activations stay float [default: off].")
+@click.option("--block-size", type=int, default=32, show_default=True,
+              help="--weight-only: inputs per block sharing a scale (a power of 2, >= 16).")
+@click.option("--weight-only-format", type=click.Choice(FORMATS), default="matmulnbits",
+              show_default=True,
+              help="--weight-only: onnxruntime's MatMulNBits, or int4 DequantizeLinear (qdq, "
+                   "opset 21).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
@@ -125,6 +135,9 @@ def calibrate(**params: Any) -> None:
         raise ConfigError("--stats and --checkpoint: choose one (a checkpoint is a statistics "
                           "file collected by this run)")
     config, outputs = _build_config(ctx, params)
+    if config.weight_only is not None and (statistics or checkpoint or ray_address or exports):
+        raise ConfigError("weight-only: activations stay float; it goes with none of --stats, "
+                          "--checkpoint, --ray, --write-ranges")
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
     output = Path(outputs["output"]) if outputs.get("output") else default_output

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GptqResult", "gptq_codes", "gptq_weight", "output_error"]
+__all__ = ["GptqResult", "gptq_codes", "gptq_weight", "inverse_factors", "output_error"]
 
 # Damping added to the Hessian's diagonal, as a fraction of its mean (GPTQ's default): it keeps
 # the inverse well conditioned where inputs are nearly collinear.
@@ -59,7 +59,7 @@ def output_error(delta: np.ndarray, weights: np.ndarray, hessian: np.ndarray) ->
     return error / energy if energy > 0 else 0.0
 
 
-def _inverse_factors(hessian: np.ndarray) -> np.ndarray | None:
+def inverse_factors(hessian: np.ndarray) -> np.ndarray | None:
     """Per group, the upper triangular U with U^T U = inverse of the damped Hessian; None if a
     group's Hessian is not positive definite even with ten and a hundred times the damping.
 
@@ -116,7 +116,7 @@ def gptq_codes(
     energy = diagonal.sum(axis=0)
     order = np.lexsort((np.arange(columns), -energy))
     h = h[:, order][:, :, order]
-    factors = _inverse_factors(h)
+    factors = inverse_factors(h)
     if factors is None:
         return GptqResult(nearest, error_nearest, error_nearest)
     work = w[:, :, order].copy()
