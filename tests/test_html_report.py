@@ -121,7 +121,7 @@ def test_report_command_writes_every_section_self_contained(entropy_run: Path, t
     assert sorted(plotted) == sorted(with_histogram)
     # worst first: the sensitivity measurement's order
     ranked = [r["tensor"] for r in report["sensitivity"]["tensors"] if r["tensor"] in plotted]
-    assert plotted == ranked
+    assert ranked and plotted[: len(ranked)] == ranked
     assert text.count("<tr data-name=") == len(report["tensors"])
     # nothing is fetched: no external script, style, font or image
     assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", text)

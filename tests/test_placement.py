@@ -86,13 +86,13 @@ def test_placement_all_quantizes_a_cubic_resize_model_that_still_runs(tmp_path: 
 
 
 def _cnn_with_head() -> onnx.ModelProto:
-    """Conv -> Relu -> MaxPool -> Conv, a residual Add of the two conv outputs, a Tanh gate
+    """Conv -> Relu -> AveragePool -> Conv, a residual Add of the two conv outputs, a Tanh gate
     (no integer kernel), Flatten and a Gemm head."""
     rng = np.random.default_rng(2)
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[1, 1]),
+        helper.make_node("AveragePool", ["r1"], ["p1"], name="pool", kernel_shape=[1, 1]),
         helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
         helper.make_node("Add", ["c2", "p1"], ["res"], name="residual"),
         helper.make_node("Tanh", ["res"], ["gate"], name="tanh"),
@@ -109,6 +109,27 @@ def _cnn_with_head() -> onnx.ModelProto:
         "bf": rng.standard_normal(5).astype(np.float32),
     }
     return build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["logits"], inits)
+
+
+def test_auto_leaves_maxpool_and_grouped_convolutions_float() -> None:
+    """onnxruntime's uint8 MaxPool and integer depthwise Conv are slower than the float ones:
+    between two anchors they stay float, and a depthwise Conv is no anchor."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("MaxPool", ["c1"], ["p1"], name="pool", kernel_shape=[1, 1]),
+        helper.make_node("Conv", ["p1", "wd"], ["d1"], name="depthwise", group=4,
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["d1", "w2"], ["c2"], name="pointwise"),
+    ]
+    inits = {"w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             "wd": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+             "w2": rng.standard_normal((4, 4, 1, 1)).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["c2"], inits)
+    _, decisions, _ = _plan(model, "auto")
+    assert decisions == {"conv1": True, "pool": False, "depthwise": False, "pointwise": True}
+    _, everything, _ = _plan(model, "all")
+    assert all(everything.values())
 
 
 def test_auto_places_qdq_on_anchors_and_what_lies_between_them() -> None:

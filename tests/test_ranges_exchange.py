@@ -156,9 +156,12 @@ def test_onnxruntime_quantize_static_uses_the_overrides(exported: Path, tmp_path
                     calibrate_method=CalibrationMethod.MinMax,
                     extra_options={"TensorQuantOverrides": overrides})
     scales = _qdq_scales(out)
+    # onnxruntime gives a MaxPool's output its input's parameters, whatever the overrides say
+    tied = {t for n in onnx.load(DIGITS).graph.node if n.op_type == "MaxPool"
+            for t in (*n.input, *n.output)}
     checked = 0
     for name, (lo, hi) in widened.items():
-        if name not in scales:
+        if name not in scales or name in tied:
             continue  # onnxruntime leaves some tensors unquantized by its own rules
         scale, zero_point = _ort_scale(np.float32(lo), np.float32(hi))
         assert scales[name][0] == pytest.approx(float(scale), rel=1e-6)
