@@ -21,6 +21,7 @@ from qcal.accuracy.gates import Gates
 from qcal.graph.placement import PLACEMENTS
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
+from qcal.numerics.smoothing import smoothing_alpha
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -78,6 +79,8 @@ class CalibrationConfig:
     per_channel: bool = True
     weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
     bias_correction: bool = False  # biases absorb the mean output shift of the weights' codes
+    equalize: bool = False  # cross-layer equalization of Conv pairs (qcal.graph.passes.equalize)
+    smooth_quant: float | str | None = None  # SmoothQuant's alpha, or "auto" per layer
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None
@@ -115,6 +118,8 @@ class CalibrationConfig:
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise ConfigError(f"weight-rounding: unknown {self.weight_rounding!r}; choose one of "
                               f"{', '.join(WEIGHT_ROUNDINGS)}")
+        if self.smooth_quant is not None:
+            object.__setattr__(self, "smooth_quant", smoothing_alpha(self.smooth_quant))
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"percentile: {self.percentile} is not in (0, 100]")
         if self.bins < 8:
@@ -233,10 +238,13 @@ class CalibrationConfig:
         return override.percentile if override and override.percentile else self.percentile
 
     def to_json(self) -> dict[str, Any]:
-        """The resolved configuration, as recorded in the report."""
+        """The resolved configuration, as recorded in the report (the graph transforms only when
+        asked for: a report without them reads as before they existed)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in ("equalize", "smooth_quant") and value == f.default:
+                continue
             if isinstance(value, Path):
                 value = str(value)
             elif isinstance(value, tuple):
@@ -272,6 +280,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "per_channel": bool,
     "default_exclusions": bool,
     "bias_correction": bool,
+    "equalize": bool,
+    "smooth_quant": (str, int, float),
     "fallback": bool,
     "sensitivity": bool,
     "preset_options": dict,

@@ -191,6 +191,7 @@ def build_report(
     providers_used: Sequence[str] = (),
     external_data: ExternalFile | None = None,
     statistics: Mapping[str, Any] | None = None,
+    transforms: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -268,6 +269,8 @@ def build_report(
         ],
         "warnings": warnings,
         "timings_seconds": dict(timings),
+        # --equalize / --smooth-quant: what they changed (absent without them)
+        **({"transforms": dict(transforms)} if transforms else {}),
     }
 
 
