@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import onnx
 import pytest
@@ -15,6 +16,7 @@ from onnx import helper
 
 from qcal.cli import main
 from qcal.graph.passes.equalize import EqualizeLayers
+from qcal.report import report_schema
 from tests._onnx_testing import build_model, float_input, run
 
 CHANNELS = 8
@@ -146,6 +148,7 @@ def test_equalize_lowers_the_error_of_per_tensor_weights(tmp_path: Path, dwsep: 
     pairs = equalized["transforms"]["equalize"]["pairs"]
     assert len(pairs) == 3 and all(p["range_ratio_after"] <= p["range_ratio_before"] for p in pairs)
     assert equalized["config"]["equalize"] is True
+    jsonschema.validate(equalized, report_schema())
     assert {"step": "equalize", "detail": "equalized 3 Conv pairs"} in \
         equalized["input_model"]["preparation"]
     # Without the option the report says nothing of it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import onnx
 import pytest
@@ -19,6 +20,7 @@ from qcal.config import CalibrationConfig
 from qcal.graph.passes.smooth_quant import apply_smoothing, find_smooth_targets
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.smoothing import smoothing_scales
+from qcal.report import report_schema
 from tests._onnx_testing import build_model, float_input, run
 
 K = 16
@@ -147,6 +149,7 @@ def test_smooth_quant_lowers_the_error_of_outlier_channels(tmp_path: Path, outli
         assert entry["alpha"] in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) and entry["max_scale"] > 1
         assert entry["output_error_after"] < entry["output_error_before"]
     assert smooth["config"]["smooth_quant"] == "auto"
+    jsonschema.validate(smooth, report_schema())
     assert "transforms" not in plain and "smooth_quant" not in plain["config"]
     fixed = _calibrate(tmp_path, outliers, "fixed", "--smooth-quant", "0.5")
     assert {e["alpha"] for e in fixed["transforms"]["smooth_quant"]["layers"]} == {0.5}
