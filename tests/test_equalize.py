@@ -168,3 +168,36 @@ def test_transforms_refuse_statistics_collected_beforehand(tmp_path: Path, dwsep
         "--checkpoint", str(tmp_path / "stats.npz"), "-o", str(tmp_path / "q.onnx"), "-q"])
     assert result.exit_code == 3 and "--equalize" in result.output
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "stats.npz").exists()
+
+
+def test_summary_has_one_line_per_transform(tmp_path: Path, dwsep: Path) -> None:
+    result = CliRunner().invoke(main, [
+        "calibrate", str(dwsep), "--data", str(tmp_path / "calib.npz"), "--equalize",
+        "--smooth-quant", "auto", "-o", str(tmp_path / "q.onnx"), "--report",
+        str(tmp_path / "q.json"), "--no-fallback"])
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.output.splitlines()]
+    assert any(line.startswith("equalize: 3 Conv pairs, largest channel range ratio")
+               for line in lines)
+    # A Conv-only model has no MatMul/Gemm input to smooth: the run says so.
+    assert "smooth-quant: 0 of 0 activations smoothed, summed layer output error 0 -> 0" in lines
+
+
+def test_dead_channels_keep_their_scale() -> None:
+    """A depthwise channel whose filter is all but zero is not balanced: a vanishing s would
+    divide its bias into a huge constant activation."""
+    model = _dwsep_model(7)
+    tensors = {t.name: t for t in model.graph.initializer}
+    dw = onnx.numpy_helper.to_array(tensors["dw"]).copy()
+    dw[2] *= 1e-30
+    tensors["dw"].CopyFrom(onnx.numpy_helper.from_array(dw, "dw"))
+    bias = onnx.numpy_helper.to_array(tensors["dwb"]).copy()
+    x = _images(8)
+    (expected,) = run(model, {"x": x})
+    rewrite = EqualizeLayers()
+    rewrite(model)
+    after = onnx.numpy_helper.to_array(tensors["dwb"])
+    assert after[2] == bias[2] and not np.array_equal(after, bias)
+    assert all(p.range_ratio_before < 1e6 for p in rewrite.pairs)  # dead channels aside
+    (got,) = run(model, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())

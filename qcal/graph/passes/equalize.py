@@ -19,7 +19,8 @@ channel i is then column ``i mod (C / groups)`` of B's output channels in group
 Clip (Relu6) is not positive-homogeneous (its bounds would have to move per channel): pairs
 joined by it, or by anything else, are left alone. In a chain A -> B -> C, equalizing (B, C)
 changes B's output ranges and (A, B) again: the sweeps repeat until no scale moves by more than
-`_CONVERGED` (at most `_MAX_SWEEPS`). Scales accumulate in float64 and each weight is rounded once
+`_CONVERGED` (at most `_MAX_SWEEPS`). A dead channel (range under `_DEAD` of its weight's
+largest) keeps s = 1: there is nothing to balance, and a vanishing s would inflate A's bias. Scales accumulate in float64 and each weight is rounded once
 to its type at the end, so the float outputs agree with the original's to float rounding.
 """
 
@@ -40,6 +41,7 @@ __all__ = ["EqualizeLayers", "EqualizedPair"]
 
 _MAX_SWEEPS = 20
 _CONVERGED = 1e-4  # a sweep whose every scale is within this of 1 changes nothing that matters
+_DEAD = 1e-6  # a channel below this fraction of its weight's largest range is dead: left as is
 _HOMOGENEOUS = frozenset({"Relu", "LeakyRelu", "PRelu"})
 _FLOAT = onnx.TensorProto.FLOAT
 
@@ -53,7 +55,7 @@ class EqualizedPair:
         through: the activation between them, or "" when A feeds B directly.
         min_scale, max_scale: the extremes of the total per-channel scale ``s``.
         range_ratio_before, range_ratio_after: the largest over the smallest channel magnitude
-            of A's weight (its output channels), before and after; 1 is perfectly even.
+            of A's weight (its output channels, dead ones aside), before and after; 1 is even.
     """
 
     first: str
@@ -216,11 +218,20 @@ def _input_ranges(weight: np.ndarray, groups: int) -> np.ndarray:
 
 
 def _scales(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """s = sqrt(r1 r2) / r2 per channel; 1 where either range is 0 (nothing to balance)."""
+    """s = sqrt(r1 r2) / r2 per channel; 1 where either side's channel is dead (nothing to
+    balance, and dividing by a vanishing s would blow up A's bias)."""
     scale = np.ones_like(first)
-    live = (first > 0) & (second > 0) & np.isfinite(first) & np.isfinite(second)
+    live = _live(first) & _live(second)
     scale[live] = np.sqrt(first[live] * second[live]) / second[live]
     return scale
+
+
+def _live(ranges: np.ndarray) -> np.ndarray:
+    """Channels whose range is at least `_DEAD` of the largest: the others carry nothing (their
+    weights round to 0 in any 8-bit per-tensor grid many times over)."""
+    finite = np.isfinite(ranges)
+    largest = float(np.max(ranges[finite], initial=0.0))
+    return finite & (ranges > 0) & (ranges >= largest * _DEAD)
 
 
 def _apply(weights: dict[str, np.ndarray], pair: _Pair, scale: np.ndarray) -> None:
@@ -235,5 +246,5 @@ def _apply(weights: dict[str, np.ndarray], pair: _Pair, scale: np.ndarray) -> No
 
 
 def _range_ratio(ranges: np.ndarray) -> float:
-    live = ranges[ranges > 0]
+    live = ranges[_live(ranges)]
     return float(live.max() / live.min()) if live.size else 1.0
