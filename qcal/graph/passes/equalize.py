@@ -231,7 +231,8 @@ def _live(ranges: np.ndarray) -> np.ndarray:
     weights round to 0 in any 8-bit per-tensor grid many times over)."""
     finite = np.isfinite(ranges)
     largest = float(np.max(ranges[finite], initial=0.0))
-    return finite & (ranges > 0) & (ranges >= largest * _DEAD)
+    live: np.ndarray = finite & (ranges > 0) & (ranges >= largest * _DEAD)
+    return live
 
 
 def _apply(weights: dict[str, np.ndarray], pair: _Pair, scale: np.ndarray) -> None:
