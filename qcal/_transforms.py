@@ -103,9 +103,15 @@ def smooth(
 
 def _choose(target: SmoothTarget, problem: LayerProblem, config: CalibrationConfig,
             preset: Preset) -> SmoothedLayer:
+    # Per output channel as the run quantizes the weights: where asked and the API allows the
+    # axis ((K, N): 1; stored transposed: 0).
+    allowed = preset.weight.per_channel_axes
+    per_channel = config.per_channel and (allowed == "any" or all(
+        (0 if transposed else 1) in allowed for _, transposed in target.weights))
+
     def error(scale: np.ndarray) -> float:
         return layer_error(problem, scale, activation=preset.activation, weight=preset.weight,
-                           per_channel=config.per_channel)
+                           per_channel=per_channel)
 
     before = error(np.ones(target.channels))
     alpha_set = config.smooth_quant
