@@ -123,8 +123,9 @@ def test_alpha_is_checked(value: object) -> None:
 def outliers(tmp_path: Path) -> Path:
     path = tmp_path / "outliers.onnx"
     onnx.save(_outlier_model(5), path)
-    np.savez(tmp_path / "calib.npz", x=_rows(6, 64))
-    np.savez(tmp_path / "reversed.npz", x=_rows(6, 64)[::-1])
+    # More rows than the sample keeps: the order test below sees the bottom-k choice at work.
+    np.savez(tmp_path / "calib.npz", x=_rows(6, ROWS + 200))
+    np.savez(tmp_path / "reversed.npz", x=_rows(6, ROWS + 200)[::-1])
     return path
 
 
