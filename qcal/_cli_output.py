@@ -82,6 +82,25 @@ def _float_reasons(by_reason: dict[str, int]) -> list[tuple[int, str]]:
     return rows
 
 
+def _transform_lines(transforms: dict[str, Any]) -> list[str]:
+    """One line per graph transform of the run (`--equalize`, `--smooth-quant`)."""
+    lines = []
+    if "equalize" in transforms:
+        pairs = transforms["equalize"]["pairs"]
+        before = max((p["range_ratio_before"] for p in pairs), default=1.0)
+        after = max((p["range_ratio_after"] for p in pairs), default=1.0)
+        lines.append(f"equalize: {len(pairs)} Conv pair{'s' * (len(pairs) != 1)}, largest "
+                     f"channel range ratio {before:.3g} -> {after:.3g}")
+    if "smooth_quant" in transforms:
+        layers = transforms["smooth_quant"]["layers"]
+        changed = [s for s in layers if s["alpha"] is not None]
+        before = sum(s["output_error_before"] for s in changed)
+        after = sum(s["output_error_after"] for s in changed)
+        lines.append(f"smooth-quant: {len(changed)} of {len(layers)} activations smoothed, "
+                     f"summed layer output error {before:.3g} -> {after:.3g}")
+    return lines
+
+
 def _show_summary(result: Any) -> None:
     report = result.report
     cov = report["coverage"]
@@ -97,6 +116,8 @@ def _show_summary(result: Any) -> None:
         )
     for count, reason in _float_reasons(cov["skipped_by_reason"]):
         stdout.print(f"  kept in float: {count} × {reason}")
+    for line in _transform_lines(report.get("transforms") or {}):
+        stdout.print(f"  {line}")
     _show_accuracy(report)
     evaluation = report["evaluation"]
     if evaluation:

@@ -22,6 +22,7 @@ from qcal.graph.placement import PLACEMENTS
 from qcal.graph.weight_only import DEFAULT_BLOCK_SIZE, check_weight_only_options
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
+from qcal.numerics.smoothing import smoothing_alpha
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,6 +83,8 @@ class CalibrationConfig:
     weight_only: str | None = None  # "int4": MatMul/Gemm weights alone, in blocks along K
     block_size: int = DEFAULT_BLOCK_SIZE
     weight_only_format: str = "matmulnbits"  # or "qdq"
+    equalize: bool = False  # cross-layer equalization of Conv pairs (qcal.graph.passes.equalize)
+    smooth_quant: float | str | None = None  # SmoothQuant's alpha, or "auto" per layer
     data: Path | None = None
     eval_data: Path | None = None
     labels: Path | None = None
@@ -120,6 +123,8 @@ class CalibrationConfig:
             raise ConfigError(f"weight-rounding: unknown {self.weight_rounding!r}; choose one of "
                               f"{', '.join(WEIGHT_ROUNDINGS)}")
         check_weight_only_options(self.weight_only, self.block_size, self.weight_only_format)
+        if self.smooth_quant is not None:
+            object.__setattr__(self, "smooth_quant", smoothing_alpha(self.smooth_quant))
         if not 0.0 < self.percentile <= 100.0:
             raise ConfigError(f"percentile: {self.percentile} is not in (0, 100]")
         if self.bins < 8:
@@ -238,12 +243,15 @@ class CalibrationConfig:
         return override.percentile if override and override.percentile else self.percentile
 
     def to_json(self) -> dict[str, Any]:
-        """The resolved configuration, as recorded in the report."""
+        """The resolved configuration, as recorded in the report (the graph transforms only when
+        asked for: a report without them reads as before they existed)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in _WEIGHT_ONLY_KEYS and self.weight_only is None:
                 continue  # recorded in weight-only runs alone: other reports stay as they were
             value = getattr(self, f.name)
+            if f.name in ("equalize", "smooth_quant") and value == f.default:
+                continue
             if isinstance(value, Path):
                 value = str(value)
             elif isinstance(value, tuple):
@@ -281,6 +289,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "per_channel": bool,
     "default_exclusions": bool,
     "bias_correction": bool,
+    "equalize": bool,
+    "smooth_quant": (str, int, float),
     "fallback": bool,
     "sensitivity": bool,
     "preset_options": dict,

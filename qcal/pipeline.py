@@ -44,6 +44,7 @@ from qcal._quantize_tensors import (
 )
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
+from qcal._transforms import apply_transforms
 from qcal._weight_only import (
     WeightOnlyResult,
     check_weight_only_config,
@@ -155,6 +156,9 @@ def calibrate(
         _check_overrides(config, plan)
         reused = None if statistics is None else reuse_statistics(
             statistics, loaded.sha256, plan, preset, config)
+        if statistics is not None and (config.equalize or config.smooth_quant is not None):
+            raise ConfigError("equalize, smooth-quant: they change the model, so they go with no "
+                              "statistics collected beforehand (--stats, --checkpoint, --ray)")
         _check_agreement_options(config, prepared)
         check_weight_only_config(config, statistics=statistics is not None)
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
@@ -171,6 +175,12 @@ def calibrate(
             check_output_path(data_path(output), inputs=read, force=force, what="output data")
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
+
+    # Weights-only rewrites (the plan above holds): the float model keeps its outputs.
+    transforms, transform_steps = apply_transforms(
+        prepared, config, preset, lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+        samples=calib.num_samples(), timings=timings, progress=progress)
+    steps = [*steps, *transform_steps]
 
     weight_only: WeightOnlyResult | None = None
     if config.weight_only is None:
@@ -307,6 +317,7 @@ def calibrate(
             external_data=staged.external if staged is not None else None,
             statistics=None if reused is None else reused.source,
             weight_only=None if weight_only is None else weight_only.section,
+            transforms=transforms.to_json(),
         )
         # Both files are written whole under temporary names before either gets its own: a
         # failed write (a full disk) leaves neither.

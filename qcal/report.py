@@ -192,6 +192,7 @@ def build_report(
     external_data: ExternalFile | None = None,
     statistics: Mapping[str, Any] | None = None,
     weight_only: Mapping[str, Any] | None = None,
+    transforms: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     import hashlib
 
@@ -271,6 +272,8 @@ def build_report(
         ],
         "warnings": warnings,
         "timings_seconds": dict(timings),
+        # --equalize / --smooth-quant: what they changed (absent without them)
+        **({"transforms": dict(transforms)} if transforms else {}),
     }
 
 

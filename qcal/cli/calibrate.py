@@ -57,6 +57,13 @@ from qcal.numerics.errors import ConfigError, OutputError
               show_default=True,
               help="--weight-only: onnxruntime's MatMulNBits, or int4 DequantizeLinear (qdq, "
                    "opset 21).")
+@click.option("--equalize/--no-equalize", default=False, show_default=True,
+              help="Cross-layer equalization: even out the channel ranges of Conv pairs "
+                   "(weights only; the float outputs stay the same).")
+@click.option("--smooth-quant", metavar="ALPHA|auto",
+              help="SmoothQuant: move activation outliers of MatMul/Gemm inputs into their "
+                   "weights with strength ALPHA in [0, 1], or the best of 0.3..0.9 per layer "
+                   "(auto; one more pass over the data).")
 @click.option("--op-types", multiple=True, help="Quantize only these op types (comma-separated).")
 @click.option("--exclude-op-types", multiple=True, help="Keep these op types in float.")
 @click.option("--exclude-nodes", multiple=True, help="Keep nodes whose names match these globs in float.")
@@ -138,6 +145,10 @@ def calibrate(**params: Any) -> None:
     if config.weight_only is not None and (statistics or checkpoint or ray_address or exports):
         raise ConfigError("weight-only: activations stay float; it goes with none of --stats, "
                           "--checkpoint, --ray, --write-ranges")
+    if (config.equalize or config.smooth_quant is not None) and (
+            statistics is not None or checkpoint is not None or ray_address is not None):
+        raise ConfigError("--equalize, --smooth-quant: they change the model, so they go with "
+                          "no statistics collected beforehand (--stats, --checkpoint, --ray)")
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
     output = Path(outputs["output"]) if outputs.get("output") else default_output
