@@ -9,7 +9,12 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from qcal.graph.files.large import external_file, is_external, serialized_size
+from qcal.graph.files.large import (
+    external_file,
+    is_external,
+    serialize_within,
+    serialized_size,
+)
 from qcal.graph.files.save import stage_model
 from qcal.numerics.errors import ConfigError, ModelError
 
@@ -75,8 +80,8 @@ def create_session(
         )
     options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin)
     try:
-        if serialized_size(model) < _MAX_INLINE_BYTES:
-            model_bytes = _mapping_weights(model, options, what)
+        model_bytes = _mapping_weights(model, options, what)
+        if model_bytes is not None:
             return ort.InferenceSession(model_bytes, sess_options=options, providers=list(providers))
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
             # Not onnx.save_model: it moves the weights out of `model`, which callers still use.
@@ -92,14 +97,17 @@ def create_session(
         raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
 
 
-def _mapping_weights(model: onnx.ModelProto, options: ort.SessionOptions, what: str) -> bytes:
+def _mapping_weights(
+    model: onnx.ModelProto, options: ort.SessionOptions, what: str
+) -> bytes | None:
     """The bytes onnxruntime gets for `model`, with `options` set to map its initializers kept
     in files (absolute locations, which onnxruntime refuses: it gets them relative to the root
-    of the file system they are on)."""
+    of the file system they are on); None when the model is too large to pass inline."""
     model_bytes: bytes
     if not any(is_external(t) for t in model.graph.initializer):
-        model_bytes = model.SerializeToString()
-        return model_bytes
+        return serialize_within(model, _MAX_INLINE_BYTES - 1)
+    if serialized_size(model) >= _MAX_INLINE_BYTES:
+        return None
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # small: the large tensors are in files
     roots = set()
