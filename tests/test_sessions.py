@@ -60,3 +60,34 @@ def test_the_checked_session_serves_the_first_evaluation(
         "runnable:quantized model", "evaluate:float model", "evaluate:quantized model"
     ]
     assert again == report
+
+
+def test_sessions_do_not_spin_except_those_timed_for_latency(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import onnxruntime as ort
+
+    from qcal.calibration import runtime
+
+    spinning: dict[str, list[bool]] = {}
+    original = ort.InferenceSession
+
+    def recording(model: Any, sess_options: Any = None, **kwargs: Any) -> Any:
+        session = original(model, sess_options=sess_options, **kwargs)
+        try:
+            entry = sess_options.get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:  # not set: onnxruntime's default, spinning
+            entry = None
+        threads = sess_options.intra_op_num_threads
+        spinning.setdefault("one thread" if threads == 1 else "default", []).append(entry != "0")
+        return session
+
+    monkeypatch.setattr(runtime.ort, "InferenceSession", recording)
+    pipeline.calibrate(
+        SAMPLES / "digits_cnn.onnx", CalibrationConfig(fallback=False),
+        output=tmp_path / "q.onnx", report_path=tmp_path / "q.json",
+    )
+    # calibration, the runnable check and the evaluation: idle threads sleep, leaving the
+    # cores to qcal's work between runs; the latency pair spins as a deployment would
+    assert spinning["default"] and not any(spinning["default"])
+    assert spinning["one thread"] == [True, True]

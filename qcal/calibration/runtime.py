@@ -29,12 +29,13 @@ def available_providers() -> list[str]:
 
 
 def _session_options(
-    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = True
+    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = False
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
     if not spin:
         # Idle onnxruntime threads sleep instead of spinning: a core they would spin on is
-        # free for the statistics of the previous batch, computed on another thread meanwhile.
+        # free for qcal's work between runs (statistics, metrics, the next batch's data) and
+        # for onnxruntime's other sessions, and on a busy machine for other processes.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -59,15 +60,17 @@ def create_session(
     what: str = "model",
     node_order: bool = False,
     optimize: bool = True,
-    spin: bool = True,
+    spin: bool = False,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
     (onnxruntime's default order may run them much later). Without `optimize`, onnxruntime
     skips its graph optimizations: the session opens faster and runs slower, which pays for a
-    session that runs once. Without `spin`, its idle threads sleep rather than spin, leaving
-    their cores to other threads of the process.
+    session that runs once. Its idle threads sleep rather than spin, leaving their cores to
+    qcal's other threads and sessions (spinning costs a run after run on a loaded machine:
+    twice the time of an evaluation with two sessions open); with `spin`, they spin as in
+    onnxruntime's default, for timings of what a deployment sees.
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
