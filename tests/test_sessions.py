@@ -62,32 +62,38 @@ def test_the_checked_session_serves_the_first_evaluation(
     assert again == report
 
 
-def test_sessions_do_not_spin_except_those_timed_for_latency(
+
+def test_evaluation_sessions_sleep_while_calibration_and_latency_sessions_spin(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import onnxruntime as ort
-
-    from qcal.calibration import runtime
+    from qcal.accuracy import latency
+    from qcal.calibration import collect
 
     spinning: dict[str, list[bool]] = {}
-    original = ort.InferenceSession
 
-    def recording(model: Any, sess_options: Any = None, **kwargs: Any) -> Any:
-        session = original(model, sess_options=sess_options, **kwargs)
-        try:
-            entry = sess_options.get_session_config_entry("session.intra_op.allow_spinning")
-        except RuntimeError:  # not set: onnxruntime's default, spinning
-            entry = None
-        threads = sess_options.intra_op_num_threads
-        spinning.setdefault("one thread" if threads == 1 else "default", []).append(entry != "0")
-        return session
+    def recording(module: Any) -> None:
+        original = module.create_session
 
-    monkeypatch.setattr(runtime.ort, "InferenceSession", recording)
+        def create(model: Any, **kwargs: Any) -> Any:
+            session = original(model, **kwargs)
+            options = session.get_session_options()
+            try:
+                entry = options.get_session_config_entry("session.intra_op.allow_spinning")
+            except RuntimeError:  # not set: onnxruntime's default, spinning
+                entry = None
+            spinning.setdefault(str(kwargs.get("what")), []).append(entry != "0")
+            return session
+
+        monkeypatch.setattr(module, "create_session", create)
+
+    for module in (collect, runnable, evaluate, latency):
+        recording(module)
     pipeline.calibrate(
-        SAMPLES / "digits_cnn.onnx", CalibrationConfig(fallback=False),
+        SAMPLES / "digits_cnn.onnx", CalibrationConfig(method="minmax", fallback=False),
         output=tmp_path / "q.onnx", report_path=tmp_path / "q.json",
     )
-    # calibration, the runnable check and the evaluation: idle threads sleep, leaving the
-    # cores to qcal's work between runs; the latency pair spins as a deployment would
-    assert spinning["default"] and not any(spinning["default"])
-    assert spinning["one thread"] == [True, True]
+    # The evaluation alternates two sessions (the checked one and the float one): idle, each
+    # sleeps and leaves the cores to the other and to the metrics.
+    assert spinning["quantized model"] == [False, True]  # checked and evaluated; timed
+    assert spinning["float model"] == [False, True]  # evaluated; timed
+    assert spinning["calibration model"] == [True]  # in-graph extremes: little work between runs

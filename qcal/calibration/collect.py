@@ -8,9 +8,11 @@ Each batch's arrays go to the observers and are dropped before the next-but-one 
 peak memory depends on the batch size, never on the number of samples. Observer updates of batch
 k run on a worker thread while onnxruntime computes batch k+1 (both release the GIL); batches
 reach the observers strictly in data order, so order-dependent observers (EMA) stay deterministic.
-onnxruntime's idle threads sleep instead of spinning, so that the observers' threads get the
-cores onnxruntime is not computing on (histograms counted by the compiled kernels of
-``qcal[fast]`` leave the GIL for the whole count).
+When whole tensors are observed, onnxruntime's idle threads sleep instead of spinning, so that
+the observers' threads get the cores onnxruntime is not computing on (histograms counted by
+the compiled kernels of ``qcal[fast]`` leave the GIL for the whole count). With in-graph
+extremes only, little work falls between two runs, and the threads keep onnxruntime's default
+(spinning), which spares a wake-up per parallel node.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ def collect(
     )
     session = create_session(
         expose_tensors(calibration_model, whole), providers=providers, threads=threads,
-        what="calibration model", node_order=True,
+        what="calibration model", node_order=True, spin=not whole,
     )
     del calibration_model
     output_names = reduced.output_names + whole

@@ -68,9 +68,10 @@ def create_session(
     (onnxruntime's default order may run them much later). Without `optimize`, onnxruntime
     skips its graph optimizations: the session opens faster and runs slower, which pays for a
     session that runs once. Its idle threads sleep rather than spin, leaving their cores to
-    qcal's other threads and sessions (spinning costs a run after run on a loaded machine:
-    twice the time of an evaluation with two sessions open); with `spin`, they spin as in
-    onnxruntime's default, for timings of what a deployment sees.
+    qcal's work between runs and to its other open sessions (an evaluation alternates two: the
+    idle one's spinning threads took the cores from the running one, and on a loaded machine
+    doubled the evaluation's time); with `spin`, they spin as in onnxruntime's default, for
+    timings of what a deployment sees and for runs with little work between them.
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
