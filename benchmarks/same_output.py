@@ -3,7 +3,8 @@
 A refactoring must not change what qcal writes. This script checks out a base revision into a
 temporary git worktree, runs the same ``qcal calibrate`` commands with each revision's package
 (the base worktree, then this checkout), and compares the QDQ models byte for byte and the
-reports as JSON with ``timings_seconds`` and the qcal source path removed.
+reports as JSON with ``timings_seconds`` removed and absolute paths (the inputs', which
+depend on the checkout) cut to file names.
 
     python benchmarks/same_output.py --base HEAD~3            # sample models, several methods/presets
     python benchmarks/same_output.py --base HEAD~3 --ppocr    # and the three PP-OCR models
@@ -110,7 +111,19 @@ def comparable_report(path: Path) -> Any:
         return None
     report = json.loads(path.read_text())
     report.pop("timings_seconds", None)
-    return report
+    return _file_names(report)
+
+
+def _file_names(value: Any) -> Any:
+    """`value` with absolute paths cut to their file names: the inputs' folders depend on the
+    checkout and environment that ran the case (a cached base may come from another)."""
+    if isinstance(value, dict):
+        return {k: _file_names(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_file_names(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        return Path(value).name
+    return value
 
 
 def compare(base: Path, head: Path, cases: list[tuple[str, str, str, list[str]]]) -> list[str]:

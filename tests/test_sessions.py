@@ -60,3 +60,40 @@ def test_the_checked_session_serves_the_first_evaluation(
         "runnable:quantized model", "evaluate:float model", "evaluate:quantized model"
     ]
     assert again == report
+
+
+
+def test_evaluation_sessions_sleep_while_calibration_and_latency_sessions_spin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from qcal.accuracy import latency
+    from qcal.calibration import collect
+
+    spinning: dict[str, list[bool]] = {}
+
+    def recording(module: Any) -> None:
+        original = module.create_session
+
+        def create(model: Any, **kwargs: Any) -> Any:
+            session = original(model, **kwargs)
+            options = session.get_session_options()
+            try:
+                entry = options.get_session_config_entry("session.intra_op.allow_spinning")
+            except RuntimeError:  # not set: onnxruntime's default, spinning
+                entry = None
+            spinning.setdefault(str(kwargs.get("what")), []).append(entry != "0")
+            return session
+
+        monkeypatch.setattr(module, "create_session", create)
+
+    for module in (collect, runnable, evaluate, latency):
+        recording(module)
+    pipeline.calibrate(
+        SAMPLES / "digits_cnn.onnx", CalibrationConfig(method="minmax", fallback=False),
+        output=tmp_path / "q.onnx", report_path=tmp_path / "q.json",
+    )
+    # The evaluation alternates two sessions (the checked one and the float one): idle, each
+    # sleeps and leaves the cores to the other and to the metrics.
+    assert spinning["quantized model"] == [False, True]  # checked and evaluated; timed
+    assert spinning["float model"] == [False, True]  # evaluated; timed
+    assert spinning["calibration model"] == [True]  # in-graph extremes: little work between runs

@@ -48,7 +48,8 @@ def measure_latency(
 ) -> Latency:
     """Both models at `threads` intra-op threads, interleaved, for at most about a second."""
     most = _MAX_PAIRS_FOR_GATE if for_gate else _MAX_PAIRS
-    sessions = [create_session(m, providers=providers, threads=threads, what=what)
+    # Spinning threads, as a deployment with onnxruntime's default options has them.
+    sessions = [create_session(m, providers=providers, threads=threads, what=what, spin=True)
                 for m, what in ((float_model, "float model"), (quant_model, "quantized model"))]
     names = [[o.name for o in s.get_outputs()] for s in sessions]
     for session, outputs in zip(sessions, names):  # warm-up: allocations, first-run costs

@@ -9,7 +9,12 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from qcal.graph.files.large import external_file, is_external, serialized_size
+from qcal.graph.files.large import (
+    external_file,
+    is_external,
+    serialize_within,
+    serialized_size,
+)
 from qcal.graph.files.save import stage_model
 from qcal.numerics.errors import ConfigError, ModelError
 
@@ -24,12 +29,13 @@ def available_providers() -> list[str]:
 
 
 def _session_options(
-    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = True
+    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = False
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
     if not spin:
         # Idle onnxruntime threads sleep instead of spinning: a core they would spin on is
-        # free for the statistics of the previous batch, computed on another thread meanwhile.
+        # free for qcal's work between runs (statistics, metrics, the next batch's data) and
+        # for onnxruntime's other sessions, and on a busy machine for other processes.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -54,15 +60,18 @@ def create_session(
     what: str = "model",
     node_order: bool = False,
     optimize: bool = True,
-    spin: bool = True,
+    spin: bool = False,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
     With `node_order`, nodes run in the order the model lists them where dependencies allow
     (onnxruntime's default order may run them much later). Without `optimize`, onnxruntime
     skips its graph optimizations: the session opens faster and runs slower, which pays for a
-    session that runs once. Without `spin`, its idle threads sleep rather than spin, leaving
-    their cores to other threads of the process.
+    session that runs once. Its idle threads sleep rather than spin, leaving their cores to
+    qcal's work between runs and to its other open sessions (an evaluation alternates two: the
+    idle one's spinning threads took the cores from the running one, and on a loaded machine
+    doubled the evaluation's time); with `spin`, they spin as in onnxruntime's default, for
+    timings of what a deployment sees and for runs with little work between them.
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
@@ -75,8 +84,8 @@ def create_session(
         )
     options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin)
     try:
-        if serialized_size(model) < _MAX_INLINE_BYTES:
-            model_bytes = _mapping_weights(model, options, what)
+        model_bytes = _mapping_weights(model, options, what)
+        if model_bytes is not None:
             return ort.InferenceSession(model_bytes, sess_options=options, providers=list(providers))
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
             # Not onnx.save_model: it moves the weights out of `model`, which callers still use.
@@ -92,14 +101,17 @@ def create_session(
         raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
 
 
-def _mapping_weights(model: onnx.ModelProto, options: ort.SessionOptions, what: str) -> bytes:
+def _mapping_weights(
+    model: onnx.ModelProto, options: ort.SessionOptions, what: str
+) -> bytes | None:
     """The bytes onnxruntime gets for `model`, with `options` set to map its initializers kept
     in files (absolute locations, which onnxruntime refuses: it gets them relative to the root
-    of the file system they are on)."""
+    of the file system they are on); None when the model is too large to pass inline."""
     model_bytes: bytes
     if not any(is_external(t) for t in model.graph.initializer):
-        model_bytes = model.SerializeToString()
-        return model_bytes
+        return serialize_within(model, _MAX_INLINE_BYTES - 1)
+    if serialized_size(model) >= _MAX_INLINE_BYTES:
+        return None
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # small: the large tensors are in files
     roots = set()

@@ -40,6 +40,7 @@ __all__ = [
     "read_external",
     "refer_to_file",
     "run_detached",
+    "serialize_within",
     "serialized_size",
     "tensor_array",
 ]
@@ -51,29 +52,46 @@ DETACH_MIN_BYTES = 2**20  # only tensors this large are lifted out: small ones m
 
 def serialized_size(message: Message) -> int:
     """`message.ByteSize()`, or 2**31 when the message is too large to serialize (protobuf
-    raises instead of answering then)."""
+    raises instead of answering then).
+
+    It costs as much as serializing (protobuf encodes the message to count its bytes): where
+    the bytes are wanted too, `serialize_within` gives both for the price of one.
+    """
     try:
         return int(message.ByteSize())
     except EncodeError:
         return 2**31
 
 
+def serialize_within(message: Message, limit: int) -> bytes | None:
+    """`message.SerializeToString()`, or None when that is over `limit` bytes or too large
+    for protobuf to serialize."""
+    try:
+        data: bytes = message.SerializeToString()
+    except EncodeError:
+        return None
+    return data if len(data) <= limit else None
+
+
 def run_detached(
     model: onnx.ModelProto,
-    tool: Callable[[onnx.ModelProto], onnx.ModelProto],
+    tool: Callable[[onnx.ModelProto | bytes], onnx.ModelProto],
     *,
     what: str,
     reattach: bool = True,
 ) -> onnx.ModelProto:
-    """`tool(model)`; when the model is too large to serialize, the tool gets a copy without
-    the raw data of large initializers, and the data is re-attached to the tool's result by
-    initializer name (unless `reattach` is False: the caller only reads types and shapes from
-    the result).
+    """`tool(model)`, the tool getting the model serialized (onnx's C++ tools take bytes: the
+    model is serialized once); when the model is too large to serialize, the tool gets a copy
+    without the raw data of large initializers, and the data is re-attached to the tool's
+    result by initializer name (unless `reattach` is False: the caller only reads types and
+    shapes from the result).
 
     `model` itself is never changed.
     """
-    if serialized_size(model) <= SERIALIZE_LIMIT_BYTES:
-        return tool(model)
+    data = serialize_within(model, SERIALIZE_LIMIT_BYTES)
+    if data is not None:
+        return tool(data)
+    del data
     light, detached = light_copy(model, min_bytes=DETACH_MIN_BYTES)
     result = tool(light)
     if not reattach:

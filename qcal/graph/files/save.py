@@ -31,6 +31,7 @@ from qcal.graph.files.large import (
     is_external,
     light_copy,
     read_external,
+    serialize_within,
     serialized_size,
 )
 from qcal.numerics.errors import OutputError
@@ -138,12 +139,13 @@ def stage_model(
         OutputError: the model is too large to write inline, or its data file cannot be written.
     """
     if not external:
-        if serialized_size(model) >= 2**31 or has_external_data(model):
+        data = None if has_external_data(model) else serialize_within(model, 2**31 - 1)
+        if data is None:
             raise OutputError(
                 f"output {path}: the model is over 2 GiB or has weights in files; "
                 "write it with external data"
             )
-        return StagedModel(path, model.SerializeToString(), None, None)
+        return StagedModel(path, data, None, None)
     target = data_path(path)
     fd, staged = tempfile.mkstemp(
         prefix=f".{target.name}.", suffix=".tmp", dir=path.resolve().parent

@@ -49,7 +49,7 @@ class InferShapes:
 def infer_shapes(model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
     """onnx shape inference (with data propagation) on a copy of a model of any size; the copy
     has no large weights when the model is too large to serialize."""
-    def tool(light: onnx.ModelProto) -> onnx.ModelProto:
+    def tool(light: onnx.ModelProto | bytes) -> onnx.ModelProto:
         return shape_inference.infer_shapes(
             light, check_type=False, strict_mode=strict, data_prop=True
         )

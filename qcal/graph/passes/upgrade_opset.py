@@ -7,7 +7,9 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 import onnx
-from onnx import version_converter
+
+# onnx's C++ converter itself: it takes and returns serialized models
+from onnx.onnx_cpp2py_export import version_converter
 
 from qcal.graph.files.large import run_detached
 from qcal.graph.passes._base import StepResult
@@ -51,8 +53,10 @@ class UpgradeOpset:
                 )
         target = self._min_opset
 
-        def convert(light: onnx.ModelProto) -> onnx.ModelProto:
-            return version_converter.convert_version(light, target)
+        def convert(model: onnx.ModelProto | bytes) -> onnx.ModelProto:
+            # onnx's convert_version, minus serializing a model that comes serialized
+            data = model if isinstance(model, bytes) else model.SerializeToString()
+            return onnx.load_from_string(version_converter.convert_version(data, target))
 
         try:
             converted = run_detached(model, convert, what="opset conversion")

@@ -16,7 +16,7 @@ from qcal.graph.files.large import (
     has_external_data,
     light_copy,
     run_detached,
-    serialized_size,
+    serialize_within,
 )
 from qcal.graph.names import NameAllocator
 from qcal.graph.qdq._codes import (
@@ -172,16 +172,17 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         problem = check_wiring(model.graph)
         if problem is not None:
             raise self._error(f"wrote a malformed graph: {problem}")
-        if serialized_size(model) > SERIALIZE_LIMIT_BYTES:
-            # onnx.checker takes one serialized protobuf, which cannot exceed 2 GiB.
-            logger.warning("%s: model over 2 GiB, onnx.checker skipped", self.name)
-            return
         if has_external_data(model):
             # onnx.checker looks for external data relative to the current directory.
             logger.info("%s: weights kept in files, onnx.checker skipped", self.name)
             return
+        data = serialize_within(model, SERIALIZE_LIMIT_BYTES)
+        if data is None:
+            # onnx.checker takes one serialized protobuf, which cannot exceed 2 GiB.
+            logger.warning("%s: model over 2 GiB, onnx.checker skipped", self.name)
+            return
         try:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(data)
         except onnx.checker.ValidationError as err:
             lines = str(err).strip().splitlines() or [type(err).__name__]
             raise self._error(f"wrote a model that fails onnx.checker: {lines[0]}") from None
