@@ -102,6 +102,7 @@ def run_ort(job: dict[str, Any]) -> dict[str, Any]:
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=getattr(CalibrationMethod, method),
+        op_types_to_quantize=job.get("op_types") or None,
         extra_options=extra,
     )
     done = time.perf_counter()

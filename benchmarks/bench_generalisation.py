@@ -251,22 +251,28 @@ def run_qcal(
     return variant
 
 
-def run_ort(model: Any, calib: Path, out: Path, logs: Path, args: Any) -> dict[str, Any]:
+def run_ort(
+    model: Any, calib: Path, out: Path, logs: Path, args: Any, *, name: str = "ort",
+    method: str = ORT_METHOD, op_types: Sequence[str] = (),
+) -> dict[str, Any]:
     """quantize_static in a `_worker.py` process (``ort_job``); generalisation models, which may
-    have several inputs, go through this script's ``--ort-worker`` mode instead."""
-    job = ort_job(model, ORT_METHOD, calib, out / "ort.qdq.onnx")
+    have several inputs, go through this script's ``--ort-worker`` mode instead. `method` is a
+    CalibrationMethod name, `op_types` its op_types_to_quantize (empty: its default)."""
+    job = ort_job(model, method, calib, out / f"{name}.qdq.onnx")
+    if op_types:
+        job["op_types"] = list(op_types)
     if isinstance(model, GenModel):
-        result_file = logs / "ort.result.json"
+        result_file = logs / f"{name}.result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), ORT_WORKER, json.dumps(job)]
         result = run_child(
             [*cmd, str(result_file)],
-            log_stem=logs / "ort",
+            log_stem=logs / name,
             timeout_s=args.timeout,
             max_rss_mib=args.max_rss_mib,
             result_file=result_file,
         )
     else:
-        result = run_worker(job, logs, "ort", args)
+        result = run_worker(job, logs, name, args)
     return {
         "path": Path(job["output"]),
         "ok": result.ok and Path(job["output"]).is_file(),
@@ -275,7 +281,7 @@ def run_ort(model: Any, calib: Path, out: Path, logs: Path, args: Any) -> dict[s
         "calib_seconds": result.wall_seconds,
         "peak_rss_mib": result.peak_rss_mib,
         "quantize_static_seconds": result.payload.get("seconds"),
-        "log": logs / "ort.err",
+        "log": logs / f"{name}.err",
     }
 
 
@@ -295,6 +301,16 @@ def _ort_worker(argv: list[str]) -> int:
     return _worker.main()
 
 
+def ort_variants(args: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """--ort-variant NAME=METHOD[:OP,OP...] -> {"ort NAME": (METHOD, ops)}."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for spec in args.ort_variant or ():
+        name, _, rest = spec.partition("=")
+        method, _, ops = rest.partition(":")
+        out[f"ort {name}"] = (method or ORT_METHOD, tuple(o for o in ops.split(",") if o))
+    return out
+
+
 def make_variants(
     model: Any, calib: Path, qcal_variants: dict[str, list[str]], args: Any
 ) -> dict[str, dict[str, Any]]:
@@ -304,6 +320,9 @@ def make_variants(
     for name, extra in qcal_variants.items():
         variants[name] = run_qcal(model, calib, out, logs, name, extra, args)
     variants[ORT] = run_ort(model, calib, out, logs, args)
+    for name, (method, op_types) in ort_variants(args).items():
+        variants[name] = run_ort(model, calib, out, logs, args, name=name.replace(" ", "_"),
+                                 method=method, op_types=op_types)
     for name, v in variants.items():
         if name != "float":
             code = "" if v["exit_code"] is None else f"exit {v['exit_code']}, "
@@ -402,7 +421,7 @@ def coverage_of(name: str, variant: dict[str, Any], feed: dict[str, np.ndarray])
         graph = compute_coverage(variant["path"], feed)
     except Exception as err:  # noqa: BLE001 - a count that fails is a "-", not a stop
         graph = {"mac_fraction": None, "error": f"{type(err).__name__}: {err}"[:300]}
-    if name == ORT:
+    if name.startswith("ort"):
         return {"fraction": graph["mac_fraction"], "basis": "graph MACs", "graph": graph}
     report = (variant.get("qcal_report") or {}).get("coverage") or {}
     return {
@@ -550,6 +569,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variant", action="append", default=[], metavar="NAME=FLAGS",
         help="an extra qcal variant: its name and `qcal calibrate` flags, e.g. "
         "'mse=--method mse --no-fallback' (repeatable)",
+    )
+    parser.add_argument(
+        "--ort-variant", action="append", default=[], metavar="NAME=METHOD[:OPS]",
+        help="an extra quantize_static run: a CalibrationMethod and optionally the op types "
+        "to quantize, e.g. 'entropy=Entropy' or 'cmg=MinMax:Conv,MatMul,Gemm' (repeatable)",
     )
     return parse_with_quick(parser, argv, QUICK)  # type: ignore[no-any-return]
 
