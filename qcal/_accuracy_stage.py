@@ -11,6 +11,7 @@ import onnx
 
 from qcal._inputs import _SampleRange
 from qcal._stages import Progress, _stage_progress, _Timings
+from qcal.accuracy.coverage import compute_macs, shape_probe
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.localise import localise_error
@@ -27,6 +28,15 @@ class _Accuracy:
     sensitivity: SensitivityResult | None
     fallback: FallbackResult | None
     comparison: Comparison | None = None  # the full model's, when the floor held without help
+
+
+def _compute_macs(
+    model: onnx.ModelProto, calib: Any, config: CalibrationConfig
+) -> dict[str, int | None]:
+    first = next(iter(calib.samples()), None)
+    probe = None if first is None else shape_probe(
+        model, first, providers=config.providers, threads=config.threads)
+    return compute_macs(model, first, run_shapes=probe)
 
 
 def _improve_accuracy(

@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from qcal._inputs import _check_overrides, plan_within_coverage, run_macs
+from qcal._inputs import _check_overrides, _selection_rules
 from qcal._quantize_tensors import _observed, blame_nan_weights
 from qcal._stages import Progress
 from qcal.calibration import data as data_mod
@@ -35,7 +35,7 @@ from qcal.graph.files.atomic import check_output_path, write_atomic
 from qcal.graph.files.large import WeightFile, has_external_data
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.files.save import needs_external_data
-from qcal.graph.model import QuantPlan, model_inputs, prepare_model
+from qcal.graph.model import QuantPlan, model_inputs, plan_quantization, prepare_model
 from qcal.numerics.errors import ConfigError, DataError, StatisticsError
 from qcal.numerics.histogram import HistogramObserver
 from qcal.numerics.observers import Observer, PerTensor
@@ -98,7 +98,7 @@ def prepare_collection(
     source = data_mod.open_data(config.data, model_path=model_path, inputs=inputs,
                                 synthetic=config.synthetic, limit=config.limit, seed=config.seed)
     data_mod.validate_data(source, inputs)
-    plan = plan_within_coverage(prepared, config, run_macs(prepared, source, config))
+    plan = plan_quantization(prepared, _selection_rules(config))
     _check_overrides(config, plan)
     return CollectionInputs(loaded, prepared, plan, source, inputs, weight_file)
 

@@ -6,8 +6,7 @@ the calibration data held out for sensitivity and fallback.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal.accuracy.coverage import compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.decisions import decision_rules
 from qcal.config import CalibrationConfig
-from qcal.graph.model import QuantPlan, SelectionRules, plan_quantization
-from qcal.graph.placement import GROUPED_REASON
+from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
 
 
@@ -34,52 +31,6 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         default_exclusions=config.default_exclusions,
         placement=config.placement_mode,
     )
-
-
-def run_macs(
-    model: onnx.ModelProto, calib: Any, config: CalibrationConfig
-) -> dict[str, int | None]:
-    """MACs per compute node for the first calibration sample (the coverage figures)."""
-    first = next(iter(calib.samples()), None)
-    probe = None if first is None else shape_probe(
-        model, first, providers=config.providers, threads=config.threads)
-    return compute_macs(model, first, run_shapes=probe)
-
-
-def plan_within_coverage(
-    model: onnx.ModelProto, config: CalibrationConfig, macs: Mapping[str, int | None]
-) -> QuantPlan:
-    """The plan of the run's selection. Placement auto keeps grouped convolutions float
-    (`qcal.graph.placement`); where that leaves less than `min_coverage` % of the MACs
-    quantized, the fewest largest of them that reach it are anchors after all (a bisection
-    over their number: coverage grows with it). From the model and its MACs alone, so
-    `qcal collect` and `qcal calibrate` plan alike."""
-    rules = _selection_rules(config)
-    plan = plan_quantization(model, rules)
-
-    def enough(candidate: QuantPlan) -> bool:
-        return measure_coverage(model, candidate, macs).fraction * 100.0 >= config.min_coverage
-
-    if rules.placement != "auto" or rules.op_types is not None or enough(plan):
-        return plan
-    float_grouped = [d.node for d in plan.nodes
-                     if not d.quantized and d.reason.startswith(GROUPED_REASON)]
-    largest = sorted(float_grouped, key=lambda n: (-(macs.get(n) or 0), n))
-
-    def with_first(count: int) -> QuantPlan:
-        return plan_quantization(
-            model, dataclasses.replace(rules, grouped_anchors=frozenset(largest[:count])))
-
-    low, high = 0, len(largest)
-    if not largest or not enough(with_first(high)):
-        return plan  # the floor is out of reach with them: they stay float, and fast
-    while low < high:  # enough(with_first(high)) holds throughout
-        middle = (low + high) // 2
-        if enough(with_first(middle)):
-            high = middle
-        else:
-            low = middle + 1
-    return with_first(high)
 
 
 def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:

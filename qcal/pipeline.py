@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 
-from qcal._accuracy_stage import _Accuracy, _improve_accuracy
+from qcal._accuracy_stage import _Accuracy, _compute_macs, _improve_accuracy
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
@@ -30,8 +30,6 @@ from qcal._inputs import (
     _labels_path,
     _selection_rules,
     load_labels,
-    plan_within_coverage,
-    run_macs,
 )
 from qcal._quantize_tensors import (
     _activation_observer,
@@ -154,9 +152,7 @@ def calibrate(
             data_mod.validate_data(eval_source, inputs)
         labels_path = _labels_path(config, eval_path)
         labels = load_labels(labels_path) if labels_path is not None else None
-        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
-        macs = run_macs(prepared, calib, config)
-        plan = plan_within_coverage(prepared, config, macs)
+        plan = plan_quantization(prepared, _selection_rules(config))
         _check_overrides(config, plan)
         reused = None if statistics is None else reuse_statistics(
             statistics, loaded.sha256, plan, preset, config)
@@ -165,6 +161,8 @@ def calibrate(
                               "statistics collected beforehand (--stats, --checkpoint, --ray)")
         _check_agreement_options(config, prepared)
         check_weight_only_config(config, statistics=statistics is not None)
+        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
+        macs = _compute_macs(prepared, calib, config)
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]

@@ -200,36 +200,3 @@ def test_a_node_onnxruntime_cannot_run_quantized_is_kept_float(
     (expected,) = run(model, {"x": x[0]})
     assert np.abs(quantized - expected).max() < 0.1 * np.abs(expected).max()
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
-
-
-def test_grouped_convolutions_quantized_as_far_as_the_coverage_floor_needs() -> None:
-    """Two depthwise convolutions holding most of the MACs: kept float they would leave the
-    model under the 70 % floor, so the larger is quantized, and only it."""
-    from qcal._inputs import plan_within_coverage
-    from qcal.accuracy.coverage import compute_macs, measure_coverage
-    from qcal.config import CalibrationConfig
-
-    rng = np.random.default_rng(4)
-    nodes = [
-        helper.make_node("Conv", ["x", "w1"], ["c1"], name="stem"),
-        helper.make_node("Conv", ["c1", "wa"], ["d1"], name="dw_big", group=8,
-                         pads=[3, 3, 3, 3]),
-        helper.make_node("Conv", ["d1", "wb"], ["d2"], name="dw_small", group=8,
-                         pads=[1, 1, 1, 1]),
-        helper.make_node("Conv", ["d2", "w2"], ["y"], name="head"),
-    ]
-    inits = {"w1": rng.standard_normal((8, 3, 1, 1)).astype(np.float32),
-             "wa": rng.standard_normal((8, 1, 7, 7)).astype(np.float32),
-             "wb": rng.standard_normal((8, 1, 3, 3)).astype(np.float32),
-             "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32)}
-    model, _ = prepare_model(build_model(nodes, [float_input("x", [1, 3, 16, 16])], ["y"], inits))
-    macs = compute_macs(model, {"x": np.zeros((1, 3, 16, 16), np.float32)})
-    config = CalibrationConfig()
-    plain = plan_quantization(model, SelectionRules())
-    assert measure_coverage(model, plain, macs).fraction < 0.70  # both depthwise float
-    plan = plan_within_coverage(model, config, macs)
-    quantized = {d.node for d in plan.nodes if d.quantized}
-    assert "dw_big" in quantized and "dw_small" not in quantized
-    assert measure_coverage(model, plan, macs).fraction >= 0.70
-    # a floor the model reaches with both float leaves them float
-    assert plan_within_coverage(model, CalibrationConfig(min_coverage=10.0), macs) == plain

@@ -19,9 +19,7 @@ softmax, GELU, recurrent state). So under "auto":
   grouped Conv (depthwise) is not an anchor: onnxruntime's integer kernel for it is slower
   than its float one (on PP-OCR cls, 10 depthwise QLinearConv took 1.13 ms a run against
   0.24 ms for the float depthwise Conv on an AVX-512 VNNI Xeon, one thread), and it has few
-  MACs to save. Where keeping them all float would leave less than the coverage floor of the
-  compute quantized, the largest are anchors after all, as many as the floor needs
-  (`grouped_anchors`, chosen by the caller, which knows the MACs);
+  MACs to save;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits
   *between* anchors: every float input
@@ -49,7 +47,6 @@ from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex
 
 __all__ = [
     "ANCHOR_OPS",
-    "GROUPED_REASON",
     "PLACEMENTS",
     "Placement",
     "parameter_slots",
@@ -58,7 +55,6 @@ __all__ = [
 ]
 
 PLACEMENTS = ("auto", "all")
-GROUPED_REASON = "placement auto: grouped convolution (onnxruntime's float kernel is faster)"
 ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
 _INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
@@ -156,7 +152,6 @@ def place(
     index: UseIndex,
     selected: Mapping[str, object],
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
-    *, grouped_anchors: frozenset[str] = frozenset(),
 ) -> Placement:
     """Placement "auto" for one graph (module docstring).
 
@@ -167,13 +162,11 @@ def place(
             be quantized (values unused).
         quantized_inputs: the float activations (not constants) a node would read quantized
             under its rule.
-        grouped_anchors: grouped convolutions that are anchors like the others.
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
     by_name = {n.name: n for n in nodes}
-    anchors = {n.name for n in nodes
-               if n.op_type in ANCHOR_OPS and (n.name in grouped_anchors or not _grouped(n))}
+    anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS and not _grouped(n)}
     fused = _fused_activations(nodes, anchors, index)
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
@@ -203,8 +196,8 @@ def place(
         if node.name in quantized:
             continue
         placement.nodes[node.name] = (
-            GROUPED_REASON if _grouped(node) and node.name not in grouped_anchors
-            else "placement auto: not between quantized anchors")
+            "placement auto: grouped convolution (onnxruntime's float kernel is faster)"
+            if _grouped(node) else "placement auto: not between quantized anchors")
     for anchor in sorted(anchors):
         node = by_name[anchor]
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:

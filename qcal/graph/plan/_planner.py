@@ -102,8 +102,7 @@ class _Planner(_Selection):
                 self._skips[node.name] = reason
         self._placed = Placement()
         if rules.placement == "auto" and rules.op_types is None:
-            self._placed = place(graph, self._index, self._selected, self._activation_inputs,
-                                 grouped_anchors=rules.grouped_anchors)
+            self._placed = place(graph, self._index, self._selected, self._activation_inputs)
             for name, reason in self._placed.nodes.items():
                 del self._selected[name]
                 self._skips[name] = reason

@@ -19,8 +19,6 @@ class SelectionRules:
         default_exclusions: apply the trap-avoiding default exclusions (`TRAP_RULES_DOC`).
         placement: "auto" (Q/DQ where onnxruntime's integer kernels pay, `qcal.graph.placement`)
             or "all" (every node with a rule). With `op_types` set, every selected node counts.
-        grouped_anchors: under "auto", the grouped (depthwise) convolutions that are anchors
-            all the same: those needed to keep the coverage floor quantized.
     """
 
     op_types: frozenset[str] | None = None
@@ -30,7 +28,6 @@ class SelectionRules:
     per_channel: bool = True
     default_exclusions: bool = True
     placement: str = "auto"
-    grouped_anchors: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
