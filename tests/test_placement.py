@@ -111,9 +111,9 @@ def _cnn_with_head() -> onnx.ModelProto:
     return build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["logits"], inits)
 
 
-def test_auto_leaves_maxpool_and_grouped_convolutions_float() -> None:
-    """onnxruntime's uint8 MaxPool and integer depthwise Conv are slower than the float ones:
-    between two anchors they stay float, and a depthwise Conv is no anchor."""
+def test_auto_leaves_maxpool_float_and_quantizes_depthwise_convolutions() -> None:
+    """onnxruntime's uint8 MaxPool is slower than the float one: between two anchors it stays
+    float. A depthwise Conv is an anchor like any other."""
     rng = np.random.default_rng(3)
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
@@ -127,7 +127,7 @@ def test_auto_leaves_maxpool_and_grouped_convolutions_float() -> None:
              "w2": rng.standard_normal((4, 4, 1, 1)).astype(np.float32)}
     model = build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["c2"], inits)
     _, decisions, _ = _plan(model, "auto")
-    assert decisions == {"conv1": True, "pool": False, "depthwise": False, "pointwise": True}
+    assert decisions == {"conv1": True, "pool": False, "depthwise": True, "pointwise": True}
     _, everything, _ = _plan(model, "all")
     assert all(everything.values())
 

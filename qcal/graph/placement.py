@@ -15,11 +15,12 @@ after QDQ fusion: Conv, ConvTranspose, MatMul and Gemm (the *anchors*). Elsewher
 work added to a float operator, and error added where it may be amplified (normalizations,
 softmax, GELU, recurrent state). So under "auto":
 
-* anchors are quantized; a Relu/Clip that onnxruntime fuses into an anchor goes with it. A
-  grouped Conv (depthwise) is not an anchor: onnxruntime's integer kernel for it is slower
-  than its float one (on PP-OCR cls, 10 depthwise QLinearConv took 1.13 ms a run against
-  0.24 ms for the float depthwise Conv on an AVX-512 VNNI Xeon, one thread), and it has few
-  MACs to save;
+* anchors are quantized; a Relu/Clip that onnxruntime fuses into an anchor goes with it.
+  Depthwise convolutions are anchors too: on small feature maps onnxruntime's integer kernel
+  for them is slower than its float one (PP-OCR cls: 1.13 ms against 0.24 ms for ten of them),
+  but keeping them float costs more elsewhere (layout changes between the integer and float
+  convolutions, a Quantize and a Dequantize each): PP-OCRv4 det ran 0.59x float with them
+  quantized and 0.88x without, rec 0.59x and 0.77x; only cls gained (1.35x -> 1.22x);
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits
   *between* anchors: every float input
@@ -166,7 +167,7 @@ def place(
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
     by_name = {n.name: n for n in nodes}
-    anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS and not _grouped(n)}
+    anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
     fused = _fused_activations(nodes, anchors, index)
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
@@ -195,9 +196,7 @@ def place(
     for node in nodes:
         if node.name in quantized:
             continue
-        placement.nodes[node.name] = (
-            "placement auto: grouped convolution (onnxruntime's float kernel is faster)"
-            if _grouped(node) else "placement auto: not between quantized anchors")
+        placement.nodes[node.name] = "placement auto: not between quantized anchors"
     for anchor in sorted(anchors):
         node = by_name[anchor]
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
@@ -207,12 +206,6 @@ def place(
         if not any(r.name in quantized for r in index.readers(output)):
             placement.tensors[output] = "placement auto: no quantized node reads it"
     return placement
-
-
-def _grouped(node: onnx.NodeProto) -> bool:
-    """A Conv/ConvTranspose with group > 1 (depthwise and other grouped convolutions)."""
-    return node.op_type in ("Conv", "ConvTranspose") and any(
-        a.name == "group" and a.i > 1 for a in node.attribute)
 
 
 def _fused_activations(
