@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _onnx_testing import build_model, float_input
 from click.testing import CliRunner
 from onnx import helper
 
@@ -18,7 +19,6 @@ from qcal.numerics.histogram import HistogramObserver, select_range
 from qcal.numerics.observers import PerTensor
 from qcal.numerics.presets import build_preset
 from qcal.numerics.ranges import HistogramSettings, choose_range
-from tests._onnx_testing import build_model, float_input
 
 SETTINGS = HistogramSettings(percentile=99.99, bins=2048, quantized_bins=128)
 

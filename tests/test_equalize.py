@@ -11,13 +11,13 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from _onnx_testing import build_model, float_input, run
 from click.testing import CliRunner
 from onnx import helper
 
 from qcal.cli import main
 from qcal.graph.passes.equalize import EqualizeLayers
 from qcal.report import report_schema
-from tests._onnx_testing import build_model, float_input, run
 
 CHANNELS = 8
 

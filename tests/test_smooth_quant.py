@@ -11,6 +11,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from _onnx_testing import build_model, float_input, run
 from click.testing import CliRunner
 from onnx import helper
 
@@ -21,7 +22,6 @@ from qcal.graph.passes.smooth_quant import apply_smoothing, find_smooth_targets
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.smoothing import smoothing_scales
 from qcal.report import report_schema
-from tests._onnx_testing import build_model, float_input, run
 
 K = 16
 
