@@ -352,13 +352,14 @@ def collect_hessians(
     for group in passes:
         tensors = sorted({t.tensor for t in group})
         session = create_session(expose_tensors(model, tensors), providers=providers,
-                                 threads=threads, what="GPTQ model", node_order=True)
+                                 threads=threads, what="layer-input model", node_order=True)
         acc = {t.node: _ExactSum(t) for t in group}
         for feed, n in batches():
             try:
                 values = dict(zip(tensors, session.run(tensors, dict(feed))))
             except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-                raise DataError(f"onnxruntime failed on the GPTQ pass: {err}") from None
+                raise DataError("onnxruntime failed on the layer-input pass (GPTQ, bias "
+                                f"correction): {err}") from None
             for target in group:
                 _update(acc[target.node], values[target.tensor], target)
             if on_batch is not None:
