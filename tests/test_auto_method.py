@@ -44,6 +44,7 @@ def test_auto_is_mse_inside_and_the_extremes_on_the_output_side() -> None:
     # on the output side: the exact extremes, nothing clipped
     assert (float(outside.stats.min), float(outside.stats.max)) == (-35.0, 40.0)
     assert outside.summary["chose"] == "minmax" and outside.summary["clipped_fraction"] == [0.0]
+    assert "representable_max" not in outside.summary  # mse's grid is not this range's
     # both candidates' errors are reported, and mse's is the smaller
     assert inside.summary["mse"][0] < inside.summary["mse_minmax"][0]
 

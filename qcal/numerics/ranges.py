@@ -92,8 +92,10 @@ def choose_range(
         summary, stats = dict(selection.summary), selection.stats
         if method == "auto":  # the report keeps mse's errors for both candidates
             summary.update(method="auto", chose="minmax" if output_side else "mse")
-            if output_side:
+            if output_side:  # mse's own grid ends no longer describe the range
                 stats = selection.observed
+                for key in ("representable_min", "representable_max"):
+                    summary.pop(key, None)
                 summary.update(reason="output side: its tail would clip the model's outputs",
                                clipped_fraction=[0.0] * len(summary["clipped_fraction"]))
         choice = RangeChoice(selection.observed, stats, summary,
