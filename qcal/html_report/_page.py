@@ -195,8 +195,9 @@ def _histograms(views: Sequence[TensorView]) -> str:
              "the percentile method would choose (grey dashes). ")
     if not with_histogram:
         return intro + ("No histogram is stored for this run: histograms are kept for tensors "
-                        "calibrated with a histogram method (<code>--method percentile</code>, "
-                        "<code>entropy</code> or <code>mse</code>); every tensor's range is in "
+                        "calibrated with a histogram method (the default <code>auto</code>, "
+                        "<code>percentile</code>, <code>entropy</code> or <code>mse</code>); "
+                        "every tensor's range is in "
                         "the table below.</p></section>")
     drawn = with_histogram[:MAX_HISTOGRAM_PLOTS]
     intro += (f"Showing {len(drawn)} of {len(with_histogram)} tensors with a stored histogram"
