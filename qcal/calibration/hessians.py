@@ -152,17 +152,25 @@ def _centered_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
     """QuantizeLinear's codes of `x` (float32 division, half to even), less the zero point."""
     lo, hi = target.code_range
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        q = np.rint(np.asarray(x, dtype=np.float32) / np.float32(target.scale))
-    q = np.clip(np.nan_to_num(q, nan=0.0) + target.zero_point, lo, hi)
-    return np.asarray(q - target.zero_point, dtype=np.float64)
+        q = np.divide(np.asarray(x, dtype=np.float32), np.float32(target.scale))
+    # in place from here: one float32 temporary for the whole tensor
+    np.rint(q, out=q)
+    np.nan_to_num(q, copy=False, nan=0.0)
+    q += np.float32(target.zero_point)
+    np.clip(q, lo, hi, out=q)
+    q -= np.float32(target.zero_point)
+    codes: np.ndarray = q.astype(np.float64)
+    return codes
 
 
 def _fine_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
     """`x` in integer steps of scale / FINE_STEPS (float64 holding integers; NaN as 0)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        fine = np.rint(np.asarray(x, dtype=np.float64) * (FINE_STEPS / target.scale))
-    clipped: np.ndarray = np.clip(np.nan_to_num(fine, nan=0.0), -_FINE_LIMIT, _FINE_LIMIT)
-    return clipped
+        fine: np.ndarray = np.multiply(x, FINE_STEPS / target.scale, dtype=np.float64)
+    np.rint(fine, out=fine)  # in place: one float64 temporary for the whole tensor
+    np.nan_to_num(fine, copy=False, nan=0.0)
+    np.clip(fine, -_FINE_LIMIT, _FINE_LIMIT, out=fine)
+    return fine
 
 
 def _largest_code(target: HessianTarget) -> int:
@@ -249,7 +257,8 @@ def _padded(x: np.ndarray, target: HessianTarget) -> tuple[np.ndarray, list[int]
     point, 0 once centred), and the Conv's output size."""
     spatial = len(target.kernel)
     begins, ends = target.pads[:spatial], target.pads[spatial:]
-    padded = np.pad(x, [(0, 0)] + [(b, e) for b, e in zip(begins, ends)])
+    padded = np.pad(x, [(0, 0)] + [(b, e) for b, e in zip(begins, ends)]) if any(
+        target.pads) else x
     out = [
         (padded.shape[1 + a] - target.dilations[a] * (target.kernel[a] - 1) - 1)
         // target.strides[a] + 1
