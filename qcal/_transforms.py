@@ -93,16 +93,16 @@ def smooth(
         problem = LayerProblem(seen.rows, seen.min.astype(np.float64), seen.max.astype(np.float64),
                                [_as_rows(initializers[name], transposed)
                                 for name, transposed in target.weights])
-        layer = _choose(target, problem, config, preset)
+        layer, scale = _choose(target, problem, config, preset)
         if layer.alpha is not None:
-            apply_smoothing(model, target, smoothing_scales(
-                problem.x_absmax, problem.w_absmax, layer.alpha))
+            apply_smoothing(model, target, scale)
         done.append(layer)
     return tuple(done)
 
 
 def _choose(target: SmoothTarget, problem: LayerProblem, config: CalibrationConfig,
-            preset: Preset) -> SmoothedLayer:
+            preset: Preset) -> tuple[SmoothedLayer, np.ndarray]:
+    """The layer's smoothing and its per-channel divisors (ones when left alone)."""
     # Per output channel as the run quantizes the weights: where asked and the API allows the
     # axis ((K, N): 1; stored transposed: 0).
     allowed = preset.weight.per_channel_axes
@@ -125,8 +125,10 @@ def _choose(target: SmoothTarget, problem: LayerProblem, config: CalibrationConf
     assert best is not None
     alpha, after, scale = best
     if config.smooth_quant == "auto" and not after < before:
-        return SmoothedLayer(target.activation, target.layers, None, 1.0, before, before)
-    return SmoothedLayer(target.activation, target.layers, alpha, float(scale.max()), before, after)
+        unchanged = np.ones(target.channels)
+        return SmoothedLayer(target.activation, target.layers, None, 1.0, before, before), unchanged
+    return (SmoothedLayer(target.activation, target.layers, alpha, float(scale.max()), before,
+                          after), scale)
 
 
 def _as_rows(tensor: onnx.TensorProto, transposed: bool) -> np.ndarray:

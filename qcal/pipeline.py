@@ -176,9 +176,13 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
+    calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
+    # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
+    # quantized is kept float) and the latency measurement run on it.
+    first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
     # Weights-only rewrites (the plan above holds): the float model keeps its outputs.
     transforms, transform_steps = apply_transforms(
-        prepared, config, preset, lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+        prepared, config, preset, calib_batches,
         samples=calib.num_samples(), timings=timings, progress=progress)
     steps = [*steps, *transform_steps]
 
@@ -192,8 +196,7 @@ def calibrate(
                              for t in plan.activations if _observed(t, config)}
                 try:
                     summary = collect(
-                        prepared, observers,
-                        data_mod.iter_batches(calib, inputs, config.batch_size),
+                        prepared, observers, calib_batches(),
                         providers=config.providers, threads=config.threads,
                         on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
                         expected_samples=calib.num_samples(),
@@ -213,8 +216,7 @@ def calibrate(
         if config.weight_rounding == "gptq" or config.bias_correction:
             with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
                 layer_inputs = measure_layer_inputs(
-                    prepared, plan, act_params,
-                    lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                    prepared, plan, act_params, calib_batches,
                     gptq=config.weight_rounding == "gptq", providers=config.providers,
                     threads=config.threads,
                     on_batch=_stage_progress(progress, "layer inputs", calib.num_samples()))
@@ -228,8 +230,6 @@ def calibrate(
 
         with timings.stage("qdq"):
             build = partial(build_quantized, prepared, act_params, weights, weight_file)
-            # One sample through onnxruntime: a node it cannot run quantized is kept float.
-            first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
             runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
                                      threads=config.threads)
             del build
@@ -244,12 +244,11 @@ def calibrate(
     else:  # MatMul/Gemm weights alone, activations float: no Q/DQ, so no fallback either
         with timings.stage("weight-only"):
             weight_only = quantize_weight_only(
-                prepared, config, lambda: data_mod.iter_batches(calib, inputs, config.batch_size),
+                prepared, config, calib_batches,
                 progress=progress, samples=calib.num_samples())
         quant_model, plan = weight_only.model, weight_only_plan(plan, weight_only.section)
         summary = weight_only.summary or CollectionSummary(0, 0, 0.0)
         records, act_params, weights, checked = {}, {}, {}, []
-        first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
 
     source = eval_source if eval_source is not None else calib
     eval_labels = labels if eval_source is not None or config.labels else None

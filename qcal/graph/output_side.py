@@ -11,6 +11,7 @@ from __future__ import annotations
 import onnx
 
 from qcal.graph.placement import ANCHOR_OPS
+from qcal.graph.structure import UseIndex
 
 __all__ = ["output_side_tensors"]
 
@@ -18,7 +19,7 @@ __all__ = ["output_side_tensors"]
 def output_side_tensors(graph: onnx.GraphProto) -> frozenset[str]:
     """The main graph's outputs and every tensor they read back to the nearest
     Conv/ConvTranspose/MatMul/Gemm (whose outputs are included, not their inputs)."""
-    producers = {out: node for node in graph.node for out in node.output if out}
+    producers = UseIndex.build(graph).producer
     seen: set[str] = set()
     stack = [output.name for output in graph.output]
     while stack:

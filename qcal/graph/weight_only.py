@@ -17,6 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from qcal.graph.names import NameAllocator
+from qcal.graph.qdq import integer_tensor
 from qcal.graph.structure import all_graphs
 from qcal.numerics.blockwise import BITS, BlockQuant, pack_nibbles
 from qcal.numerics.errors import ConfigError, ModelError
@@ -107,14 +108,6 @@ def weight_only_targets(
     return targets
 
 
-def _uint4(name: str, codes: np.ndarray) -> TensorProto:
-    """A UINT4 initializer: codes packed two a byte over the flattened tensor, low bits first."""
-    tensor = TensorProto(name=name, data_type=TensorProto.UINT4)
-    tensor.dims.extend(codes.shape)
-    tensor.raw_data = pack_nibbles(codes.reshape(1, -1)).tobytes()
-    return tensor
-
-
 def _array(name: str, values: np.ndarray) -> TensorProto:
     return onnx.numpy_helper.from_array(np.ascontiguousarray(values), name)
 
@@ -191,9 +184,11 @@ def _dequantized(
     if not target.transposed:  # the weight is (K, N): blocks run down its rows
         codes, scales, zeros, axis = codes.T, scales.T, zeros.T, 0
     base = target.weight
-    quantized = _uint4(names.allocate(f"{base}_quantized"), np.ascontiguousarray(codes))
+    quantized = integer_tensor(names.allocate(f"{base}_quantized"), np.ascontiguousarray(codes),
+                               TensorProto.UINT4)
     scale = _array(names.allocate(f"{base}_scale"), scales)
-    zero = _uint4(names.allocate(f"{base}_zero_point"), np.ascontiguousarray(zeros))
+    zero = integer_tensor(names.allocate(f"{base}_zero_point"), np.ascontiguousarray(zeros),
+                          TensorProto.UINT4)
     graph.initializer.extend([quantized, scale, zero])
     dequantized = names.allocate(f"{base}_dequantized")
     dq = helper.make_node("DequantizeLinear", [quantized.name, scale.name, zero.name],

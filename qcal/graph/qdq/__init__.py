@@ -30,7 +30,7 @@ checks, integer initializers, QuantizedWeight).
 
 from __future__ import annotations
 
-from qcal.graph.qdq._codes import QuantizedWeight
+from qcal.graph.qdq._codes import QuantizedWeight, integer_tensor
 from qcal.graph.qdq._pass import InsertQDQ, PassResult
 
-__all__ = ["InsertQDQ", "PassResult", "QuantizedWeight"]
+__all__ = ["InsertQDQ", "PassResult", "QuantizedWeight", "integer_tensor"]

@@ -154,7 +154,7 @@ def _quantize_bias_codes(values: np.ndarray, scale: np.ndarray, axis: int | None
     return np.clip(np.rint(ratio), _INT32_MIN, _INT32_MAX).astype(np.int32)
 
 
-def _integer_tensor(name: str, codes: np.ndarray, dtype: int) -> onnx.TensorProto:
+def integer_tensor(name: str, codes: np.ndarray, dtype: int) -> onnx.TensorProto:
     """An initializer of ONNX integer type `dtype` (4-bit types packed two codes per byte)."""
     if dtype in _FOUR_BIT_TYPES:
         packed = codes.astype(helper.tensor_dtype_to_np_dtype(dtype))

@@ -18,7 +18,7 @@ from qcal.graph.qdq._codes import (
     _CLIP_INPUTS_OPSET,
     _PASS_NAME,
     _float_array,
-    _integer_tensor,
+    integer_tensor,
 )
 from qcal.graph.structure import UseIndex, attribute_graphs, graph_element_types
 from qcal.numerics.errors import ModelError
@@ -299,7 +299,7 @@ class _Rewrite:
 
     def add_integer_initializer(self, base: str, codes: np.ndarray, dtype: int) -> str:
         name = self.names.allocate(base)
-        self._initializers.append(_integer_tensor(name, codes, dtype))
+        self._initializers.append(integer_tensor(name, codes, dtype))
         return name
 
     def redirect(self, uses: Sequence[Use], value: str) -> None:
