@@ -119,19 +119,14 @@ def gptq_codes(
     factors = inverse_factors(h)
     if factors is None:
         return GptqResult(nearest, error_nearest, error_nearest)
-    work = w[:, :, order].copy()
     codes = np.empty(nearest.shape, dtype=nearest.dtype)
-    for start in range(0, columns, _BLOCK):
-        stop = min(start + _BLOCK, columns)
-        errors = np.zeros((groups, rows, stop - start))
-        for j in range(start, stop):
-            column = work[:, :, j]
-            codes[:, j] = column_codes(column)
-            restored = dequantize(codes[:, j]).reshape(groups, rows)
-            error = (column - restored) / factors[:, j, j][:, None]
-            work[:, :, j + 1 : stop] -= error[:, :, None] * factors[:, None, j, j + 1 : stop]
-            errors[:, :, j - start] = error
-        work[:, :, stop:] -= errors @ factors[:, start:stop, stop:]
+
+    def quantize_column(j: int, column: np.ndarray) -> np.ndarray:
+        codes[:, j] = column_codes(column)
+        restored: np.ndarray = dequantize(codes[:, j]).reshape(groups, rows)
+        return restored
+
+    spread_errors(w[:, :, order].copy(), factors, quantize_column)
     result = np.empty_like(codes)
     result[:, order] = codes
     error_gptq = output_error(dequantize(result).reshape(w.shape) - w, w,
@@ -139,6 +134,27 @@ def gptq_codes(
     if error_gptq >= error_nearest:  # never worse than rounding to nearest on its own data
         return GptqResult(nearest, error_nearest, error_nearest)
     return GptqResult(result, error_nearest, error_gptq)
+
+
+def spread_errors(
+    work: np.ndarray, factors: np.ndarray,
+    quantize_column: Callable[[int, np.ndarray], np.ndarray],
+) -> None:
+    """GPTQ's column loop over `work` ``(groups, rows, inputs)``, inputs already in the order
+    they are quantized, with `factors` from `inverse_factors`: `quantize_column(j, column)`
+    quantizes input j of every row (keeping its codes) and returns the restored values; each
+    input's rounding error is spread over the inputs after it, lazily in blocks of _BLOCK."""
+    columns = work.shape[2]
+    for start in range(0, columns, _BLOCK):
+        stop = min(start + _BLOCK, columns)
+        errors = np.zeros((*work.shape[:2], stop - start))
+        for j in range(start, stop):
+            column = work[:, :, j]
+            restored = quantize_column(j, column)
+            error = (column - restored) / factors[:, j, j][:, None]
+            work[:, :, j + 1 : stop] -= error[:, :, None] * factors[:, None, j, j + 1 : stop]
+            errors[:, :, j - start] = error
+        work[:, :, stop:] -= errors @ factors[:, start:stop, stop:]
 
 
 def gptq_weight(

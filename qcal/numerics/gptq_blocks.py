@@ -27,13 +27,9 @@ from qcal.numerics.blockwise import (
     quantize_blocks,
     quantize_rtn,
 )
-from qcal.numerics.gptq import inverse_factors, output_error
+from qcal.numerics.gptq import inverse_factors, output_error, spread_errors
 
 __all__ = ["BlockGptqResult", "gptq_blocks", "relative_output_error"]
-
-# Inputs quantized between two updates of the rest (GPTQ's lazy batch).
-_LAZY_INPUTS = 128
-
 
 @dataclass(frozen=True)
 class BlockGptqResult:
@@ -61,7 +57,7 @@ def gptq_blocks(weights: np.ndarray, hessian: np.ndarray, block_size: int) -> Bl
     rounds to nearest.
     """
     w = np.asarray(weights, dtype=np.float64)
-    rows, inputs = w.shape
+    inputs = w.shape[1]
     nearest = quantize_rtn(w, block_size)
     h = np.array(hessian, dtype=np.float64)
     error_nearest = relative_output_error(w, nearest, h)
@@ -74,23 +70,19 @@ def gptq_blocks(weights: np.ndarray, hessian: np.ndarray, block_size: int) -> Bl
     factors = inverse_factors(h[order][:, order][None])
     if factors is None:
         return BlockGptqResult(nearest, error_nearest, error_nearest)
-    upper = factors[0]
     blocks, offsets = np.divmod(order, block_size)
-    work = w[:, order].copy()
     codes = nearest.codes.copy()  # the padding keeps its zero points
     scales, zero_points = nearest.scales, nearest.zero_points
-    for start in range(0, inputs, _LAZY_INPUTS):
-        stop = min(start + _LAZY_INPUTS, inputs)
-        errors = np.zeros((rows, stop - start))
-        for j in range(start, stop):
-            block = blocks[j]
-            column = quantize_blocks(work[:, j, None], scales[:, block], zero_points[:, block])
-            codes[:, block, offsets[j]] = column[:, 0]
-            restored = dequantize_blocks(column, scales[:, block], zero_points[:, block])
-            error = (work[:, j] - restored[:, 0]) / upper[j, j]
-            work[:, j + 1 : stop] -= error[:, None] * upper[None, j, j + 1 : stop]
-            errors[:, j - start] = error
-        work[:, stop:] -= errors @ upper[start:stop, stop:]
+
+    def quantize_column(j: int, column: np.ndarray) -> np.ndarray:
+        block = blocks[j]  # each block's parameters are fixed: only the codes are chosen
+        column_codes = quantize_blocks(column[0, :, None], scales[:, block], zero_points[:, block])
+        codes[:, block, offsets[j]] = column_codes[:, 0]
+        restored: np.ndarray = dequantize_blocks(column_codes, scales[:, block],
+                                                 zero_points[:, block])
+        return restored[None, :, 0]
+
+    spread_errors(w[None, :, order].copy(), factors, quantize_column)
     chosen = BlockQuant(codes, scales, zero_points, inputs)
     error_gptq = relative_output_error(w, chosen, hessian)
     if error_gptq >= error_nearest:  # never worse than rounding to nearest on its own data
