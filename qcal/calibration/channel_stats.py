@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import create_session, run_batches
 from qcal.graph.structure import exposing
 from qcal.numerics.errors import DataError
 
@@ -98,16 +98,11 @@ def collect_channel_stats(
         return stats
     session = create_session(exposing(model, names), providers=providers, threads=threads,
                              what="SmoothQuant statistics model")
-    for feed, n in batches:
-        try:
-            values = session.run(names, dict(feed))
-        except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-            raise DataError(f"onnxruntime failed on the SmoothQuant statistics pass: {err}") from None
-        for name, value in zip(names, values):
+    for values in run_batches(session, names, batches, what="SmoothQuant statistics pass",
+                              on_batch=on_batch):
+        for name, value in values.items():
             if value.size % widths[name]:
                 raise DataError(f"SmoothQuant statistics: {name!r} has {value.shape[-1]} values "
                                 f"on its last axis, not {widths[name]}")
             stats[name].update(value)
-        if on_batch is not None:
-            on_batch(n)
     return stats

@@ -21,8 +21,7 @@ import numpy as np
 import onnx
 
 from qcal.calibration.collect import expose_tensors
-from qcal.calibration.runtime import create_session
-from qcal.numerics.errors import DataError
+from qcal.calibration.runtime import create_session, run_batches
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
 
 __all__ = ["HessianTarget", "LayerInputs", "collect_hessians", "hessian_target"]
@@ -363,15 +362,9 @@ def collect_hessians(
         session = create_session(expose_tensors(model, tensors), providers=providers,
                                  threads=threads, what="layer-input model", node_order=True)
         acc = {t.node: _ExactSum(t) for t in group}
-        for feed, n in batches():
-            try:
-                values = dict(zip(tensors, session.run(tensors, dict(feed))))
-            except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-                raise DataError("onnxruntime failed on the layer-input pass (GPTQ, bias "
-                                f"correction): {err}") from None
+        for values in run_batches(session, tensors, batches(), on_batch=on_batch,
+                                  what="layer-input pass (GPTQ, bias correction)"):
             for target in group:
                 _update(acc[target.node], values[target.tensor], target)
-            if on_batch is not None:
-                on_batch(n)
         hessians.update({node: sums.result() for node, sums in acc.items()})
     return hessians

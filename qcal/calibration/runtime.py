@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -16,9 +17,9 @@ from qcal.graph.files.large import (
     serialized_size,
 )
 from qcal.graph.files.save import stage_model
-from qcal.numerics.errors import ConfigError, ModelError
+from qcal.numerics.errors import ConfigError, DataError, ModelError
 
-__all__ = ["available_providers", "create_session"]
+__all__ = ["available_providers", "create_session", "run_batches"]
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models go through a temp folder.
 _MAX_INLINE_BYTES = 2**31 - 2**24
@@ -130,3 +131,20 @@ def _mapping_weights(
     options.add_session_config_entry("session.disable_prepacking", "1")
     model_bytes = copy.SerializeToString()
     return model_bytes
+
+
+def run_batches(
+    session: ort.InferenceSession, names: Sequence[str],
+    batches: Iterable[tuple[Mapping[str, np.ndarray], int]], *, what: str,
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """The outputs `names` of `session` for each of `batches`, by name; a DataError naming the
+    pass (`what`) when onnxruntime fails; `on_batch(n)` once the caller has used a batch."""
+    for feed, n in batches:
+        try:
+            values = session.run(list(names), dict(feed))
+        except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
+            raise DataError(f"onnxruntime failed on the {what}: {err}") from None
+        yield dict(zip(names, values))
+        if on_batch is not None:
+            on_batch(n)
