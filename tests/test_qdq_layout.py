@@ -288,3 +288,39 @@ def test_data_movement_with_float_readers_runs_on_the_integers(tmp_path: Path) -
     reference, got = _all_outputs(model, x[:4]), _all_outputs(quantized, x[:4])
     for expected, actual in zip(reference, got):
         assert np.abs(actual - expected).max() < 0.1 * np.abs(expected).max()
+
+
+def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) -> None:
+    """conv -> Clip (ReLU6, fused into the conv) read by a ReduceMean (float) and a conv: the
+    ReduceMean reads the Clip's DequantizeLinear, so the QuantizeLinear is the Clip's only reader
+    and onnxruntime runs both convs as QLinearConv. Read directly, the Clip stayed, and the first
+    conv ran in float on dequantized weights (MobileNetV3's squeeze-excite blocks, exported by
+    torch.onnx)."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Clip", ["c", "zero", "six"], ["r6"], name="relu6"),
+        helper.make_node("ReduceMean", ["r6"], ["m"], name="mean", axes=[2, 3], keepdims=1),
+        helper.make_node("Conv", ["r6", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Mul", ["c2", "m"], ["y"], name="scale"),
+    ]
+    inits = {
+        "w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b": rng.standard_normal(8).astype(np.float32),
+        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(8).astype(np.float32),
+        "zero": np.array(0.0, np.float32),
+        "six": np.array(6.0, np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    quantized = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz")).model
+    mean = next(n for n in quantized.graph.node if n.name == "mean")
+    assert mean.input[0] != "r6"  # reads the DequantizeLinear
+    ops = _optimized_ops(quantized, tmp_path)
+    assert ops["QLinearConv"] == 2, ops
+    assert not {"Conv", "FusedConv", "Clip"} & set(ops), ops
+    expected, actual = _outputs(model, x), _outputs(quantized, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()

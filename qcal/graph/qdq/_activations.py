@@ -38,6 +38,11 @@ _INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
     "Softmax": (0,),
 }
 
+# Activations onnxruntime folds into the QuantizeLinear after an integer kernel (its Relu and
+# Clip fusions), and the kernels they follow.
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+_FUSING_ANCHORS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+
 # Operators that only move or select values, which onnxruntime's CPU provider runs on the
 # integers when the DequantizeLinear before and the QuantizeLinear after carry the same
 # parameters (it drops the pair; Resize only in "nearest" mode). Their output's
@@ -102,6 +107,9 @@ class _ActivationWriter(_Writer):
             return []
         if self._integer_data_op(producer, tensor):
             return self._other_float_reads(rewrite, tensor, quantized)
+        fused = self._fused_into(rewrite, producer)
+        if fused is not None:
+            producer = fused  # the Relu/Clip's output is its anchor's integer output
         if producer.op_type not in _INTEGER_KERNEL_INPUTS:
             return []
         slots = _INTEGER_KERNEL_INPUTS[producer.op_type]
@@ -119,6 +127,28 @@ class _ActivationWriter(_Writer):
             ):
                 return []  # a float bias keeps the node float
         return self._other_float_reads(rewrite, tensor, quantized)
+
+    def _fused_into(self, rewrite: _Rewrite, node: onnx.NodeProto) -> onnx.NodeProto | None:
+        """The anchor a Relu/Clip `node` is fused into, if any: its input is left float
+        (onnxruntime removes the Relu/Clip before a QuantizeLinear whose range clips the same
+        way, then runs the anchor as one integer kernel) and read by `node` alone. The fusion
+        needs the QuantizeLinear to be the Relu/Clip's only reader, as for any integer kernel,
+        so float readers of its output must read the DequantizeLinear too: otherwise the anchor
+        runs in float on dequantized weights (a float Conv in the middle of integer ones)."""
+        if node.op_type not in _FUSED_ACTIVATIONS or not node.input or not node.input[0]:
+            return None
+        source = node.input[0]
+        anchor = rewrite.index.producer.get(source)
+        if (
+            anchor is None
+            or anchor.domain not in DEFAULT_DOMAINS
+            or anchor.op_type not in _FUSING_ANCHORS
+            or (source, node.name) in self._quantized_reads
+            or source in rewrite.index.graph_outputs
+            or len(rewrite.index.uses.get(source, ())) != 1
+        ):
+            return None
+        return anchor
 
     @staticmethod
     def _other_float_reads(rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]) -> list[Use]:
