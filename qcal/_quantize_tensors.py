@@ -219,10 +219,15 @@ def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRe
     producers = {out: node for g in graphs for node in g.node for out in node.output}
     consumers = {node.name: node for g in graphs for node in g.node}
     initializers = {i.name: i for g in graphs for i in g.initializer}
+    anchor_outputs = {out for b in plan.biases if b.anchor
+                      for out in getattr(consumers.get(b.anchor), "output", ())}
     records: dict[str, TensorRecord] = {}
     for bias in plan.biases:
         node = consumers.get(bias.node)
-        dq = producers.get(node.input[2]) if node is not None and len(node.input) > 2 else None
+        # Input 2 of a Conv/Gemm; of an Add after a MatMul, the input that is not the MatMul's.
+        slots = [2] if not bias.anchor else [0, 1]
+        dq = next((producers.get(node.input[s]) for s in slots if node is not None
+                   and len(node.input) > s and node.input[s] not in anchor_outputs), None)
         if dq is None or dq.op_type != "DequantizeLinear":
             continue  # left float (its input or weight is not quantized)
         scale = onnx.numpy_helper.to_array(initializers[dq.input[1]]).astype(np.float32)

@@ -324,3 +324,48 @@ def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) 
     assert not {"Conv", "FusedConv", "Clip"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(quantized, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("bias_shape", [(5,), (1, 5)])
+def test_a_bias_added_after_a_matmul_is_stored_as_int32(
+    tmp_path: Path, bias_shape: tuple[int, ...]
+) -> None:
+    """conv -> Flatten -> MatMul -> Add(constant) -> output, as Keras, JAX and paddle exports
+    write a dense layer: the Add's constant is written as int32 codes at input scale x weight
+    scale, and onnxruntime fuses the MatMul and the Add into one integer Gemm (with a float
+    bias it ran a float Gemm on dequantized weights)."""
+    rng = np.random.default_rng(11)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Flatten", ["r1"], ["f"], name="flatten"),
+        helper.make_node("MatMul", ["f", "w"], ["m"], name="dense"),
+        helper.make_node("Add", ["m", "b"], ["y"], name="dense_bias"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b1": rng.standard_normal(4).astype(np.float32),
+        "w": rng.standard_normal((4 * 6 * 6, 5)).astype(np.float32) * 0.1,
+        "b": rng.standard_normal(bias_shape).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    records = {t["name"]: t for t in result.report["tensors"]}
+    assert records["b"]["role"] == "bias" and records["b"]["consumers"] == ["dense_bias"]
+    scales = {name: np.asarray(records[name]["onnx"]["scale"], np.float32) for name in ("f", "w")}
+    expected_scale = (scales["f"] * scales["w"]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(records["b"]["onnx"]["scale"], np.float32),
+                                  expected_scale)
+    codes = next(i for i in result.model.graph.initializer if i.name == "b_quantized")
+    assert codes.data_type == onnx.TensorProto.INT32
+    np.testing.assert_array_equal(
+        onnx.numpy_helper.to_array(codes).reshape(-1),
+        np.round(inits["b"].reshape(-1) / expected_scale).astype(np.int32))
+    ops = _optimized_ops(result.model, tmp_path)
+    assert ops["QGemm"] == 1 and not {"Gemm", "MatMul", "Add"} & set(ops), ops
+    expected, actual = _outputs(model, x), _outputs(result.model, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()

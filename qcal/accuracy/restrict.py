@@ -60,8 +60,8 @@ def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
     quantized_weights = {(w.tensor, w.node) for w in weights}
     biases = tuple(
         b for b in plan.biases
-        if b.tensor not in keep and (b.input_tensor, b.node) in reads
-        and (b.weight_tensor, b.node) in quantized_weights
+        if b.tensor not in keep and (b.input_tensor, b.computed_by) in reads
+        and (b.weight_tensor, b.computed_by) in quantized_weights
     )
     touched: dict[str, set[str]] = {}
     for a in plan.activations:

@@ -297,6 +297,8 @@ class _Planner(_Selection):
             found.outputs.append(tensor)
 
     def _bias(self, node: onnx.NodeProto, rule: OpRule, targets: _NodeTargets) -> BiasTarget | None:
+        if node.op_type == "MatMul":
+            return self._added_bias(node, targets)
         if rule.bias is None or len(node.input) <= rule.bias or not node.input[rule.bias]:
             return None
         bias, source, weight = node.input[rule.bias], node.input[0], node.input[1]
@@ -309,6 +311,39 @@ class _Planner(_Selection):
             targets.notes.append(f"bias {bias!r} stays float: {why}")
             return None
         return BiasTarget(tensor=bias, node=node.name, input_tensor=source, weight_tensor=weight)
+
+    def _added_bias(self, node: onnx.NodeProto, targets: _NodeTargets) -> BiasTarget | None:
+        """The constant a float Add adds to this MatMul's float output, stored as int32 like a
+        Gemm's bias. onnxruntime fuses MatMul + Add into a Gemm, and a Gemm reading a float bias
+        beside dequantized inputs runs in float on dequantized weights (every run); with the
+        bias dequantized from int32 codes it runs as one integer kernel (QGemm)."""
+        if len(node.input) < 2 or len(node.output) != 1 or node.output[0] in targets.outputs:
+            return None
+        source, weight, product = node.input[0], node.input[1], node.output[0]
+        readers = self._index.readers(product)
+        if (product in self._index.graph_outputs or len(readers) != 1
+                or len(self._index.uses.get(product, ())) != 1):
+            return None
+        (add,) = readers
+        if add.op_type != "Add" or add.domain not in DEFAULT_DOMAINS or add.name in self._selected:
+            return None  # an Add that is quantized itself takes the MatMul's output quantized
+        bias = add.input[1] if add.input[0] == product else add.input[0]
+        weight_constant = self._constant(weight)
+        constant = self._constant(bias)
+        if (
+            source not in targets.inputs
+            or weight not in {t for t, _ in targets.weights}
+            or weight_constant is None or len(weight_constant.dims) != 2
+            or constant is None or constant.data_type not in FLOAT_TYPES
+            or not constant.dims or constant.dims[-1] != weight_constant.dims[1]
+            or any(d != 1 for d in constant.dims[:-1])  # a row: [N], [1, N], ...
+            or len(self._index.readers(bias)) != 1
+            or bias in self._rules.exclude_tensors
+        ):
+            return None
+        targets.notes.append(f"the Add {add.name!r} after it adds {bias!r} as an int32 bias")
+        return BiasTarget(tensor=bias, node=add.name, input_tensor=source, weight_tensor=weight,
+                          anchor=node.name)
 
     def _bias_problem(self, node: onnx.NodeProto, bias: str, weight: str) -> str | None:
         constant = self._constant(bias)

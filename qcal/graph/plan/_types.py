@@ -81,15 +81,22 @@ class BiasTarget:
 
     Attributes:
         tensor: the bias initializer.
-        node: the Conv/Gemm reading it.
-        input_tensor: the quantized activation feeding the node.
-        weight_tensor: the node's quantized weight.
+        node: the Conv/Gemm reading it, or the Add adding it to a MatMul's output.
+        input_tensor: the quantized activation feeding the Conv/Gemm/MatMul.
+        weight_tensor: its quantized weight.
+        anchor: the MatMul whose output the Add reads ("": the bias is `node`'s own).
     """
 
     tensor: str
     node: str
     input_tensor: str
     weight_tensor: str
+    anchor: str = ""
+
+    @property
+    def computed_by(self) -> str:
+        """The node whose input and weight scales make the bias's scale."""
+        return self.anchor or self.node
 
 
 @dataclass(frozen=True)

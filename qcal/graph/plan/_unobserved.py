@@ -60,7 +60,7 @@ def leave_unobserved_float(
         )
     weights = tuple(w for w in plan.weights if w.node not in idle)
     biases = tuple(
-        b for b in plan.biases if b.node not in idle and b.input_tensor not in dropped
+        b for b in plan.biases if b.computed_by not in idle and b.input_tensor not in dropped
     )
     live: set[str] = {w.node for w in weights}
     live.update(c for t in activations for c in t.consumers)

@@ -120,13 +120,13 @@ class _WeightWriter(_Writer):
 
     def _quantized_input(self, bias: BiasTarget) -> OnnxQParams | None:
         """The parameters of the bias node's input activation, if the node reads it quantized."""
-        if (bias.input_tensor, bias.node) in self._quantized_reads:
+        if (bias.input_tensor, bias.computed_by) in self._quantized_reads:
             return self._activation_qparams[bias.input_tensor]
         return None
 
     def _quantized_weight(self, bias: BiasTarget) -> OnnxQParams | None:
         """The parameters of the bias node's weight, if the plan quantizes it for that node."""
-        if (bias.weight_tensor, bias.node) in self._quantized_weights:
+        if (bias.weight_tensor, bias.computed_by) in self._quantized_weights:
             return self._weight_codes[bias.weight_tensor].onnx
         return None
 
