@@ -98,7 +98,10 @@ def prepare_collection(
     source = data_mod.open_data(config.data, model_path=model_path, inputs=inputs,
                                 synthetic=config.synthetic, limit=config.limit, seed=config.seed)
     data_mod.validate_data(source, inputs)
-    plan = plan_quantization(prepared, _selection_rules(config))
+    # Relu/Clip inputs observed as well, whatever the preset: a statistics file serves presets
+    # that fuse them into the Conv/Gemm/MatMul before and those that do not.
+    rules = dataclasses.replace(_selection_rules(config), fuse_activations=False)
+    plan = plan_quantization(prepared, rules)
     _check_overrides(config, plan)
     return CollectionInputs(loaded, prepared, plan, source, inputs, weight_file)
 

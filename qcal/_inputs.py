@@ -18,6 +18,8 @@ from qcal.accuracy.decisions import decision_rules
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
+from qcal.numerics.observers import MinMaxStats
+from qcal.numerics.presets import build_preset
 
 
 def _selection_rules(config: CalibrationConfig) -> SelectionRules:
@@ -30,7 +32,20 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         per_channel=config.per_channel,
         default_exclusions=config.default_exclusions,
         placement=config.placement_mode,
+        # Emulation ("all") fuses as the target does; "auto" as onnxruntime can.
+        fuse_activations=config.placement_mode != "auto" or _zero_at_floor(config),
     )
+
+
+def _zero_at_floor(config: CalibrationConfig) -> bool:
+    """Whether the preset quantizes a range starting at 0 with the lowest code as zero point,
+    as onnxruntime needs to drop a Relu/Clip before a QuantizeLinear (`SelectionRules`)."""
+    recipe = build_preset(config.preset, config.preset_options).activation
+    stats = MinMaxStats(np.array(0.0, np.float32), np.array(1.0, np.float32))
+    onnx_qparams = recipe.to_onnx(recipe.qparams(stats))
+    lowest = 0 if onnx_qparams.dtype == onnx.TensorProto.UINT8 else -128
+    return onnx_qparams.dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.INT8) and bool(
+        np.all(np.asarray(onnx_qparams.zero_point) == lowest))
 
 
 def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:

@@ -369,3 +369,41 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     assert ops["QGemm"] == 1 and not {"Gemm", "MatMul", "Add"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("preset", ["pytorch", "pytorch-symmetric", "tensorflow"])
+def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
+    tmp_path: Path, preset: str
+) -> None:
+    """conv -> Relu -> conv -> Relu -> conv: onnxruntime drops a Relu before a QuantizeLinear
+    only when a range from 0 gets the lowest code as zero point (asymmetric activations). With a
+    symmetric preset the Relu stays, so the Conv's own output is quantized too: every conv runs
+    as QLinearConv (left to the Relu, the convs ran in float on dequantized weights)."""
+    rng = np.random.default_rng(12)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3"),
+        helper.make_node("Relu", ["c3"], ["y"], name="relu3"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
+        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w3": rng.standard_normal((4, 8, 1, 1)).astype(np.float32) * 0.3,
+        "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    config = CalibrationConfig(data=tmp_path / "calib.npz", preset=preset, fallback=False)
+    quantized = calibrate(tmp_path / "m.onnx", config).model
+    ops = _optimized_ops(quantized, tmp_path)
+    # conv3 writes the graph output through its Relu, in float: onnxruntime runs it in float.
+    assert ops["QLinearConv"] >= 2 and ops["FusedConv"] + ops["Conv"] <= 1, ops
+    expected, actual = _outputs(model, x), _outputs(quantized, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()

@@ -91,15 +91,16 @@ def test_onnxruntime_table_is_written_by_onnxruntime(exported: Path, tmp_path: P
     assert result.exit_code == 6 and not (tmp_path / "q.onnx").exists()
 
 
-def test_tensorrt_cache_round_trips(exported: Path, tmp_path: Path) -> None:
+def test_tensorrt_cache_round_trips(tmp_path: Path) -> None:
     """Read back as [-127 s, 127 s]: written again, the scales are the same bits."""
-    result = run("calibrate", DIGITS, "-q", "--ranges", exported / "trt.cache", "--preset",
+    first = run("calibrate", DIGITS, "-q", "--preset", "pytorch-symmetric", "-o", tmp_path / "q.onnx",
+                "--report", tmp_path / "q.json", "--write-ranges", f"tensorrt={tmp_path / 'trt.cache'}")
+    assert first.exit_code == 0, first.output
+    result = run("calibrate", DIGITS, "-q", "--ranges", tmp_path / "trt.cache", "--preset",
                  "pytorch-symmetric", "-o", tmp_path / "r.onnx", "--report", tmp_path / "r.json",
                  "--write-ranges", f"tensorrt={tmp_path / 'again.cache'}")
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "again.cache").read_bytes() == (exported / "trt.cache").read_bytes()
-    kind, ranges = parse_ranges((exported / "trt.cache").read_bytes(), "x")
-    assert kind == "tensorrt" and all(lo == -hi for lo, hi in ranges.values())
+    assert (tmp_path / "again.cache").read_bytes() == (tmp_path / "trt.cache").read_bytes()
 
 
 def _reader(count: int) -> Any:

@@ -206,6 +206,8 @@ class _Planner(_Selection):
     def _fused_tensors(self) -> dict[str, tuple[str, str]]:
         """Tensor -> (compute node, activation node) for outputs onnxruntime fuses."""
         fused: dict[str, tuple[str, str]] = {}
+        if not self._rules.fuse_activations:
+            return fused
         for node in self._graph.node:
             rule = self._selected.get(node.name)
             if rule is None or not rule.fuses_activation or not node.output:

@@ -19,6 +19,11 @@ class SelectionRules:
         default_exclusions: apply the trap-avoiding default exclusions (`TRAP_RULES_DOC`).
         placement: "auto" (Q/DQ where onnxruntime's integer kernels pay, `qcal.graph.placement`)
             or "all" (every node with a rule). With `op_types` set, every selected node counts.
+        fuse_activations: a Relu/Clip right after a Conv/Gemm/MatMul is left to the
+            QuantizeLinear of its output (the compute node's own output stays float).
+            onnxruntime drops the Relu/Clip only when that QuantizeLinear's range starts at the
+            activation's floor, i.e. when a range from 0 gets the lowest code as zero point
+            (asymmetric activations); otherwise the compute node would run in float.
     """
 
     op_types: frozenset[str] | None = None
@@ -28,6 +33,7 @@ class SelectionRules:
     per_channel: bool = True
     default_exclusions: bool = True
     placement: str = "auto"
+    fuse_activations: bool = True
 
 
 @dataclass(frozen=True)
