@@ -92,7 +92,8 @@ OP_RULES: Mapping[str, OpRule] = {
     ),
     "MatMul": OpRule(
         "inputs A and B and output Y; a constant B per channel on its last axis, a constant A "
-        "per tensor; two activations (attention) are both quantized",
+        "per tensor; two activations (attention) are both quantized; the constant of an Add "
+        "reading its output alone as an int32 bias",
         inputs=(0, 1),
         weight=1,
         weight_axis=_matmul_weight_axis,
