@@ -185,6 +185,12 @@ class CalibrationConfig:
                 raise ConfigError(f"{key.replace('_', '-')}: {value} is not a percentage in [0, 100]")
 
     @property
+    def places_for_speed(self) -> bool:
+        """Whether Q/DQ goes only where onnxruntime runs integer kernels (placement "auto"
+        without an --op-types list), rather than wherever a rule allows (emulation)."""
+        return self.placement_mode == "auto" and not self.op_types
+
+    @property
     def placement_mode(self) -> str:
         """Where Q/DQ goes (`qcal.graph.placement`): as asked, else "all" for presets that
         emulate an accelerator's integer arithmetic end to end, else "auto"."""

@@ -13,6 +13,8 @@ progress callback and the stage timings.
 from __future__ import annotations
 
 import dataclasses
+import glob
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -231,7 +233,8 @@ def calibrate(
         with timings.stage("qdq"):
             build = partial(build_quantized, prepared, act_params, weights, weight_file)
             runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
-                                     threads=config.threads)
+                                     threads=config.threads,
+                                     replan=_replan(prepared, config))
             del build
             plan, quant_model = runnable.plan, runnable.model
             if runnable.repaired:
@@ -337,6 +340,24 @@ def calibrate(
     if enforce_gates:  # after writing: a failed gate leaves the model and report as evidence
         raise_for_failed(gates, report_path)
     return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
+
+
+def _replan(
+    prepared: onnx.ModelProto, config: CalibrationConfig
+) -> Callable[[frozenset[str]], QuantPlan] | None:
+    """The plan again with some nodes left float, for the check that what is planned runs in
+    integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
+    --op-types) instead of serving onnxruntime's integer kernels."""
+    if not config.places_for_speed:
+        return None
+    rules = _selection_rules(config)
+
+    def replan(nodes: frozenset[str]) -> QuantPlan:
+        floated = tuple(sorted(glob.escape(n) for n in nodes))
+        return plan_quantization(
+            prepared, dataclasses.replace(rules, exclude_nodes=rules.exclude_nodes + floated))
+
+    return replan
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

@@ -195,7 +195,10 @@ def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Pa
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+    # Placement "all": conv2 writes a graph output in float, which onnxruntime computes in
+    # float, so placement "auto" keeps it float, and the Div with it.
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", placement="all"))
     quantized = result.model
     # The Div is gone: both of its readers read a DequantizeLinear of the Clip's codes.
     assert "Div" not in {n.op_type for n in quantized.graph.node}
@@ -217,7 +220,7 @@ def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Pa
     # integer kernels do: within half a step of it (Erf's slope is at most 2 / sqrt(pi)).
     kept = calibrate(
         tmp_path / "m.onnx",
-        CalibrationConfig(data=tmp_path / "calib.npz", exclude_op_types=("Div",)),
+        CalibrationConfig(data=tmp_path / "calib.npz", exclude_op_types=("Div",), placement="all"),
     ).model
     assert "Div" in {n.op_type for n in kept.graph.node}
     (y, e), (y_kept, e_kept) = _all_outputs(quantized, x[:4]), _all_outputs(kept, x[:4])
@@ -406,4 +409,50 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
     # conv3 writes the graph output through its Relu, in float: onnxruntime runs it in float.
     assert ops["QLinearConv"] >= 2 and ops["FusedConv"] + ops["Conv"] <= 1, ops
     expected, actual = _outputs(model, x), _outputs(quantized, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_path: Path) -> None:
+    """conv -> ConvTranspose -> conv -> conv (writing the output): onnxruntime's CPU provider
+    has no integer ConvTranspose, and no integer Conv writing a float output, so with Q/DQ it
+    runs both in float on dequantized weights. qcal reads back the graph onnxruntime runs and
+    keeps such nodes float (their decisions say why), planned again without them so that the
+    first conv still writes integers: no weight is dequantized into a float compute node."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("ConvTranspose", ["c1", "wt", "bt"], ["up"], name="up",
+                         strides=[2, 2], kernel_shape=[2, 2]),
+        helper.make_node("Conv", ["up", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Conv", ["c2", "w3", "b3"], ["y"], name="conv3"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b1": rng.standard_normal(8).astype(np.float32),
+        "w3": rng.standard_normal((2, 2, 1, 1)).astype(np.float32) * 0.5,
+        "b3": rng.standard_normal(2).astype(np.float32),
+        "wt": rng.standard_normal((8, 4, 2, 2)).astype(np.float32) * 0.5,
+        "bt": rng.standard_normal(4).astype(np.float32),
+        "w2": rng.standard_normal((2, 4, 1, 1)).astype(np.float32) * 0.5,
+        "b2": rng.standard_normal(2).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    nodes = {n.name: n for n in result.model.graph.node}
+    ops = _optimized_ops(result.model, tmp_path)
+    if "ConvTranspose" in ops:  # float in onnxruntime: kept float, and the report says why
+        assert not decisions["up"]["quantized"] and nodes["up"].input[1] == "wt"
+        assert "onnxruntime runs it in float" in decisions["up"]["reason"]
+    assert not decisions["conv3"]["quantized"] and nodes["conv3"].input[1] == "w3"
+    assert "onnxruntime runs it in float" in decisions["conv3"]["reason"]
+    # conv1, and conv2 between two float nodes, run as integer kernels; the coverage counts them
+    # alone (onnxruntime quantizes a float node's weight itself when its input is dequantized,
+    # per tensor, but cannot run it in integers either).
+    assert ops["QLinearConv"] == 2, ops
+    assert result.report["coverage"]["quantized_compute_nodes"] == 2
+    expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()

@@ -5,13 +5,24 @@ of the evaluation. When onnxruntime refuses it (a kernel missing for a quantized
 pair where an operator wants its exact float value), the node it names is kept float and the
 model is built again; the node's decision in the report says why. A failure that names no node
 of the model, or that persists, is a clear ModelError (exit 4), never an internal error.
+
+A model onnxruntime runs may still not run where qcal planned integer kernels: onnxruntime fuses
+DequantizeLinear -> Conv/MatMul/Gemm -> QuantizeLinear only in the forms its kernels support
+(no ConvTranspose on the CPU provider; a MatMul whose Add it fuses into a Gemm with a float
+bias), and otherwise runs the node in float on dequantized weights, every run, with the input's
+Quantize/Dequantize on top: slower than the float model, and counted as quantized when it is not.
+So the graph onnxruntime will run (after its fusions) is read back once, and every planned weight
+it still dequantizes into a float Conv, ConvTranspose, MatMul or Gemm is kept float with its
+node: what qcal reports as quantized is what runs in integers.
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +30,7 @@ import onnx
 
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
-from qcal.graph.model import QuantPlan
+from qcal.graph.model import NodeDecision, QuantPlan
 from qcal.graph.structure import all_graphs
 from qcal.numerics.errors import ModelError
 
@@ -33,6 +44,12 @@ _NODE_NAMES = (
     re.compile(r"node ([^\s:]+):", re.IGNORECASE),
 )
 _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+# Float compute operators of onnxruntime's optimized graph (its own fused forms included).
+_FLOAT_COMPUTE_OPS = frozenset(
+    {"Conv", "FusedConv", "ConvTranspose", "Gemm", "FusedGemm", "MatMul", "FusedMatMul"}
+)
+_FLOAT_REASON = ("kept float: onnxruntime runs it in float on dequantized weights (no integer "
+                 "kernel for this form), so Q/DQ would only add work")
 
 
 @dataclass(frozen=True)
@@ -56,13 +73,29 @@ def make_runnable(
     *,
     providers: tuple[str, ...],
     threads: int,
+    replan: Callable[[frozenset[str]], QuantPlan] | None = None,
 ) -> Runnable:
     """Build the model of `plan` (for `float_model`); while onnxruntime cannot run it on `feed`,
-    keep the node it names float and build again."""
+    keep the node it names float and build again. With `replan` (placement for speed, not
+    emulation: the plan again with these nodes left float), also keep float the nodes
+    onnxruntime would run in float on dequantized weights (module docstring): planned again
+    without them, so that what they read stays quantized for the integer kernels writing it."""
     repaired: dict[str, str] = {}
     model = build(plan)
-    for _ in range(_MAX_REPAIRS + 1):
-        failure, session = _run_failure(model, feed, providers, threads)
+    fusions_checked = replan is None
+    for _ in range(_MAX_REPAIRS + 2):
+        failure, session, optimized = _run_failure(
+            model, feed, providers, threads, read_back=not fusions_checked)
+        if failure is None and optimized is not None:
+            fusions_checked = True
+            stray = _float_anchors(optimized, plan)
+            if stray:  # built again without them, and run once more (not checked again)
+                assert replan is not None
+                nodes = frozenset(stray.values())
+                repaired.update(dict.fromkeys(sorted(nodes), _FLOAT_REASON))
+                plan = _within(replan(nodes), plan, nodes)
+                model = build(plan)
+                continue
         if failure is None:
             return Runnable(model, plan, repaired, session)
         node = _culprit(float_model, model, failure, plan)
@@ -77,20 +110,69 @@ def make_runnable(
 
 def _run_failure(
     model: onnx.ModelProto, feed: Mapping[str, np.ndarray], providers: tuple[str, ...],
-    threads: int,
-) -> tuple[str | None, Any]:
-    """(None, the open session) when onnxruntime runs `model` on `feed`, else (why, None)."""
-    try:
-        session = create_session(model, providers=providers, threads=threads,
-                                 what="quantized model")
-        names = [o.name for o in session.get_outputs()]
-        session.run(names, dict(feed))
-    except ModelError as err:
-        return str(err), None
-    except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
-        text = str(err).strip()
-        return (" ".join(text.split()) if text else type(err).__name__), None
-    return None, session
+    threads: int, *, read_back: bool,
+) -> tuple[str | None, Any, onnx.ModelProto | None]:
+    """(None, the open session, the graph onnxruntime runs when `read_back`) when onnxruntime
+    runs `model` on `feed`, else (why, None, None)."""
+    with tempfile.TemporaryDirectory(prefix="qcal-") as folder:
+        optimized_path = Path(folder) / "optimized.onnx" if read_back else None
+        try:
+            session = create_session(model, providers=providers, threads=threads,
+                                     what="quantized model", optimized_to=optimized_path)
+            names = [o.name for o in session.get_outputs()]
+            session.run(names, dict(feed))
+        except ModelError as err:
+            return str(err), None, None
+        except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
+            text = str(err).strip()
+            return (" ".join(text.split()) if text else type(err).__name__), None, None
+        optimized = None
+        if optimized_path is not None and optimized_path.is_file():  # its weights stay there
+            optimized = onnx.load(str(optimized_path), load_external_data=False)
+    return None, session, optimized
+
+
+def _float_anchors(optimized: onnx.ModelProto, plan: QuantPlan) -> dict[str, str]:
+    """Planned weight -> its node, for the weights that onnxruntime's optimized graph still
+    dequantizes into a float compute node (main graph; the QDQ writer names a weight's codes
+    ``<weight>_quantized``)."""
+    codes = {f"{w.tensor}_quantized": w for w in plan.weights}
+    producers = {out: node for node in optimized.graph.node for out in node.output}
+    found: dict[str, str] = {}
+    for node in optimized.graph.node:
+        if node.op_type not in _FLOAT_COMPUTE_OPS:
+            continue
+        for value in node.input:
+            dequantize = producers.get(value)
+            if (dequantize is not None and dequantize.op_type == "DequantizeLinear"
+                    and dequantize.input and dequantize.input[0] in codes):
+                weight = codes[dequantize.input[0]]
+                found[weight.tensor] = weight.node
+    return found
+
+
+def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> QuantPlan:
+    """`replanned` (the plan made again with the `floated` nodes left float) within what `plan`
+    quantizes: a target `plan` had dropped (no statistics, ...) stays dropped, a node it kept
+    float keeps its reason, and the `floated` nodes get theirs."""
+    activations = {a.tensor for a in plan.activations}
+    weights = {(w.tensor, w.node) for w in plan.weights}
+    biases = {(b.tensor, b.node) for b in plan.biases}
+    before = {d.node: d for d in plan.nodes}
+    decisions = []
+    for decision in replanned.nodes:
+        old = before.get(decision.node)
+        if decision.node in floated:
+            decision = NodeDecision(decision.node, decision.op_type, False, _FLOAT_REASON)
+        elif old is not None and not old.quantized:
+            decision = old
+        decisions.append(decision)
+    return QuantPlan(
+        activations=tuple(a for a in replanned.activations if a.tensor in activations),
+        weights=tuple(w for w in replanned.weights if (w.tensor, w.node) in weights),
+        biases=tuple(b for b in replanned.biases if (b.tensor, b.node) in biases),
+        nodes=tuple(decisions),
+    )
 
 
 def _culprit(

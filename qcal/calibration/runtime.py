@@ -62,6 +62,7 @@ def create_session(
     node_order: bool = False,
     optimize: bool = True,
     spin: bool = False,
+    optimized_to: Path | None = None,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
@@ -76,6 +77,7 @@ def create_session(
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
     files, not copied, and not repacked either: the session holds no second copy of them.
+    With `optimized_to`, onnxruntime also writes the graph it will run there (after its fusions).
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
@@ -84,6 +86,13 @@ def create_session(
             f"(available: {', '.join(ort.get_available_providers())})"
         )
     options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin)
+    if optimized_to is not None:
+        options.optimized_model_filepath = str(optimized_to)
+        # Large weights go to a file beside it: the graph is what is read back.
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{optimized_to.name}.data")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(1 << 20))
     try:
         model_bytes = _mapping_weights(model, options, what)
         if model_bytes is not None:
