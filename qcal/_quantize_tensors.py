@@ -9,16 +9,12 @@ and quantized here, large ones a block at a time; biases are read back from the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
 
-from qcal.calibration.hessians import (
-    LayerInputs,
-    collect_hessians,
-    hessian_target,
-)
+from qcal.calibration.hessians import HessianTarget, LayerInputs, hessian_target
 from qcal.config import CalibrationConfig
 from qcal.graph.files.large import WeightFile, tensor_array
 from qcal.graph.model import ActivationTarget, QuantPlan
@@ -111,8 +107,9 @@ def _quantize_weights(
 ) -> tuple[dict[str, QuantizedWeight], dict[str, TensorRecord]]:
     """Codes and records of the planned weights; "operand" constants use `operand_recipe`.
 
-    A weight whose node was measured in `layer_inputs` (keyed by node) gets GPTQ codes when
-    `config.weight_rounding` is "gptq", and its bias a correction with `config.bias_correction`.
+    A weight whose node was measured in `layer_inputs` (keyed by node) gets GPTQ codes where
+    its Hessian was measured (`layer_input_targets`), and its bias a correction with
+    `config.bias_correction`.
     """
     nodes = {n.name: n for n in model.graph.node}
     # If/Loop/Scan bodies hold initializers too (their Constant nodes become initializers).
@@ -139,7 +136,7 @@ def _quantize_weights(
         row_axis = None if node is None else _row_axis(node, qparams, array.ndim)
         rounded = shift = None
         if measured is not None and node is not None and row_axis is not None:
-            if measured.hessian is not None and config.weight_rounding == "gptq":
+            if measured.hessian is not None:
                 rounded = gptq_weight(
                     array, row_axis=row_axis, groups=measured.hessian.shape[0],
                     hessian=measured.hessian,
@@ -187,14 +184,14 @@ def _row_axis(node: onnx.NodeProto, qparams: QParams, ndim: int) -> int | None:
     return row_axis
 
 
-def measure_layer_inputs(
+def layer_input_targets(
     model: onnx.ModelProto, plan: QuantPlan, act_params: Mapping[str, OnnxQParams],
-    batches: Callable[[], Iterable[tuple[Mapping[str, np.ndarray], int]]], *, gptq: bool,
-    providers: tuple[str, ...], threads: int, on_batch: Callable[[int], None] | None,
-) -> dict[str, LayerInputs]:
-    """The second pass over the calibration data: the inputs of the planned Conv/MatMul/Gemm
-    weights of the main graph whose input is quantized per tensor, their Hessians for `gptq`
-    (every such layer), else only their sums (the layers with a bias to correct)."""
+    config: CalibrationConfig,
+) -> list[HessianTarget]:
+    """What the second pass over the calibration data measures: the inputs of the planned
+    Conv/MatMul/Gemm weights of the main graph whose input is quantized per tensor, their
+    Hessians where `config` rounds the layer's weights with GPTQ, else only their sums where
+    bias correction has a bias to correct. Empty: the pass has nothing to do and does not run."""
     nodes = {n.name: n for n in model.graph.node}
     initializers = {i.name: i for i in model.graph.initializer}
     targets = []
@@ -202,15 +199,16 @@ def measure_layer_inputs(
         node = nodes.get(weight.node)
         if (weight.role != "weight" or node is None or weight.tensor not in initializers
                 or node.op_type not in ("Conv", "MatMul", "Gemm") or len(node.input) < 2
-                or node.input[1] != weight.tensor or node.input[0] not in act_params
-                or (not gptq and len(node.input) < 3)):
+                or node.input[1] != weight.tensor or node.input[0] not in act_params):
+            continue
+        gptq = config.rounds_with_gptq(node.op_type)
+        if not gptq and not (config.bias_correction and len(node.input) > 2):
             continue
         target = hessian_target(node, list(initializers[weight.tensor].dims),
                                 act_params[node.input[0]], products=gptq)
         if target is not None:
             targets.append(target)
-    return collect_hessians(model, targets, batches, providers=providers, threads=threads,
-                            on_batch=on_batch)
+    return targets
 
 
 def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRecord]:

@@ -1,11 +1,12 @@
 """The weight-only run (`--weight-only int4`): MatMul/Gemm weights to 4 bits in blocks along their
 inputs, activations float, written as MatMulNBits or int4 QDQ (`qcal.graph.weight_only`).
 
-Rounding to nearest needs no data. GPTQ (`--weight-rounding gptq`) needs each layer's float
-input's second moments: a first pass over the calibration data finds each input's range, a
-second measures ``H = sum x x^T`` on the input quantized to 16 bits on that range (integers, so
-the sums are exact and the same whatever the batch split or data order;
-`qcal.calibration.hessians`); 16 bits keep every input within 1/65534 of its largest magnitude.
+Rounding to nearest needs no data. GPTQ (`--weight-rounding gptq`, or `auto`: every weight here
+is a MatMul/Gemm one) needs each layer's float input's second moments: a first pass over the
+calibration data finds each input's range, a second measures ``H = sum x x^T`` on the input
+quantized to 16 bits on that range (integers, so the sums are exact and the same whatever the
+batch split or data order; `qcal.calibration.hessians`); 16 bits keep every input within
+1/65534 of its largest magnitude.
 """
 
 from __future__ import annotations
@@ -117,11 +118,11 @@ def quantize_weight_only(
                                   exclude_nodes=config.exclude_nodes)
     excluded = set(config.exclude_tensors)
     targets = [t for t in targets if t.weight not in excluded]
-    gptq = config.weight_rounding == "gptq"
+    rounded = [t for t in targets if config.rounds_with_gptq(t.op_type)]
     hessians: dict[str, LayerInputs] = {}
     summary = None
-    if gptq and targets:
-        hessians, summary = _measure_inputs(model, targets, config, batches, progress, samples)
+    if rounded:
+        hessians, summary = _measure_inputs(model, rounded, config, batches, progress, samples)
     initializers = {i.name: i for i in model.graph.initializer}
     quants: dict[str, BlockQuant] = {}
     entries = []

@@ -44,8 +44,16 @@ __all__ = [
 # the layout onnxruntime's CPU kernels are fastest on, and its QDQ mapping is exact.
 DEFAULT_PRESET = "pytorch"
 # How weight codes are chosen: rounding to nearest, or GPTQ (a second pass over the calibration
-# data measures each layer's inputs; see qcal.numerics.gptq).
-WEIGHT_ROUNDINGS = ("nearest", "gptq")
+# data measures each layer's inputs; see qcal.numerics.gptq), per the layers each choice gives
+# to GPTQ. "auto" gives it the MatMul/Gemm layers alone: their Hessian is in_features^2, cheap
+# to measure, and GPTQ closes most of a transformer's gap; a Conv's is measured over every
+# output position, which on Conv-heavy models costs several times the calibration.
+GPTQ_OP_TYPES: Mapping[str, frozenset[str]] = {
+    "nearest": frozenset(),
+    "gptq": frozenset({"Conv", "MatMul", "Gemm"}),
+    "auto": frozenset({"MatMul", "Gemm"}),
+}
+WEIGHT_ROUNDINGS = tuple(GPTQ_OP_TYPES)
 # Presets of accelerators whose toolchains quantize every operator: their users emulate that
 # arithmetic, so Q/DQ goes on every node with a rule (placement "all") unless they say otherwise.
 ACCELERATOR_PRESETS = frozenset({"horizon", "horizon-rne"})
@@ -78,7 +86,7 @@ class CalibrationConfig:
     bins: int = 2048
     quantized_bins: int = 128
     per_channel: bool = True
-    weight_rounding: str = "nearest"  # or "gptq": codes chosen for the layer's output error
+    weight_rounding: str = "nearest"  # "gptq", "auto": codes chosen for the layer's output error
     bias_correction: bool = True  # biases absorb the mean output shift quantization causes
     weight_only: str | None = None  # "int4": MatMul/Gemm weights alone, in blocks along K
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -240,6 +248,10 @@ class CalibrationConfig:
     def method_for(self, tensor: str) -> str:
         override = self.tensors.get(tensor)
         return override.method if override and override.method else self.method
+
+    def rounds_with_gptq(self, op_type: str) -> bool:
+        """Whether the weights of a layer of `op_type` get GPTQ codes (GPTQ_OP_TYPES)."""
+        return op_type in GPTQ_OP_TYPES[self.weight_rounding]
 
     def histogram_settings(self) -> HistogramSettings:
         return HistogramSettings(self.percentile, self.bins, self.quantized_bins)

@@ -42,7 +42,7 @@ from qcal._quantize_tensors import (
     _quantize_weights,
     blame_nan_weights,
     build_quantized,
-    measure_layer_inputs,
+    layer_input_targets,
 )
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
@@ -60,6 +60,7 @@ from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, collect
+from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
@@ -214,12 +215,12 @@ def calibrate(
             unobserved = {t.tensor for t in plan.activations} - records.keys()
             plan = leave_unobserved_float(prepared, plan, unobserved)
             act_params = {name: rec.onnx for name, rec in records.items()}  # activations only yet
+            targets = layer_input_targets(prepared, plan, act_params, config)
         layer_inputs = None
-        if config.weight_rounding == "gptq" or config.bias_correction:
+        if targets:  # GPTQ's Hessians and bias correction's sums, in one pass
             with timings.stage("layer inputs"):  # a second pass, with the activations' parameters
-                layer_inputs = measure_layer_inputs(
-                    prepared, plan, act_params, calib_batches,
-                    gptq=config.weight_rounding == "gptq", providers=config.providers,
+                layer_inputs = collect_hessians(
+                    prepared, targets, calib_batches, providers=config.providers,
                     threads=config.threads,
                     on_batch=_stage_progress(progress, "layer inputs", calib.num_samples()))
         with timings.stage("qparams"):

@@ -104,3 +104,16 @@ def test_the_flag_name_is_accepted_and_an_unknown_key_lists_the_accepted_ones() 
         "CPUExecutionProvider",)
     with pytest.raises(ConfigError, match=r"unknown key 'batchsize' \(accepted: .*batch-size"):
         config_from_mapping({"batchsize": 2})
+
+
+def test_weight_rounding_names_the_layers_gptq_rounds() -> None:
+    auto = config_from_mapping({"weight_rounding": "auto"})
+    assert [auto.rounds_with_gptq(op) for op in ("MatMul", "Gemm", "Conv", "ConvTranspose")] == [
+        True, True, False, False]
+    gptq = config_from_mapping({"weight-rounding": "gptq"})
+    assert [gptq.rounds_with_gptq(op) for op in ("MatMul", "Gemm", "Conv")] == [True] * 3
+    nearest = config_from_mapping({"weight_rounding": "nearest"})
+    assert not any(nearest.rounds_with_gptq(op) for op in ("MatMul", "Gemm", "Conv"))
+    with pytest.raises(ConfigError, match="weight-rounding: unknown 'gtpq'; choose one of "
+                                          "nearest, gptq, auto"):
+        config_from_mapping({"weight_rounding": "gtpq"})

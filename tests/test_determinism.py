@@ -1,6 +1,6 @@
 """Determinism: the same model, data and options give byte-identical QDQ models and reports
 (timings aside), from run to run, whatever the batch size and the number of onnxruntime threads,
-for the min-max and histogram methods. Moving averages depend on how samples are batched (each
+for the min-max and histogram methods and for each weight rounding. Moving averages depend on how samples are batched (each
 batch is one update), so only repeated runs and thread counts are checked for them."""
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def calibrate(
-    inputs: tuple[Path, Path], out: Path, method: str, batch: int, threads: int
+    inputs: tuple[Path, Path], out: Path, method: str, batch: int, threads: int,
+    *flags: str,
 ) -> tuple[bytes, dict[str, Any]]:
     model, data = inputs
     result = CliRunner().invoke(
@@ -56,6 +57,7 @@ def calibrate(
             str(out / "q.json"),
             "-q",
             "--no-fallback",  # a near-tie flipping on these random weights is not the point
+            *flags,
         ],
     )
     assert result.exit_code == 0, result.output
@@ -89,6 +91,26 @@ def test_identical_across_runs_batch_sizes_and_threads(
         assert model == first_model, (batch, threads)
         assert comparable(report) == comparable(first_report), (batch, threads)
     assert first_report["evaluation"]["samples"] == 24
+
+
+@pytest.mark.parametrize("rounding", ["auto", "gptq"])
+def test_weight_rounding_is_identical_across_runs_batch_sizes_and_threads(
+    inputs: tuple[Path, Path], tmp_path: Path, rounding: str
+) -> None:
+    """GPTQ's Hessians are exact integer sums: the codes it chooses do not depend on batching
+    (auto: the classifier's Gemm by GPTQ, the Convs to nearest)."""
+    results = []
+    for i, (batch, threads) in enumerate(RUNS):
+        out = tmp_path / str(i)
+        out.mkdir()
+        results.append(calibrate(inputs, out, "auto", batch, threads,
+                                 "--weight-rounding", rounding))
+    first_model, first_report = results[0]
+    for (model, report), (batch, threads) in zip(results[1:], RUNS[1:]):
+        assert model == first_model, (batch, threads)
+        assert comparable(report) == comparable(first_report), (batch, threads)
+    rounded = {t["name"] for t in first_report["tensors"] if "rounding" in t}
+    assert rounded == ({"G"} if rounding == "auto" else {"W1", "W2", "G"})
 
 
 def test_moving_average_is_identical_across_runs_and_threads_at_one_batch_size(

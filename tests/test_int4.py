@@ -243,6 +243,16 @@ def test_weight_only_gptq_is_the_same_whatever_the_batching(tmp_path: Path) -> N
     assert (tmp_path / "one.onnx").read_bytes() == (tmp_path / "many.onnx").read_bytes()
 
 
+def test_weight_only_auto_rounding_is_gptq(tmp_path: Path) -> None:
+    """Every weight-only weight is a MatMul/Gemm one: auto gives each of them GPTQ codes."""
+    model, data, _ = _write_mlp(tmp_path, np.random.default_rng(5))
+    flags = ("--weight-only", "int4", "--block-size", "16", "--weight-rounding")
+    reports = {r: _calibrate(tmp_path, model, data, r, *flags, r) for r in ("gptq", "auto")}
+    assert (tmp_path / "auto.onnx").read_bytes() == (tmp_path / "gptq.onnx").read_bytes()
+    assert reports["auto"]["weight_only"]["weights"] == reports["gptq"]["weight_only"]["weights"]
+    assert {e["rounding"] for e in reports["auto"]["weight_only"]["weights"]} == {"gptq"}
+
+
 def test_weight_only_qdq_upgrades_the_opset(tmp_path: Path) -> None:
     model, data, _ = _write_mlp(tmp_path, np.random.default_rng(6))
     report = _calibrate(tmp_path, model, data, "qdq", "--weight-only", "int4",

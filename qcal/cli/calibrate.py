@@ -43,8 +43,10 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="Weight granularity.")
 @click.option("--weight-rounding", type=click.Choice(WEIGHT_ROUNDINGS), default="nearest",
               show_default=True,
-              help="How weight codes are chosen: nearest, or gptq (minimises each layer's output "
-                   "error on the calibration data; one more pass over it).")
+              help="How weight codes are chosen: nearest, gptq (minimises each layer's output "
+                   "error on the calibration data; one more pass over it), or auto (gptq for "
+                   "MatMul/Gemm weights, nearest for Conv: no extra pass on a model without "
+                   "MatMul/Gemm).")
 @click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
               help="Correct Conv/Gemm biases for the mean output shift quantization causes on "
                    "the calibration data (one more pass over it).")
