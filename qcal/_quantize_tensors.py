@@ -194,6 +194,7 @@ def layer_input_targets(
     bias correction has a bias to correct. Empty: the pass has nothing to do and does not run."""
     nodes = {n.name: n for n in model.graph.node}
     initializers = {i.name: i for i in model.graph.initializer}
+    added_biases = {b.anchor for b in plan.biases if b.anchor}  # MatMuls an Add gives a bias
     targets = []
     for weight in plan.weights:
         node = nodes.get(weight.node)
@@ -202,7 +203,8 @@ def layer_input_targets(
                 or node.input[1] != weight.tensor or node.input[0] not in act_params):
             continue
         gptq = config.rounds_with_gptq(node.op_type)
-        if not gptq and not (config.bias_correction and len(node.input) > 2):
+        has_bias = len(node.input) > 2 or node.name in added_biases
+        if not gptq and not (config.bias_correction and has_bias):
             continue
         target = hessian_target(node, list(initializers[weight.tensor].dims),
                                 act_params[node.input[0]], products=gptq)

@@ -236,7 +236,7 @@ def _calibrate(tmp: Path, model: Path, name: str, *args: str) -> dict:
 @pytest.mark.parametrize("model", ["digits_cnn", "transformer_block"])
 def test_gptq_improves_the_quantized_model(tmp_path: Path, model: str) -> None:
     path = SAMPLE_MODELS / f"{model}.onnx"
-    nearest = _calibrate(tmp_path, path, "nearest")
+    nearest = _calibrate(tmp_path, path, "nearest", "--weight-rounding", "nearest")
     gptq = _calibrate(tmp_path, path, "gptq", "--weight-rounding", "gptq")
     onnx.checker.check_model(str(tmp_path / "gptq.onnx"))
     sqnr = lambda r: min(o["sqnr_db"] for o in r["evaluation"]["outputs"])

@@ -209,7 +209,8 @@ def _calibrate(tmp_path: Path, model: Path, data: Path, name: str, *flags: str) 
 
 def test_weight_only_end_to_end_gptq_beats_nearest_on_the_layer_outputs(tmp_path: Path) -> None:
     model, data, x = _write_mlp(tmp_path, np.random.default_rng(4))
-    nearest = _calibrate(tmp_path, model, data, "rtn", "--weight-only", "int4")
+    nearest = _calibrate(tmp_path, model, data, "rtn", "--weight-only", "int4",
+                        "--weight-rounding", "nearest")
     gptq = _calibrate(tmp_path, model, data, "gptq", "--weight-only", "int4",
                       "--weight-rounding", "gptq")
     section = gptq["weight_only"]

@@ -48,8 +48,9 @@ from qcal.numerics.errors import ConfigError, OutputError
                    "MatMul/Gemm weights, nearest for Conv: no extra pass on a model without "
                    "MatMul/Gemm).")
 @click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
-              help="Correct Conv/Gemm biases for the mean output shift quantization causes on "
-                   "the calibration data (one more pass over it).")
+              help="Correct Conv/Gemm biases (and the bias an Add gives a MatMul) for the mean "
+                   "output shift quantization causes on the calibration data (one more pass "
+                   "over it).")
 @click.option("--weight-only", type=click.Choice(WEIGHT_ONLY),
               help="Quantize only MatMul/Gemm weights, to 4 bits in blocks along their inputs; "
                    "activations stay float [default: off].")

@@ -94,8 +94,8 @@ class _WeightWriter(_Writer):
         values = tensor_array(self._originals.get(bias.tensor, initializer))
         values = values.astype(np.float32)
         shift = self._weight_codes[bias.weight_tensor].bias_shift
-        if shift is not None and shift.shape == values.shape:  # bias correction
-            values = (values.astype(np.float64) - shift).astype(np.float32)
+        if shift is not None and shift.size == values.size:  # bias correction ([N] or [1, N])
+            values = (values.astype(np.float64) - shift.reshape(values.shape)).astype(np.float32)
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
         if not (np.all(np.isfinite(stored_scale)) and np.all(stored_scale > 0)):
