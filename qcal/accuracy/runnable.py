@@ -8,9 +8,9 @@ of the model, or that persists, is a clear ModelError (exit 4), never an interna
 
 A model onnxruntime runs may still not run where qcal planned integer kernels: onnxruntime fuses
 DequantizeLinear -> Conv/MatMul/Gemm -> QuantizeLinear only in the forms its kernels support
-(no ConvTranspose on the CPU provider; a MatMul whose Add it fuses into a Gemm with a float
-bias), and otherwise runs the node in float on dequantized weights, every run, with the input's
-Quantize/Dequantize on top: slower than the float model, and counted as quantized when it is not.
+(no ConvTranspose on the CPU provider, no Conv writing a float graph output), and otherwise runs
+the node in float on dequantized weights, every run, with the input's Quantize/Dequantize on
+top: slower than the float model, and counted as quantized when it is not.
 So the graph onnxruntime will run (after its fusions) is read back once, and every planned weight
 it still dequantizes into a float Conv, ConvTranspose, MatMul or Gemm is kept float with its
 node: what qcal reports as quantized is what runs in integers.
