@@ -503,6 +503,7 @@ def table_rows(name: str, result: dict[str, Any], threads: list[str]) -> list[li
                 variant_name,
                 metric.get("measure") or _measure_name(result),
                 _format_metric(metric),
+                _format_sqnr(metric),
                 *ratios,
                 _format_coverage(cov),
                 "-" if v["exit_code"] is None else v["exit_code"],
@@ -531,6 +532,13 @@ def _format_metric(metric: dict[str, Any]) -> str | None:
     if metric.get("measure") == "box F1":
         return f"{value:.3f}"
     return f"{100 * value:.1f} %"
+
+
+def _format_sqnr(metric: dict[str, Any]) -> str | None:
+    """Output 0's SQNR against the float model on the same samples: it separates variants
+    whose task metric is saturated (100 % agreement)."""
+    sqnr = (metric.get("outputs") or {}).get("sqnr_db")
+    return None if sqnr is None else f"{sqnr:.1f}"
 
 
 def _format_coverage(cov: dict[str, Any]) -> str | None:
@@ -634,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Task metric vs the float model on the first {args.eval_samples} evaluation samples "
         f"(generalisation models; at most what eval.npz holds) or {args.ppocr_eval_samples} "
         f"(PP-OCR, which calibrate on {args.ppocr_calib_samples} samples; the generalisation "
-        "models on all of calib.npz). Latency: batch 1, median of "
+        "models on all of calib.npz); SQNR dB: of that output against the float model's on "
+        "the same samples (generalisation models). Latency: batch 1, median of "
         f"{args.repeats} runs interleaved across the float and quantized sessions, as a ratio to "
         "the float model at the same thread count. Calib s: wall time of the calibration "
         "process (interpreter start and imports included; qcal runs without --eval-data)."
@@ -647,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             "variant",
             "metric",
             "vs float",
+            "SQNR dB",
             *[f"latency x float ({t} thr)" for t in threads],
             "MACs quantized",
             "qcal exit",
