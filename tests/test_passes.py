@@ -94,6 +94,46 @@ def test_batchnorm_after_conv_is_folded(with_bias: bool, opset: int) -> None:
     _assert_same_outputs(model, prepared, _feed(rng))
 
 
+def _gemm_bn(rng: np.random.Generator, *, trans_b: int, with_bias: bool,
+             alpha: float = 1.0) -> onnx.ModelProto:
+    """x -> Gemm -> BatchNormalization -> Relu: a Linear followed by a BatchNorm1d."""
+    weight = rng.standard_normal((6, 5) if trans_b else (5, 6)).astype(np.float32)
+    inits = {
+        "G": weight,
+        "bn_scale": rng.uniform(0.5, 2.0, 6).astype(np.float32),
+        "bn_shift": rng.standard_normal(6).astype(np.float32),
+        "bn_mean": rng.standard_normal(6).astype(np.float32),
+        "bn_var": rng.uniform(0.5, 2.0, 6).astype(np.float32),
+    }
+    inputs = ["x", "G"]
+    if with_bias:
+        inits["C"] = rng.standard_normal(6).astype(np.float32)
+        inputs.append("C")
+    nodes = [
+        helper.make_node("Gemm", inputs, ["g"], name="fc", transB=trans_b, alpha=alpha),
+        helper.make_node("BatchNormalization", ["g", "bn_scale", "bn_shift", "bn_mean", "bn_var"],
+                         ["bn"], name="bn", epsilon=1e-3),
+        helper.make_node("Relu", ["bn"], ["y"], name="relu"),
+    ]
+    return build_model(nodes, [float_input("x", ["N", 5])], ["y"], inits)
+
+
+@pytest.mark.parametrize(("trans_b", "with_bias"), [(0, True), (1, True), (1, False)])
+def test_batchnorm_after_gemm_is_folded(trans_b: int, with_bias: bool) -> None:
+    rng = np.random.default_rng(6)
+    model = _gemm_bn(rng, trans_b=trans_b, with_bias=with_bias)
+    prepared, steps = prepare_model(model)
+    assert "BatchNormalization" not in _ops(prepared)
+    assert _steps(steps)["fold-batchnorm"] == "folded 1 BatchNormalization into Conv/Gemm"
+    feeds = {"x": rng.standard_normal((7, 5)).astype(np.float32)}
+    _assert_same_outputs(model, prepared, feeds)
+
+
+def test_batchnorm_after_a_scaled_gemm_stays() -> None:
+    model = _gemm_bn(np.random.default_rng(7), trans_b=1, with_bias=True, alpha=0.5)
+    assert not FoldBatchNorm()(_copy(model)).modified
+
+
 def test_folding_copies_a_weight_other_nodes_read() -> None:
     rng = np.random.default_rng(4)
     model = conv_bn_relu(rng)

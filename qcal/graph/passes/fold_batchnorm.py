@@ -1,4 +1,5 @@
-"""Pass: fold BatchNormalization (inference mode) that directly follows a Conv into the Conv.
+"""Pass: fold BatchNormalization (inference mode) that directly follows a Conv, or a Gemm (a
+BatchNorm1d after a Linear), into it.
 
 With ``s = scale / sqrt(var + epsilon)`` per output channel ``m``::
 
@@ -31,13 +32,14 @@ _FOLDABLE_TYPES = frozenset(
 
 
 class FoldBatchNorm:
-    """Fold each foldable Conv -> BatchNormalization pair of the main graph.
+    """Fold each foldable Conv (or Gemm) -> BatchNormalization pair of the main graph.
 
     A pair folds when: the Conv output is read by the BatchNormalization only (and is not a
     graph output); the Conv weight, its bias (if any) and the four BN parameters are
     initializers no graph input overrides; BN runs in inference mode with one output; the BN
-    parameters have one value per Conv output channel. A weight or bias that other nodes also
-    read is copied under a new name rather than changed in place.
+    parameters have one value per Conv output channel. A Gemm folds when alpha and beta are 1,
+    A is not transposed and its bias C (if any) holds one value per output channel. A weight or
+    bias that other nodes also read is copied under a new name rather than changed in place.
     """
 
     name: ClassVar[str] = "fold-batchnorm"
@@ -47,6 +49,7 @@ class FoldBatchNorm:
         index = UseIndex.build(graph)
         names = NameAllocator.from_model(model)
         folded: set[int] = set()  # positions of the BN nodes removed
+        gemms = 0
         maybe_unread: set[str] = set()  # initializers a fold may have left without readers
         for bn_position, bn in enumerate(graph.node):
             conv = _foldable_conv(bn, index)
@@ -56,6 +59,7 @@ class FoldBatchNorm:
             maybe_unread.update(conv.input[1:])
             _fold(graph, index, names, conv, bn)
             folded.add(bn_position)
+            gemms += conv.op_type == "Gemm"
         if not folded:
             return StepResult(model, False)
         kept = [n for p, n in enumerate(graph.node) if p not in folded]
@@ -65,6 +69,7 @@ class FoldBatchNorm:
         count = len(folded)
         return StepResult(
             model, True, f"folded {count} BatchNormalization{'s' * (count != 1)} into Conv"
+            + ("/Gemm" if gemms else "")
         )
 
 
@@ -76,7 +81,12 @@ def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None
     if not _int_attribute(bn, "spatial", 1):  # opset < 9: per-activation statistics
         return None
     conv = index.producer.get(bn.input[0])
-    if conv is None or conv.op_type != "Conv" or conv.domain not in DEFAULT_DOMAINS:
+    if conv is None or conv.op_type not in ("Conv", "Gemm") or conv.domain not in DEFAULT_DOMAINS:
+        return None
+    if conv.op_type == "Gemm" and (
+        _float_attribute(conv, "alpha", 1.0) != 1.0 or _float_attribute(conv, "beta", 1.0) != 1.0
+        or _int_attribute(conv, "transA", 0)
+    ):
         return None
     conv_output = conv.output[0]
     if conv_output in index.graph_outputs or len(index.uses.get(conv_output, ())) != 1:
@@ -84,10 +94,12 @@ def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None
     weight = index.constant(conv.input[1]) if len(conv.input) > 1 else None
     if weight is None or weight.data_type not in _FOLDABLE_TYPES or not weight.dims:
         return None
-    channels = weight.dims[0]
+    channels = weight.dims[_output_axis(conv)] if len(weight.dims) > 1 else -1
     has_bias = len(conv.input) > 2 and bool(conv.input[2])
-    if has_bias and index.constant(conv.input[2]) is None:
-        return None
+    if has_bias:
+        bias = index.constant(conv.input[2])
+        if bias is None or (conv.op_type == "Gemm" and list(bias.dims) != [channels]):
+            return None
     for value in bn.input[1:]:
         parameter = index.constant(value)
         if parameter is None or parameter.data_type not in _FOLDABLE_TYPES:
@@ -116,7 +128,8 @@ def _fold(
     scale, shift, mean, var = (values(v) for v in bn.input[1:])
     epsilon = _float_attribute(bn, "epsilon", _DEFAULT_EPSILON)
     factor = scale / np.sqrt(var + epsilon)
-    channel_shape = (-1,) + (1,) * (weight.ndim - 1)
+    channel_shape = [1] * weight.ndim
+    channel_shape[_output_axis(conv)] = -1
     new_weight = (weight.astype(np.float64) * factor.reshape(channel_shape)).astype(dtype)
     has_bias = len(conv.input) > 2 and bool(conv.input[2])
     bias = values(conv.input[2]) if has_bias else np.zeros_like(factor)
@@ -136,6 +149,13 @@ def _fold(
     stale = [v for v in graph.value_info if v.name == old_output]
     for value_info in stale:
         graph.value_info.remove(value_info)
+
+
+def _output_axis(node: onnx.NodeProto) -> int:
+    """The weight axis of the output channels: 0 for a Conv, by transB for a Gemm."""
+    if node.op_type == "Gemm":
+        return 0 if _int_attribute(node, "transB", 0) else 1
+    return 0
 
 
 def _store(
