@@ -490,3 +490,37 @@ def test_bias_correction_reaches_the_bias_an_add_gives_a_matmul(tmp_path: Path) 
     changed = [i.name for i in models[True].graph.initializer
                if i.SerializeToString() != before[i.name].SerializeToString()]
     assert changed == ["b_quantized"]
+
+
+def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) -> None:
+    """conv -> Relu -> MaxPool (float) -> conv: onnxruntime moves the MaxPool output's
+    QuantizeLinear up to the Relu and runs conv, pool and conv on integers. A pair on the Relu's
+    output would block that (a DequantizeLinear, a float MaxPool and a QuantizeLinear more), so
+    the MaxPool reads the Relu's float output."""
+    rng = np.random.default_rng(14)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["y"], name="gap"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    config = CalibrationConfig(data=tmp_path / "calib.npz", fallback=False)
+    quantized = calibrate(tmp_path / "m.onnx", config).model
+    pool = next(n for n in quantized.graph.node if n.name == "pool")
+    assert pool.input[0] == "r1"
+    ops = _optimized_ops(quantized, tmp_path)
+    # One DequantizeLinear: the float GlobalAveragePool's input.
+    assert ops["QLinearConv"] == 2 and ops["NhwcMaxPool"] == 1, ops
+    assert ops["DequantizeLinear"] == 1 and not {"Conv", "FusedConv", "MaxPool"} & set(ops), ops

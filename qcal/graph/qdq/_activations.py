@@ -109,6 +109,10 @@ class _ActivationWriter(_Writer):
             return self._other_float_reads(rewrite, tensor, quantized)
         fused = self._fused_into(rewrite, producer)
         if fused is not None:
+            if not quantized and self._quantized_after_data_movement(rewrite, tensor):
+                # onnxruntime moves the QuantizeLinear after a MaxPool (Reshape, ...) up to the
+                # Relu/Clip by itself, and a pair here would block that.
+                return []
             producer = fused  # the Relu/Clip's output is its anchor's integer output
         if producer.op_type not in _INTEGER_KERNEL_INPUTS:
             return []
@@ -149,6 +153,16 @@ class _ActivationWriter(_Writer):
         ):
             return None
         return anchor
+
+    def _quantized_after_data_movement(self, rewrite: _Rewrite, tensor: str) -> bool:
+        """Whether every reader of `tensor` only moves values (`_INTEGER_DATA_OPS`) into an
+        output that is quantized itself."""
+        readers = [use.node for use in rewrite.index.uses.get(tensor, ())]
+        return bool(readers) and all(
+            node.op_type in _INTEGER_DATA_OPS and node.domain in DEFAULT_DOMAINS
+            and bool(node.output) and node.output[0] in self._activation_qparams
+            for node in readers
+        )
 
     @staticmethod
     def _other_float_reads(rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]) -> list[Use]:
