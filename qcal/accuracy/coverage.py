@@ -35,6 +35,7 @@ import onnx
 from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
 from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
+from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
 from qcal.numerics.errors import QcalError
 
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 _OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
-_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 
 Shapes = Mapping[str, tuple[int, ...]]
 ShapeProbe = Callable[[list[str]], Shapes]
@@ -199,7 +199,7 @@ def _output_quantized(node: onnx.NodeProto, index: UseIndex, quantized: set[str]
     readers = index.readers(tensor)
     return (
         len(readers) == 1
-        and readers[0].op_type in _FUSED_ACTIVATIONS
+        and readers[0].op_type in FUSED_ACTIVATIONS
         and bool(readers[0].output)
         and readers[0].output[0] in quantized
     )

@@ -48,6 +48,7 @@ from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex
 
 __all__ = [
     "ANCHOR_OPS",
+    "FUSED_ACTIVATIONS",
     "PLACEMENTS",
     "Placement",
     "parameter_slots",
@@ -59,7 +60,8 @@ PLACEMENTS = ("auto", "all")
 ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
 _INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
-_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+# Activations onnxruntime folds into the QuantizeLinear after an integer kernel.
+FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 # Cheap operators onnxruntime runs on integers when their inputs and output are quantized.
 # Not MaxPool: onnxruntime's uint8 MaxPool is a plain loop, about 10x its float (NCHWc) kernel
 # (PP-OCR cls: 0.34 ms against 0.03 ms), far more than the Dequantize/Quantize pair it saves.
@@ -220,7 +222,7 @@ def _fused_activations(
         readers = index.readers(node.output[0])
         if (
             len(readers) == 1
-            and readers[0].op_type in _FUSED_ACTIVATIONS
+            and readers[0].op_type in FUSED_ACTIVATIONS
             and readers[0].name in names
             and node.output[0] not in index.graph_outputs
         ):

@@ -11,9 +11,8 @@ import onnx
 import onnx.defs
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.placement import Placement, parameter_tensors, place
+from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, parameter_tensors, place
 from qcal.graph.plan._rules import (
-    _FUSED_ACTIVATIONS,
     OpRule,
     _float_attribute,
     _int_attribute,
@@ -220,7 +219,7 @@ class _Planner(_Selection):
                 continue  # the compute node itself will not run quantized
             (activation,) = readers
             if (
-                activation.op_type in _FUSED_ACTIVATIONS
+                activation.op_type in FUSED_ACTIVATIONS
                 and activation.domain in DEFAULT_DOMAINS
                 and activation.name in self._selected
                 and activation.input[0] == tensor

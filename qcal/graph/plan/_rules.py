@@ -158,7 +158,6 @@ a constant MatMul A) per tensor with the activation scheme, whose type the integ
 """
 """The principles behind `OP_RULES`, for the README and `qcal inspect`."""
 
-_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 
 
 def rules_table() -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
+from qcal.graph.placement import ANCHOR_OPS, FUSED_ACTIVATIONS
 from qcal.graph.qdq._base import _Writer
 from qcal.graph.qdq._codes import _same_qparams
 from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, Use
@@ -38,10 +39,6 @@ _INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
     "Softmax": (0,),
 }
 
-# Activations onnxruntime folds into the QuantizeLinear after an integer kernel (its Relu and
-# Clip fusions), and the kernels they follow.
-_FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
-_FUSING_ANCHORS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 
 # Operators that only move or select values, which onnxruntime's CPU provider runs on the
 # integers when the DequantizeLinear before and the QuantizeLinear after carry the same
@@ -139,14 +136,14 @@ class _ActivationWriter(_Writer):
         needs the QuantizeLinear to be the Relu/Clip's only reader, as for any integer kernel,
         so float readers of its output must read the DequantizeLinear too: otherwise the anchor
         runs in float on dequantized weights (a float Conv in the middle of integer ones)."""
-        if node.op_type not in _FUSED_ACTIVATIONS or not node.input or not node.input[0]:
+        if node.op_type not in FUSED_ACTIVATIONS or not node.input or not node.input[0]:
             return None
         source = node.input[0]
         anchor = rewrite.index.producer.get(source)
         if (
             anchor is None
             or anchor.domain not in DEFAULT_DOMAINS
-            or anchor.op_type not in _FUSING_ANCHORS
+            or anchor.op_type not in ANCHOR_OPS
             or (source, node.name) in self._quantized_reads
             or source in rewrite.index.graph_outputs
             or len(rewrite.index.uses.get(source, ())) != 1
