@@ -348,8 +348,10 @@ def _replan(
 ) -> Callable[[frozenset[str]], QuantPlan] | None:
     """The plan again with some nodes left float, for the check that what is planned runs in
     integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
-    --op-types) instead of serving onnxruntime's integer kernels."""
-    if not config.places_for_speed:
+    --op-types) instead of serving onnxruntime's integer kernels, and for providers other than
+    the CPU provider alone."""
+    if not config.places_for_speed or tuple(config.providers) != ("CPUExecutionProvider",):
+        # Other providers compile the graph their own way (and some cannot write it out).
         return None
     rules = _selection_rules(config)
 
