@@ -524,3 +524,31 @@ def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) 
     # One DequantizeLinear: the float GlobalAveragePool's input.
     assert ops["QLinearConv"] == 2 and ops["NhwcMaxPool"] == 1, ops
     assert ops["DequantizeLinear"] == 1 and not {"Conv", "FusedConv", "MaxPool"} & set(ops), ops
+
+
+def test_a_graph_onnxruntime_cannot_write_out_skips_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where onnxruntime cannot write its optimized graph out, the model is judged as before
+    (it runs, so it is kept), with no check of its fusions, instead of being called unrunnable."""
+    from qcal.accuracy import runnable
+
+    real = runnable.create_session
+    asked: list[bool] = []
+
+    def no_write_out(model: onnx.ModelProto, **kwargs: object) -> object:
+        asked.append(kwargs.get("optimized_to") is not None)
+        if kwargs.get("optimized_to") is not None:
+            raise RuntimeError("Unable to serialize model as it contains compiled nodes")
+        return real(model, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runnable, "create_session", no_write_out)
+    rng = np.random.default_rng(15)
+    model = _hard_swish_block(rng)
+    x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    assert asked[:2] == [True, False]
+    assert result.report["coverage"]["quantized_compute_nodes"] >= 1

@@ -121,14 +121,19 @@ def _run_failure(
                                      what="quantized model", optimized_to=optimized_path)
             names = [o.name for o in session.get_outputs()]
             session.run(names, dict(feed))
-        except ModelError as err:
-            return str(err), None, None
         except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
+            if read_back:  # writing the optimized graph out may be what failed: judge without
+                return _run_failure(model, feed, providers, threads, read_back=False)
+            if isinstance(err, ModelError):
+                return str(err), None, None
             text = str(err).strip()
             return (" ".join(text.split()) if text else type(err).__name__), None, None
         optimized = None
         if optimized_path is not None and optimized_path.is_file():  # its weights stay there
-            optimized = onnx.load(str(optimized_path), load_external_data=False)
+            try:
+                optimized = onnx.load(str(optimized_path), load_external_data=False)
+            except Exception:  # noqa: BLE001  a graph onnx cannot read back: no check, no harm
+                optimized = None
     return None, session, optimized
 
 
