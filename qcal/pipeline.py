@@ -290,7 +290,7 @@ def calibrate(
         with timings.stage("latency"):
             figures, latency_ratio = time_side_by_side(
                 prepared, quant_model, first_feed, providers=config.providers,
-                threads=(1, 2) if config.fail_if_slower is not None else (1,),
+                threads=(1, 2),
                 for_gate=config.fail_if_slower is not None)
         timings.seconds.update(figures)
     del first_feed
