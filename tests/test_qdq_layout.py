@@ -102,10 +102,11 @@ def test_plan_shares_parameters_across_data_movement() -> None:
     rng = np.random.default_rng(1)
     prepared, _ = prepare_model(_hard_swish_block(rng))
     auto = {t.tensor: t for t in plan_quantization(prepared, SelectionRules()).activations}
-    # placement auto leaves the MaxPool float (onnxruntime's uint8 MaxPool is slow), and with
-    # it the elementwise chain that led to it: its output is quantized for the Conv alone.
-    # Placed with everything else, it shares its input's parameters.
-    assert auto["pooled"].same_as is None and "shifted" not in auto
+    # placement auto leaves the MaxPool float (onnxruntime's uint8 MaxPool is slow): its output
+    # gets parameters of its own, for the Conv. The elementwise chain before it is quantized:
+    # it reaches the Conv through the MaxPool, which onnxruntime moves a QuantizeLinear through.
+    # Placed with everything else, the MaxPool's output shares its input's parameters.
+    assert auto["pooled"].same_as is None and "shifted" in auto
     plan = plan_quantization(prepared, SelectionRules(placement="all"))
     targets = {t.tensor: t for t in plan.activations}
     assert targets["pooled"].same_as == "shifted" and targets["pooled"].divisor == 1.0
@@ -552,3 +553,49 @@ def test_a_graph_onnxruntime_cannot_write_out_skips_the_check(
                        CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
     assert asked[:2] == [True, False]
     assert result.report["coverage"]["quantized_compute_nodes"] >= 1
+
+
+def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> None:
+    """conv -> Relu -> MaxPool -> [conv -> Relu -> conv, and the shortcut] -> Add -> Relu ->
+    conv, as a ResNet's stem and first block: the residual Add reads the MaxPool's output, which
+    the block's first conv reads quantized anyway, so the Add is quantized too and every conv
+    runs as QLinearConv (with the Add left float, the block's second conv, whose output only
+    the Add reads, ran in float on dequantized weights, and so did the stem)."""
+    rng = np.random.default_rng(16)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="stem", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="stem_relu"),
+        helper.make_node("MaxPool", ["r0"], ["p"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "p"], ["s"], name="residual"),
+        helper.make_node("Relu", ["s"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3"),
+        helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="gap"),
+    ]
+    inits = {
+        "w0": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "b0": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
+        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
+        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "w3": rng.standard_normal((4, 8, 1, 1)).astype(np.float32) * 0.3,
+        "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
+    x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert decisions["residual"]["quantized"] and not decisions["pool"]["quantized"]
+    assert result.report["coverage"]["quantized_compute_nodes"] == 4
+    ops = _optimized_ops(result.model, tmp_path)
+    assert ops["QLinearConv"] == 4 and ops["QLinearAdd"] == 1, ops
+    assert not {"Conv", "FusedConv", "Add"} & set(ops), ops
+    expected, actual = _outputs(model, x), _outputs(result.model, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()

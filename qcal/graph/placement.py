@@ -24,8 +24,11 @@ softmax, GELU, recurrent state). So under "auto":
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits
   *between* anchors: every float input
-  it computes with comes from a quantized anchor or such an operator, and its output reaches an
-  anchor through such operators. Then it saves a Dequantize/Quantize pair instead of adding one;
+  it computes with comes from a quantized anchor or such an operator, or is an anchor's input
+  (quantized anyway: a residual Add beside the Conv that reads a MaxPool's output), and its
+  output reaches an anchor through such operators (or through a float MaxPool whose output an
+  anchor reads: onnxruntime moves that QuantizeLinear up through it). Then it saves a
+  Dequantize/Quantize pair instead of adding one;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
   ConvTranspose, whose integer kernel (QLinearConv) writes integers. MatMul and Gemm have integer
   kernels with a float output, so attention logits and final logits stay float;
@@ -174,21 +177,24 @@ def place(
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
 
-    # Forward: serving nodes whose every quantized input comes from a quantized producer.
+    # Inputs of anchors: quantized whoever produces them (a float MaxPool's output, ...).
+    read_by_anchors = {t for name in anchors for t in quantized_inputs(by_name[name])}
+    # Forward: serving nodes whose every quantized input comes from a quantized producer or is
+    # quantized anyway for an anchor (a residual Add beside the Conv reading a MaxPool's output).
     forward: set[str] = set()
     for node in nodes:
         if node.name in in_group or node.op_type not in _SERVING_OPS:
             continue
         inputs = quantized_inputs(node)
-        producers = [index.producer.get(t) for t in inputs]
-        if inputs and all(p is not None and (p.name in in_group or p.name in forward)
-                          for p in producers):
+        if inputs and all(_quantized_source(t, index, in_group | forward, read_by_anchors)
+                          for t in inputs):
             forward.add(node.name)
     # Backward: of those, the ones whose output reaches an anchor through such nodes.
     serving: set[str] = set()
     for node in reversed(nodes):
         if node.name in forward and any(
             reader.name in anchors or reader.name in serving
+            or _passes_quantized(reader, read_by_anchors)
             for value in node.output if value
             for reader in index.readers(value)
         ):
@@ -208,6 +214,22 @@ def place(
         if not any(r.name in quantized for r in index.readers(output)):
             placement.tensors[output] = "placement auto: no quantized node reads it"
     return placement
+
+
+def _passes_quantized(node: onnx.NodeProto, read_by_anchors: set[str]) -> bool:
+    """Whether `node` is a float MaxPool whose output an anchor reads quantized: onnxruntime
+    moves that QuantizeLinear up through it, so what writes its input serves the anchor."""
+    return (node.op_type == "MaxPool" and node.domain in DEFAULT_DOMAINS
+            and bool(node.output) and node.output[0] in read_by_anchors)
+
+
+def _quantized_source(
+    tensor: str, index: UseIndex, quantized_nodes: set[str], read_by_anchors: set[str]
+) -> bool:
+    """Whether `tensor` is quantized whoever else reads it: written by a quantized node, or
+    read by an anchor."""
+    producer = index.producer.get(tensor)
+    return (producer is not None and producer.name in quantized_nodes) or tensor in read_by_anchors
 
 
 def _fused_activations(
