@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -10,6 +11,7 @@ import pytest
 from _onnx_testing import build_model, conv_bn_relu, float_input, run
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.config import CalibrationConfig
 from qcal.graph.files import large as _large
 from qcal.graph.model import prepare_model
 from qcal.graph.passes import (
@@ -22,6 +24,7 @@ from qcal.graph.passes import (
 )
 from qcal.graph.passes import upgrade_opset as upgrade_module
 from qcal.numerics.errors import ConfigError, ModelError
+from qcal.pipeline import calibrate
 
 
 def _feed(rng: np.random.Generator, shape: tuple[int, ...] = (2, 3, 8, 8)) -> dict[str, np.ndarray]:
@@ -415,3 +418,52 @@ def test_an_old_ir_model_is_converted_whole_and_says_so() -> None:
     onnx.checker.check_model(result.model, full_check=True)
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
     np.testing.assert_allclose(run(result.model, {"x": x})[0], x @ w, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------ unshare-biases
+
+
+def _shared_bias_convs(rng: np.random.Generator) -> onnx.ModelProto:
+    """Two Convs whose biases are one zero vector behind Identity nodes, as torch.onnx writes
+    the folded biases of freshly initialised BatchNormalizations."""
+    nodes = [
+        helper.make_node("Identity", ["zero"], ["b1"], name="id1"),
+        helper.make_node("Identity", ["zero"], ["b2"], name="id2"),
+        helper.make_node("Conv", ["x", "W1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["y"], name="gap"),
+    ]
+    inits = {
+        "W1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "W2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+        "zero": np.zeros(4, np.float32),
+    }
+    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+
+
+def test_each_conv_gets_a_bias_of_its_own() -> None:
+    rng = np.random.default_rng(8)
+    model = _shared_bias_convs(rng)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["unshare-biases"] == "gave 1 node a bias of their own"
+    biases = {n.name: n.input[2] for n in prepared.graph.node if n.op_type == "Conv"}
+    assert biases["conv1"] != biases["conv2"]
+    initializers = {t.name for t in prepared.graph.initializer}
+    assert set(biases.values()) <= initializers
+    _assert_same_outputs(model, prepared, _feed(rng))
+
+
+def test_shared_biases_are_quantized_for_each_conv(tmp_path: Path) -> None:
+    """With a bias of its own, each Conv's bias is int32 at its own scale, and onnxruntime
+    runs both as QLinearConv (a shared float bias left them in float on dequantized weights)."""
+    rng = np.random.default_rng(9)
+    model = _shared_bias_convs(rng)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    biases = [t for t in result.report["tensors"] if t["role"] == "bias"]
+    assert len(biases) == 2
+    assert result.report["coverage"]["quantized_compute_nodes"] == 2

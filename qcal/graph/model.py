@@ -23,6 +23,7 @@ from qcal.graph.passes import (
     InferShapes,
     NameNodes,
     PrepPass,
+    UnshareBiases,
     UpgradeOpset,
 )
 from qcal.graph.plan import (
@@ -145,7 +146,7 @@ def prepare_model(
 
     Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
     int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    fold-batchnorm, infer-shapes. Each step that did something (or could not complete, as
+    fold-batchnorm, unshare-biases, infer-shapes. Each step that did something (or could not complete, as
     shape inference may) is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -166,6 +167,7 @@ def prepare_model(
         ConstantsToInitializers(),
         EliminateIdentity(),
         FoldBatchNorm(),
+        UnshareBiases(),
         InferShapes(),
     ]
     work = model

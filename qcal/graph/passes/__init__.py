@@ -10,6 +10,7 @@ from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
 from qcal.graph.passes.infer_shapes import InferShapes
 from qcal.graph.passes.name_nodes import NameNodes
+from qcal.graph.passes.unshare_biases import UnshareBiases
 from qcal.graph.passes.upgrade_opset import UpgradeOpset
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "NameNodes",
     "PrepPass",
     "StepResult",
+    "UnshareBiases",
     "UpgradeOpset",
 ]
