@@ -219,16 +219,15 @@ def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRe
     producers = {out: node for g in graphs for node in g.node for out in node.output}
     consumers = {node.name: node for g in graphs for node in g.node}
     initializers = {i.name: i for g in graphs for i in g.initializer}
-    anchor_outputs = {out for b in plan.biases if b.anchor
-                      for out in getattr(consumers.get(b.anchor), "output", ())}
     records: dict[str, TensorRecord] = {}
     for bias in plan.biases:
         node = consumers.get(bias.node)
-        # Input 2 of a Conv/Gemm; of an Add after a MatMul, the input that is not the MatMul's.
-        slots = [2] if not bias.anchor else [0, 1]
-        dq = next((producers.get(node.input[s]) for s in slots if node is not None
-                   and len(node.input) > s and node.input[s] not in anchor_outputs), None)
-        if dq is None or dq.op_type != "DequantizeLinear":
+        # The bias is the input the node reads from int32 codes (a Conv/Gemm's input 2, either
+        # input of an Add after a MatMul); none when it was left float.
+        dq = next((p for p in (producers.get(v) for v in node.input) if p is not None
+                   and p.op_type == "DequantizeLinear" and _int32_codes(p, initializers)),
+                  None) if node is not None else None
+        if dq is None:
             continue  # left float (its input or weight is not quantized)
         scale = onnx.numpy_helper.to_array(initializers[dq.input[1]]).astype(np.float32)
         zero_point = onnx.numpy_helper.to_array(initializers[dq.input[2]])
@@ -244,6 +243,11 @@ def _bias_records(model: onnx.ModelProto, plan: QuantPlan) -> dict[str, TensorRe
             consumers=(bias.node,),
         )
     return records
+
+
+def _int32_codes(dequantize: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> bool:
+    codes = initializers.get(dequantize.input[0])
+    return codes is not None and codes.data_type == onnx.TensorProto.INT32
 
 
 _QUANTIZE_BLOCK_ELEMENTS = 2**23
