@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -16,7 +17,7 @@ from onnx import helper
 
 from qcal.config import CalibrationConfig
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
-from qcal.pipeline import calibrate
+from qcal.pipeline import CalibrationResult, calibrate
 
 
 def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
@@ -29,12 +30,19 @@ def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
     return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
 
 
-def _calibrate(model: onnx.ModelProto, tmp_path: Path, x: np.ndarray) -> onnx.ModelProto:
-    """Every node with a rule quantized (placement "all"): the layout onnxruntime fuses."""
+def _run(
+    model: onnx.ModelProto, tmp_path: Path, x: np.ndarray, **options: Any
+) -> CalibrationResult:
+    """`model` calibrated on `x` (input "x") with these config options."""
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=x)
-    config = CalibrationConfig(data=tmp_path / "calib.npz", placement="all")
-    return calibrate(tmp_path / "m.onnx", config).model
+    config = CalibrationConfig(data=tmp_path / "calib.npz", **options)
+    return calibrate(tmp_path / "m.onnx", config)
+
+
+def _calibrate(model: onnx.ModelProto, tmp_path: Path, x: np.ndarray) -> onnx.ModelProto:
+    """Every node with a rule quantized (placement "all"): the layout onnxruntime fuses."""
+    return _run(model, tmp_path, x, placement="all").model
 
 
 def _outputs(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -318,9 +326,7 @@ def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) 
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    quantized = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz")).model
+    quantized = _run(model, tmp_path, x).model
     mean = next(n for n in quantized.graph.node if n.name == "mean")
     assert mean.input[0] != "r6"  # reads the DequantizeLinear
     ops = _optimized_ops(quantized, tmp_path)
@@ -354,11 +360,8 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
     # Without bias correction (tested below), the codes are the bias's own.
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(
-        data=tmp_path / "calib.npz", fallback=False, bias_correction=False))
+    result = _run(model, tmp_path, x, fallback=False, bias_correction=False)
     records = {t["name"]: t for t in result.report["tensors"]}
     assert records["b"]["role"] == "bias" and records["b"]["consumers"] == ["dense_bias"]
     scales = {name: np.asarray(records[name]["onnx"]["scale"], np.float32) for name in ("f", "w")}
@@ -403,10 +406,7 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    config = CalibrationConfig(data=tmp_path / "calib.npz", preset=preset, fallback=False)
-    quantized = calibrate(tmp_path / "m.onnx", config).model
+    quantized = _run(model, tmp_path, x, preset=preset, fallback=False).model
     ops = _optimized_ops(quantized, tmp_path)
     # conv3 writes the graph output through its Relu, in float: onnxruntime runs it in float.
     assert ops["QLinearConv"] >= 2 and ops["FusedConv"] + ops["Conv"] <= 1, ops
@@ -440,9 +440,7 @@ def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_pa
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+    result = _run(model, tmp_path, x)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     nodes = {n.name: n for n in result.model.graph.node}
     ops = _optimized_ops(result.model, tmp_path)
@@ -515,10 +513,7 @@ def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) 
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    config = CalibrationConfig(data=tmp_path / "calib.npz", fallback=False)
-    quantized = calibrate(tmp_path / "m.onnx", config).model
+    quantized = _run(model, tmp_path, x, fallback=False).model
     pool = next(n for n in quantized.graph.node if n.name == "pool")
     assert pool.input[0] == "r1"
     ops = _optimized_ops(quantized, tmp_path)
@@ -547,10 +542,7 @@ def test_a_graph_onnxruntime_cannot_write_out_skips_the_check(
     rng = np.random.default_rng(15)
     model = _hard_swish_block(rng)
     x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _run(model, tmp_path, x, fallback=False)
     assert asked[:2] == [True, False]
     assert result.report["coverage"]["quantized_compute_nodes"] >= 1
 
@@ -587,10 +579,7 @@ def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> N
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
     x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _run(model, tmp_path, x, fallback=False)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["residual"]["quantized"] and not decisions["pool"]["quantized"]
     assert result.report["coverage"]["quantized_compute_nodes"] == 4
