@@ -7,7 +7,7 @@ y" and never a scan of ``graph.node`` by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import onnx
@@ -25,6 +25,7 @@ __all__ = [
     "element_types",
     "exposing",
     "graph_element_types",
+    "insert_after",
     "subgraph_reads",
 ]
 
@@ -236,3 +237,17 @@ def default_opset(model: onnx.ModelProto) -> int | None:
     """The model's default-domain (ai.onnx) opset version, None when it imports none."""
     versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
     return max(versions) if versions else None
+
+
+def insert_after(graph: onnx.GraphProto, after: Mapping[int, list[onnx.NodeProto]]) -> None:
+    """Put the new nodes right after the nodes they follow (position -1: before every node)."""
+    ordered: list[onnx.NodeProto] = list(after.get(-1, ()))
+    for position, node in enumerate(graph.node):
+        ordered.append(node)
+        ordered.extend(after.get(position, ()))
+    ordered.extend(after.get(len(graph.node), ()))
+    copies = [onnx.NodeProto() for _ in ordered]
+    for copy, node in zip(copies, ordered):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(copies)

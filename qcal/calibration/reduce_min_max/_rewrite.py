@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.calibration.reduce_min_max._layout import MinMaxLayout, _Derived
 from qcal.graph.names import NameAllocator
-from qcal.graph.structure import default_opset
+from qcal.graph.structure import default_opset, insert_after
 from qcal.numerics.errors import ModelError
 
 _AXES_INPUT_OPSET = 18  # ReduceMin/ReduceMax/ReduceSumSquare take `axes` as an input from 18
@@ -108,7 +108,7 @@ def add_min_max_outputs(
         graph.output.extend(
             helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs
         )
-    _insert(graph, after)
+    insert_after(graph, after)
     return out, MinMaxLayout(tuple(stacks), channels, dict(values), tuple(derived.values()))
 
 
@@ -226,17 +226,3 @@ def _reshape(where: list[onnx.NodeProto], names: NameAllocator, value: str, shap
         )
     )
     return output
-
-
-def _insert(graph: onnx.GraphProto, after: Mapping[int, list[onnx.NodeProto]]) -> None:
-    """Put the new nodes right after the nodes they follow (position -1: before every node)."""
-    ordered: list[onnx.NodeProto] = list(after.get(-1, ()))
-    for position, node in enumerate(graph.node):
-        ordered.append(node)
-        ordered.extend(after.get(position, ()))
-    ordered.extend(after.get(len(graph.node), ()))
-    copies = [onnx.NodeProto() for _ in ordered]
-    for copy, node in zip(copies, ordered):
-        copy.CopyFrom(node)
-    del graph.node[:]
-    graph.node.extend(copies)
