@@ -21,6 +21,14 @@ import numpy as np
 import onnx
 
 from qcal.calibration.collect import expose_tensors
+from qcal.calibration.layer_sums import (
+    FINE_LIMIT,
+    FINE_STEPS,
+    Retake,
+    add_sum_outputs,
+    in_graph,
+    read_sums,
+)
 from qcal.calibration.runtime import create_session, run_batches
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
 
@@ -34,12 +42,6 @@ _CHUNK_VALUES = 2**22
 # would be many times the cost of the model itself, and a few thousand positions per sample
 # already measure the inputs' correlations.
 POSITIONS_PER_SAMPLE = 4096
-# The float input's sums are kept in integer steps of scale / FINE_STEPS: exact and the same
-# in any order, to within 1/FINE_STEPS of a code step (far below what a bias can hold).
-FINE_STEPS = 1 << 16
-# |x| / fine step at most this (2^15 code steps: far outside any range): the sums of a
-# sample's values stay exact in float64 up to 2^22 values per channel, in int64 beyond.
-_FINE_LIMIT = float(1 << 31)
 # Hessians held at once; more targets than fit are collected in further passes over the data.
 MEMORY_BUDGET_BYTES = 1 << 30
 
@@ -163,13 +165,15 @@ def _centered_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
 
 
 def _fine_codes(x: np.ndarray, target: HessianTarget) -> np.ndarray:
-    """`x` in integer steps of scale / FINE_STEPS (float64 holding integers; NaN as 0)."""
+    """`x` in integer steps of scale / FINE_STEPS (float64 holding integers; NaN as 0), by a
+    float32 product as onnxruntime takes it (`layer_sums`)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        fine: np.ndarray = np.multiply(x, FINE_STEPS / target.scale, dtype=np.float64)
-    np.rint(fine, out=fine)  # in place: one float64 temporary for the whole tensor
+        fine = np.multiply(np.asarray(x, np.float32), np.float32(FINE_STEPS / target.scale))
+    np.rint(fine, out=fine)  # in place: one float32 temporary for the whole tensor
     np.nan_to_num(fine, copy=False, nan=0.0)
-    np.clip(fine, -_FINE_LIMIT, _FINE_LIMIT, out=fine)
-    return fine
+    np.clip(fine, np.float32(-FINE_LIMIT), np.float32(FINE_LIMIT), out=fine)
+    wide: np.ndarray = fine.astype(np.float64)
+    return wide
 
 
 def _largest_code(target: HessianTarget) -> int:
@@ -272,7 +276,7 @@ def _tap_sums(padded: np.ndarray, out: Sequence[int], target: HessianTarget) -> 
     of that axis summed (k_h x H x W_out + k_h x k_w x H_out per channel, not k_h x k_w x
     H_out x W_out). `padded` holds integers, whose float64 sums are exact below 2^53."""
     spatial = len(target.kernel)
-    sums = padded if padded[0].size * _FINE_LIMIT < 2**53 else padded.astype(np.int64)
+    sums = padded if padded[0].size * FINE_LIMIT < 2**53 else padded.astype(np.int64)
     # sums: (channels, spatial axes not yet summed..., taps of the axes summed...)
     for a in reversed(range(spatial)):
         axis = 1 + a
@@ -358,13 +362,30 @@ def collect_hessians(
         held += target.nbytes
     hessians: dict[str, LayerInputs] = {}
     for group in passes:
-        tensors = sorted({t.tensor for t in group})
-        session = create_session(expose_tensors(model, tensors), providers=providers,
+        # Sums alone are taken inside onnxruntime where it can; H needs the whole input here.
+        summed = in_graph(model, [t for t in group if not t.products])
+        in_onnxruntime = {t.node for t in summed}
+        tensors = sorted({t.tensor for t in group if t.node not in in_onnxruntime})
+        counted, sum_outputs = add_sum_outputs(model, summed)
+        names = tensors + sorted({name for o in sum_outputs.values()
+                                  for name in (o.codes, o.fine, o.shape, o.total)})
+        session = create_session(expose_tensors(counted, tensors), providers=providers,
                                  threads=threads, what="layer-input model", node_order=True)
+        del counted
+        retake = Retake(model, summed, providers, threads)
         acc = {t.node: _ExactSum(t) for t in group}
-        for values in run_batches(session, tensors, batches(), on_batch=on_batch,
-                                  what="layer-input pass (GPTQ, bias correction)"):
+        for feed, n in batches():
+            values = next(run_batches(session, names, [(feed, n)], on_batch=on_batch,
+                                      what="layer-input pass (GPTQ, bias correction)"))
             for target in group:
-                _update(acc[target.node], values[target.tensor], target)
+                if target.node not in in_onnxruntime:
+                    _update(acc[target.node], values[target.tensor], target)
+                    continue
+                sums = read_sums(target, sum_outputs[target.node], values)
+                if sums is None:  # not exact in onnxruntime for this batch: numpy's way
+                    _update(acc[target.node], retake.tensor(target.tensor, feed), target)
+                elif sums[2] > 0:
+                    acc[target.node].add_sums(*sums)
+            retake.forget()
         hessians.update({node: sums.result() for node, sums in acc.items()})
     return hessians
