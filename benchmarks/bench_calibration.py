@@ -9,6 +9,11 @@ by their median; ratios are taken against the float run of the same repeat.
     python benchmarks/bench_calibration.py                      # all models, 32/64/128 samples
     python benchmarks/bench_calibration.py --quick              # a smoke run, under 3 minutes
     python benchmarks/bench_calibration.py --models ppocr_rec --samples 32,256 --methods minmax
+    python benchmarks/bench_calibration.py --models generalisation --methods minmax  # see below
+
+`--models generalisation` (or one of its names) adds the models bench_generalisation.py builds
+into benchmarks/.cache/generalisation; each is calibrated on its own calib.npz (all of its
+inputs, whatever `--samples` says) and evaluated on its eval.npz.
 
 Results: a table on stdout, JSON in benchmarks/results/calibration-<time>.json (and -latest).
 """
@@ -23,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _common import (
     COMPARABLE,
     ORT_METHODS,
@@ -41,7 +47,7 @@ from _common import (
     write_results,
 )
 from _ratios import render_ratios
-from models import ALL_MODELS, BenchmarkSetupError, BenchModel, get_models
+from models import ALL_MODELS, BenchmarkSetupError, get_models
 
 HISTOGRAM_METHODS = ("percentile", "entropy", "mse")
 QCAL_TOOLS = {"auto": "qcal", "numpy": "qcal", "numba": "qcal[fast]"}
@@ -130,7 +136,39 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def build_jobs(model: BenchModel, n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+class _GeneralisationModel:
+    """A model of bench_generalisation.py seen as the jobs here see a BenchModel: its own
+    calibration and evaluation files, every input fed."""
+
+    def __init__(self, model: Any) -> None:
+        self.name, self.path = model.name, model.path
+        self.input_name = ",".join(model.inputs)
+        self._folder = model.folder
+
+    def calib_data(self, n: int) -> Path:
+        return Path(self._folder) / "calib.npz"
+
+    def eval_data(self, n: int) -> Path:
+        return Path(self._folder) / "eval.npz"
+
+    def samples(self) -> int:
+        with np.load(self.calib_data(0), allow_pickle=False) as data:
+            return int(data[self.input_name.split(",")[0]].shape[0])
+
+
+def _load_models(names: list[str], install: bool) -> list[Any]:
+    """BenchModels by name, and the generalisation models asked for ("generalisation": all
+    that are built)."""
+    from bench_generalisation import GEN_DIR, GEN_MODELS, find_gen_models
+
+    wanted = [n for n in names if n in GEN_MODELS or n == "generalisation"]
+    general = list(GEN_MODELS) if "generalisation" in wanted else wanted
+    models: list[Any] = get_models([n for n in names if n not in wanted], install=install)
+    found, _missing = find_gen_models(general, GEN_DIR)
+    return models + [_GeneralisationModel(m) for m in found]
+
+
+def build_jobs(model: Any, n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The jobs of one (model, sample count) cell: float reference, qcal and ort per method."""
     data = model.calib_data(n)
     base = {
@@ -205,14 +243,15 @@ def job_seconds(job: dict[str, Any], result: ChildResult) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        models = get_models(_names(args.models), install=not args.no_install)
+        models = _load_models(_names(args.models), install=not args.no_install)
     except BenchmarkSetupError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     sizes = [int(s) for s in _names(args.samples)]
     cells = []
     for model in models:
-        for n in sizes:
+        # a generalisation model has one calibration set, of its own size
+        for n in [model.samples()] if isinstance(model, _GeneralisationModel) else sizes:
             print(f"[data] {model.name}: {n} calibration samples", flush=True)
             cells.append((model, n, build_jobs(model, n, args)))
     runs: list[dict[str, Any]] = []

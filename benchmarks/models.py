@@ -592,16 +592,20 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def iter_samples(path: Path, input_name: str) -> Any:
-    """Yield one feed dict per sample from a stacked .npz or a folder of .npz files."""
+    """Yield one feed dict per sample from a stacked .npz or a folder of .npz files.
+
+    `input_name` may list several inputs, comma-separated: each sample then feeds all of them
+    (every input stacked on axis 0, as the generalisation models' data are)."""
+    names = input_name.split(",")
     if path.is_dir():
         for file in sorted(path.glob("*.npz")):
             with np.load(file, allow_pickle=False) as data:
-                yield {input_name: data[input_name]}
+                yield {name: data[name] for name in names}
     else:
         with np.load(path, allow_pickle=False) as data:
-            stacked = data[input_name]
-        for i in range(stacked.shape[0]):
-            yield {input_name: stacked[i : i + 1]}
+            stacked = {name: data[name] for name in names}
+        for i in range(stacked[names[0]].shape[0]):
+            yield {name: array[i : i + 1] for name, array in stacked.items()}
 
 
 def iter_batches(path: Path, input_name: str, batch_size: int) -> Any:
@@ -609,15 +613,15 @@ def iter_batches(path: Path, input_name: str, batch_size: int) -> Any:
 
     Samples of different shapes cannot be stacked: a batch ends early at a shape change.
     """
-    pending: list[np.ndarray] = []
+    pending: list[dict[str, np.ndarray]] = []
     for feed in iter_samples(path, input_name):
-        x = feed[input_name]
-        if pending and (len(pending) == batch_size or pending[0].shape[1:] != x.shape[1:]):
-            yield {input_name: np.concatenate(pending, axis=0)}
+        if pending and (len(pending) == batch_size or any(
+                pending[0][k].shape[1:] != v.shape[1:] for k, v in feed.items())):
+            yield {k: np.concatenate([p[k] for p in pending], axis=0) for k in feed}
             pending = []
-        pending.append(x)
+        pending.append(feed)
     if pending:
-        yield {input_name: np.concatenate(pending, axis=0)}
+        yield {k: np.concatenate([p[k] for p in pending], axis=0) for k in pending[0]}
 
 
 def character_list(model_path: Path) -> list[str]:
