@@ -54,12 +54,12 @@ from qcal._weight_only import (
     weight_only_plan,
 )
 from qcal.accuracy.coverage import measure_coverage
-from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models
+from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models, numeric_outputs
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
 from qcal.calibration import data as data_mod
-from qcal.calibration.collect import CollectionSummary, collect
+from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
 from qcal.config import CalibrationConfig
@@ -189,6 +189,8 @@ def calibrate(
         samples=calib.num_samples(), timings=timings, progress=progress)
     steps = [*steps, *transform_steps]
 
+    source = eval_source if eval_source is not None else calib
+    reference = FloatReference()  # every evaluation below compares with the same float run
     weight_only: WeightOnlyResult | None = None
     if config.weight_only is None:
         with timings.stage("collect"):
@@ -203,6 +205,8 @@ def calibrate(
                         providers=config.providers, threads=config.threads,
                         on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
                         expected_samples=calib.num_samples(),
+                        # evaluated on the calibration data: its float outputs come from here
+                        outputs=None if source is not calib else _output_sink(prepared, reference),
                     )
                 except DataError:
                     blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
@@ -254,10 +258,7 @@ def calibrate(
         summary = weight_only.summary or CollectionSummary(0, 0, 0.0)
         records, act_params, weights, checked = {}, {}, {}, []
 
-    source = eval_source if eval_source is not None else calib
     eval_labels = labels if eval_source is not None or config.labels else None
-
-    reference = FloatReference()  # every evaluation below compares with the same float run
 
     def evaluate(model: onnx.ModelProto, stage: str = "evaluate") -> Comparison:
         session = checked.pop()[1] if checked and checked[0][0] is model else None
@@ -361,6 +362,11 @@ def _replan(
             prepared, dataclasses.replace(rules, exclude_nodes=rules.exclude_nodes + floated))
 
     return replan
+
+
+def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSink:
+    names = numeric_outputs(model)
+    return OutputSink(tuple(names), partial(reference.keep, names))
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

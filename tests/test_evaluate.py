@@ -269,3 +269,19 @@ def test_logits_scaled_by_a_temperature_are_still_scores(op: str, value: float,
     data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
     out = compare_models(model, model, (({"x": d}, 2) for d in data)).outputs[0]
     assert (out.top1_agreement == 1.0) if scores else (out.top1_agreement is None)
+
+
+def test_outputs_handed_to_a_float_reference_are_kept_in_order_within_its_budget() -> None:
+    """Batches handed over past the budget are dropped, and none after them is kept either: a
+    later batch must never stand in for an earlier one."""
+    from qcal.accuracy.evaluate import FloatReference
+
+    sizes = [3, 5, 1]  # floats per batch; the budget holds the first, not the second
+    reference = FloatReference(budget_bytes=4 * 4)
+    for size in sizes:
+        reference.keep(["y"], [np.zeros(size, np.float32)])
+    assert [len(o[0]) for o in reference.outputs] == [3]
+    other = FloatReference()
+    other.keep(["y"], [np.zeros(2, np.float32)])
+    other.keep(["z"], [np.zeros(2, np.float32)])  # another output set: not mixed in
+    assert len(other.outputs) == 1 and other.names == ["y"]

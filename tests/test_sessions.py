@@ -3,6 +3,7 @@ in one session, and the result is the same as with a session of its own."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,43 @@ def test_the_checked_session_serves_the_first_evaluation(
     ]
     assert again == report
 
+
+def test_the_calibration_pass_hands_its_float_outputs_to_the_evaluation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Evaluated on the calibration data, the float model's outputs are those the calibration
+    pass computed: the evaluation's float session never runs, and the figures are those of a
+    run that computes them itself."""
+    original = evaluate.create_session
+
+    class Idle:  # the float session: its outputs' description only
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def get_outputs(self) -> Any:
+            return self.session.get_outputs()
+
+        def run(self, *_: Any) -> Any:
+            raise AssertionError("the float model ran again in the evaluation")
+
+    def create(model: Any, **kwargs: Any) -> Any:
+        session = original(model, **kwargs)
+        return Idle(session) if kwargs.get("what") == "float model" else session
+
+    monkeypatch.setattr(evaluate, "create_session", create)
+    # the model without the evaluation file next to it: evaluated on its calibration data
+    for name in ("digits_cnn.onnx", "digits_cnn.calib.npz"):
+        shutil.copy(SAMPLES / name, tmp_path / name)
+    config = CalibrationConfig(fallback=False)
+    handed = pipeline.calibrate(tmp_path / "digits_cnn.onnx", config,
+                                output=tmp_path / "handed.onnx").report
+    assert handed["evaluation"]["data"] == "calibration"
+    monkeypatch.undo()
+    monkeypatch.setattr(pipeline, "_output_sink", lambda model, reference: None)
+    computed = pipeline.calibrate(tmp_path / "digits_cnn.onnx", config,
+                                  output=tmp_path / "computed.onnx").report
+    assert (tmp_path / "handed.onnx").read_bytes() == (tmp_path / "computed.onnx").read_bytes()
+    assert handed["evaluation"] == computed["evaluation"]
 
 
 def test_evaluation_sessions_sleep_while_calibration_and_latency_sessions_spin(

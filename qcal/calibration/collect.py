@@ -41,7 +41,7 @@ from qcal.numerics import kernels
 from qcal.numerics.errors import DataError, ModelError, QcalError
 from qcal.numerics.observers import Observer, PerChannel, PerTensorExtremesFeed
 
-__all__ = ["CollectionSummary", "collect", "expose_tensors"]
+__all__ = ["CollectionSummary", "OutputSink", "collect", "expose_tensors"]
 
 Feed = Mapping[str, np.ndarray]
 OnBatch = Callable[[int], None]
@@ -51,6 +51,15 @@ OnBatch = Callable[[int], None]
 _WORKERS = 2
 # Values to count from which loading the compiled kernels pays (a second of numpy counting).
 _KERNELS_PAY_FROM_VALUES = 300_000_000
+
+
+@dataclass(frozen=True)
+class OutputSink:
+    """Where the model's own outputs `names` of each batch go, in data order: the calibration
+    pass computes them anyway, and a comparison on the same data need not run the model again."""
+
+    names: tuple[str, ...]
+    keep: Callable[[list[np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -245,8 +254,10 @@ def collect(
     threads: int = 0,
     on_batch: OnBatch | None = None,
     expected_samples: int | None = None,
+    outputs: OutputSink | None = None,
 ) -> CollectionSummary:
-    """Run `model` on every batch and update `observers` (keyed by tensor name) in data order.
+    """Run `model` on every batch and update `observers` (keyed by tensor name) in data order;
+    the model's outputs go to `outputs` when given.
 
     `expected_samples` (the size of the data, when known) decides early whether loading the
     compiled kernels pays (:class:`_KernelsWhenWorthIt`); results never depend on it.
@@ -269,6 +280,8 @@ def collect(
     )
     del calibration_model
     output_names = reduced.output_names + whole
+    kept = list(outputs.names) if outputs is not None else []
+    output_names += [name for name in kept if name not in output_names]
     statistics = _ReducedFeed(by_output, reduced)
     samples = batch_count = 0
     kernels_when_worth_it = _KernelsWhenWorthIt(expected_samples)
@@ -280,6 +293,9 @@ def collect(
     try:
         for feed, n in batches:
             arrays = _run(session, output_names, feed, samples, n)
+            if outputs is not None:  # copies: onnxruntime's arrays held 0.5 GB more on det
+                by_name = dict(zip(output_names, arrays))
+                outputs.keep([np.array(by_name[name], copy=True) for name in kept])
             if pending is not None:
                 _wait(*pending)  # keeps at most two batches of activations alive
             batch, extremes = statistics.read(dict(zip(output_names, arrays)))
