@@ -317,6 +317,15 @@ def _patches(padded: np.ndarray, out: Sequence[int], target: HessianTarget
 def _update(acc: _ExactSum, value: np.ndarray, target: HessianTarget) -> None:
     codes = _centered_codes(value, target)
     fine = _fine_codes(value, target)
+    if target.kernel and not target.products and len(codes):
+        # Sums alone are linear: the batch's samples summed first (integers, exact in int64),
+        # then one sample's tap sums
+        padded, out = _padded(codes.astype(np.int64).sum(axis=0), target)
+        if min(out, default=1) > 0:
+            fine_sum = _padded(fine.astype(np.int64).sum(axis=0), target)[0]
+            acc.add_sums(_tap_sums(padded, out, target), _tap_sums(fine_sum, out, target),
+                         len(codes) * int(np.prod(out)))
+        return
     if not target.kernel:  # MatMul/Gemm: rows of the last axis (Gemm transA: columns)
         rows = codes.T if target.transposed else codes.reshape(-1, codes.shape[-1])
         real = fine.T if target.transposed else fine.reshape(-1, fine.shape[-1])
