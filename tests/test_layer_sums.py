@@ -194,8 +194,10 @@ def test_an_axis_too_long_for_exact_float32_sums_is_taken_in_numpy(
     assert 255 * long - 1 > 1 << 24
     short = rng.normal(size=(1, 1, 50, 1)).astype(np.float32)
     batches = [({"x": x}, 1), ({"x": short}, 1)]
-    got = collect_hessians(model, [target], lambda: batches)["conv"]
+    counted: list[int] = []
+    got = collect_hessians(model, [target], lambda: batches, on_batch=counted.append)["conv"]
     assert taken == [long]
+    assert counted == [1, 1]  # the progress sees every batch
     with monkeypatch.context() as patch:
         patch.setattr(hessians, "in_graph", lambda model, layers: [])
         expected = collect_hessians(model, [target], lambda: batches)["conv"]

@@ -190,8 +190,8 @@ class FloatReference:
 
     def release(self) -> None:
         """Drop the session and the outputs (a later comparison makes them again)."""
-        self.session, self.rules, self.outputs, self.kept_bytes = None, None, [], 0
-        self.full = False
+        self.session, self.rules, self.names, self.outputs = None, None, [], []
+        self.kept_bytes, self.full = 0, False
 
     def keep(self, names: list[str], outputs: list[np.ndarray]) -> None:
         """The float outputs `names` of the next batch (batches in data order, from the first):

@@ -384,7 +384,7 @@ def collect_hessians(
         retake = Retake(model, summed, providers, threads)
         acc = {t.node: _ExactSum(t) for t in group}
         for feed, n in batches():
-            values = next(run_batches(session, names, [(feed, n)], on_batch=on_batch,
+            values = next(run_batches(session, names, [(feed, n)],
                                       what="layer-input pass (GPTQ, bias correction)"))
             for target in group:
                 if target.node not in in_onnxruntime:
@@ -396,5 +396,7 @@ def collect_hessians(
                 elif sums[2] > 0:
                     acc[target.node].add_sums(*sums)
             retake.forget()
+            if on_batch is not None:
+                on_batch(n)
         hessians.update({node: sums.result() for node, sums in acc.items()})
     return hessians
