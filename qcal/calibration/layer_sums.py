@@ -273,7 +273,7 @@ class _Builder:
 
 class Retake:
     """The inputs of the layers summed in onnxruntime, for the rare batch whose sums are not
-    exact there (see `layer_sums.read_sums`): a session exposing them, opened on first need."""
+    exact there (see `read_sums`): a session exposing them, opened on first need."""
 
     def __init__(self, model: onnx.ModelProto, layers: Sequence[Layer],
                  providers: tuple[str, ...], threads: int) -> None:
