@@ -19,7 +19,8 @@ The nodes give the integers `hessians` gives in numpy, value for value:
   contiguous run of positions: the sum of the whole axis less the few rows its padding and
   dilation leave out at either end (the padding itself holds zeros and adds nothing). Along a
   strided axis each tap's positions are a strided ``Slice``. A ``Concat`` of the taps, then a
-  sum over the batch. A MatMul/Gemm input is summed over all but its last axis (a Gemm with
+  sum over the batch. A pointwise Conv (1x1, stride 1, no padding) has one tap: a sum over
+  every axis but the channels'. A MatMul/Gemm input is summed over all but its last axis (a Gemm with
   transA: over its second).
 
 Every sum is of integers and exact, so the order onnxruntime adds in does not matter. The codes
@@ -223,6 +224,11 @@ class _Builder:
             rows = self.node("Reshape", [value, self.constant(
                 np.array([-1, layer.inputs_per_group], np.int64))])
             return wide(self._sum(rows, 0, keepdims=0))
+        spatial = list(range(2, 2 + len(layer.kernel)))
+        if not any(layer.pads) and all(k == 1 for k in (*layer.kernel, *layer.strides)):
+            # a pointwise Conv: every position, each channel's one tap
+            first = wide(self._sum(value, 2)) if exact_below else value
+            return self._sum(first, 0, *spatial, keepdims=0)
         for a in range(len(layer.kernel)):
             taps = self._taps(value, layer, a)
             value = taps[0] if len(taps) == 1 else self.node("Concat", taps, axis=2 + a)
@@ -266,8 +272,8 @@ class _Builder:
         return self.node("Slice", [value, *(self.constant(np.array([v], np.int64))
                                             for v in (start, end, axis, step))])
 
-    def _sum(self, value: str, axis: int, *, keepdims: int = 1) -> str:
-        return self.node("ReduceSum", [value, self.constant(np.array([axis], np.int64))],
+    def _sum(self, value: str, *axes: int, keepdims: int = 1) -> str:
+        return self.node("ReduceSum", [value, self.constant(np.array(axes, np.int64))],
                          keepdims=keepdims)
 
 
