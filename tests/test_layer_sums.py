@@ -5,6 +5,7 @@ MatMul and Gemm layout, with NaN, infinities and ties at half a code step in the
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -13,9 +14,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.calibration import hessians, layer_sums
 from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
+from qcal.config import CalibrationConfig
 from qcal.numerics.onnx_mapping import OnnxQParams
+from qcal.pipeline import calibrate
 
 SCALE, ZERO = 0.05, 11
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
 
 
 NP_TYPES = {TensorProto.UINT8: np.uint8, TensorProto.INT8: np.int8, TensorProto.INT16: np.int16}
@@ -202,3 +206,16 @@ def test_an_axis_too_long_for_exact_float32_sums_is_taken_in_numpy(
         patch.setattr(hessians, "in_graph", lambda model, layers: [])
         expected = collect_hessians(model, [target], lambda: batches)["conv"]
     _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "transformer_block"])
+def test_a_run_writes_the_same_model_with_the_sums_taken_either_way(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end: the bias-corrected model is byte for byte the same whether onnxruntime takes
+    the layer-input sums or numpy does (as for a batch sent back to numpy)."""
+    config = CalibrationConfig(fallback=False)
+    calibrate(SAMPLES / f"{name}.onnx", config, output=tmp_path / "graph.onnx")
+    monkeypatch.setattr(hessians, "in_graph", lambda model, layers: [])
+    calibrate(SAMPLES / f"{name}.onnx", config, output=tmp_path / "numpy.onnx")
+    assert (tmp_path / "graph.onnx").read_bytes() == (tmp_path / "numpy.onnx").read_bytes()
