@@ -50,6 +50,17 @@ def _outputs(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return np.asarray(session.run(None, {"x": x})[0])
 
 
+def _conv_weights(rng: np.random.Generator, layers: dict[str, tuple[tuple[int, ...], float]],
+                  *, bias_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Random Conv weights ``w<name>`` (of `shape`, times `scale`) and biases ``b<name>`` (one
+    per output channel, times `bias_scale`), drawn layer by layer, weight then bias."""
+    inits = {}
+    for name, (shape, scale) in layers.items():
+        inits[f"w{name}"] = rng.standard_normal(shape).astype(np.float32) * scale
+        inits[f"b{name}"] = rng.standard_normal(shape[0]).astype(np.float32) * bias_scale
+    return inits
+
+
 def _hard_swish_block(rng: np.random.Generator) -> onnx.ModelProto:
     """conv -> hard-swish written out (Add 3, Clip 0..6, Mul, Div 6) -> scalar affine ->
     max pool -> SE-style conv -> HardSigmoid -> Mul -> conv: PP-LCNet's building blocks."""
@@ -70,12 +81,8 @@ def _hard_swish_block(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("Conv", ["gated", "w3", "b3"], ["y"], name="conv3"),
     ]
     inits = {
-        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
-        "b1": rng.standard_normal(8).astype(np.float32),
-        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b2": rng.standard_normal(8).astype(np.float32),
-        "w3": rng.standard_normal((4, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b3": rng.standard_normal(4).astype(np.float32),
+        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3),
+                              "3": ((4, 8, 1, 1), 0.3)}),
         "three": np.array(3.0, np.float32),
         "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32),
@@ -187,10 +194,7 @@ def _division_model(
         helper.make_node("Erf", ["q"], ["e"], name="erf"),
     ]
     inits = {
-        "w1": rng.standard_normal((6, 3, 1, 1)).astype(np.float32),
-        "b1": rng.standard_normal(6).astype(np.float32),
-        "w2": rng.standard_normal((4, 6, 1, 1)).astype(np.float32),
-        "b2": rng.standard_normal(4).astype(np.float32),
+        **_conv_weights(rng, {"1": ((6, 3, 1, 1), 1.0), "2": ((4, 6, 1, 1), 1.0)}),
         "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32),
         "divisor": divisor,
@@ -317,10 +321,7 @@ def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) 
         helper.make_node("Mul", ["c2", "m"], ["y"], name="scale"),
     ]
     inits = {
-        "w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
-        "b": rng.standard_normal(8).astype(np.float32),
-        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b2": rng.standard_normal(8).astype(np.float32),
+        **_conv_weights(rng, {"": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}),
         "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32),
     }
@@ -397,12 +398,8 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
         helper.make_node("Relu", ["c3"], ["y"], name="relu3"),
     ]
     inits = {
-        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
-        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
-        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w3": rng.standard_normal((4, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
+        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
+                              "3": ((4, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
@@ -506,10 +503,7 @@ def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) 
         helper.make_node("GlobalAveragePool", ["r2"], ["y"], name="gap"),
     ]
     inits = {
-        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
-        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
+        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
@@ -568,14 +562,8 @@ def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> N
         helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="gap"),
     ]
     inits = {
-        "w0": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
-        "b0": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
-        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2,
-        "b2": rng.standard_normal(8).astype(np.float32) * 0.1,
-        "w3": rng.standard_normal((4, 8, 1, 1)).astype(np.float32) * 0.3,
-        "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
+        **_conv_weights(rng, {"0": ((8, 3, 3, 3), 0.5), "1": ((8, 8, 3, 3), 0.2),
+                              "2": ((8, 8, 3, 3), 0.2), "3": ((4, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
     x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
