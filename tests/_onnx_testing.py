@@ -55,29 +55,37 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[Any]:
     return list(session.run(None, dict(feeds)))
 
 
+def batchnorm_relu(
+    rng: np.random.Generator, source: str, channels: int, *, variance: tuple[float, float]
+) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto]]:
+    """`source` -> BatchNormalization (random statistics, variance drawn in `variance`) -> Relu
+    -> y: the parameters (scale, shift, mean, variance, drawn in that order) and the two nodes."""
+    inits = {
+        "bn_scale": rng.uniform(0.5, 2.0, channels).astype(np.float32),
+        "bn_shift": rng.standard_normal(channels).astype(np.float32),
+        "bn_mean": rng.standard_normal(channels).astype(np.float32),
+        "bn_var": rng.uniform(*variance, channels).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("BatchNormalization", [source, *inits], ["bn_out"], name="bn",
+                         epsilon=1e-3),
+        helper.make_node("Relu", ["bn_out"], ["y"], name="relu"),
+    ]
+    return inits, nodes
+
+
 def conv_bn_relu(rng: np.random.Generator, *, with_bias: bool = True) -> onnx.ModelProto:
     """x -> Conv -> BatchNormalization -> Relu -> y, random weights and BN statistics."""
-    inits = {
-        "W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
-        "bn_scale": rng.uniform(0.5, 2.0, 4).astype(np.float32),
-        "bn_shift": rng.standard_normal(4).astype(np.float32),
-        "bn_mean": rng.standard_normal(4).astype(np.float32),
-        "bn_var": rng.uniform(0.2, 3.0, 4).astype(np.float32),
-    }
+    inits = {"W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)}
+    bn_inits, bn_nodes = batchnorm_relu(rng, "conv_out", 4, variance=(0.2, 3.0))
+    inits.update(bn_inits)
     conv_inputs = ["x", "W"]
     if with_bias:
         inits["B"] = rng.standard_normal(4).astype(np.float32)
         conv_inputs.append("B")
     nodes = [
         helper.make_node("Conv", conv_inputs, ["conv_out"], name="conv", pads=[1, 1, 1, 1]),
-        helper.make_node(
-            "BatchNormalization",
-            ["conv_out", "bn_scale", "bn_shift", "bn_mean", "bn_var"],
-            ["bn_out"],
-            name="bn",
-            epsilon=1e-3,
-        ),
-        helper.make_node("Relu", ["bn_out"], ["y"], name="relu"),
+        *bn_nodes,
     ]
     return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, conv_bn_relu, float_input, run
+from _onnx_testing import batchnorm_relu, build_model, conv_bn_relu, float_input, run
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.config import CalibrationConfig
@@ -100,24 +100,15 @@ def test_batchnorm_after_conv_is_folded(with_bias: bool, opset: int) -> None:
 def _gemm_bn(rng: np.random.Generator, *, trans_b: int, with_bias: bool,
              alpha: float = 1.0) -> onnx.ModelProto:
     """x -> Gemm -> BatchNormalization -> Relu: a Linear followed by a BatchNorm1d."""
-    weight = rng.standard_normal((6, 5) if trans_b else (5, 6)).astype(np.float32)
-    inits = {
-        "G": weight,
-        "bn_scale": rng.uniform(0.5, 2.0, 6).astype(np.float32),
-        "bn_shift": rng.standard_normal(6).astype(np.float32),
-        "bn_mean": rng.standard_normal(6).astype(np.float32),
-        "bn_var": rng.uniform(0.5, 2.0, 6).astype(np.float32),
-    }
+    inits = {"G": rng.standard_normal((6, 5) if trans_b else (5, 6)).astype(np.float32)}
+    bn_inits, bn_nodes = batchnorm_relu(rng, "g", 6, variance=(0.5, 2.0))
+    inits.update(bn_inits)
     inputs = ["x", "G"]
     if with_bias:
         inits["C"] = rng.standard_normal(6).astype(np.float32)
         inputs.append("C")
-    nodes = [
-        helper.make_node("Gemm", inputs, ["g"], name="fc", transB=trans_b, alpha=alpha),
-        helper.make_node("BatchNormalization", ["g", "bn_scale", "bn_shift", "bn_mean", "bn_var"],
-                         ["bn"], name="bn", epsilon=1e-3),
-        helper.make_node("Relu", ["bn"], ["y"], name="relu"),
-    ]
+    nodes = [helper.make_node("Gemm", inputs, ["g"], name="fc", transB=trans_b, alpha=alpha),
+             *bn_nodes]
     return build_model(nodes, [float_input("x", ["N", 5])], ["y"], inits)
 
 
