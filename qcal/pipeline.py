@@ -74,6 +74,7 @@ from qcal.graph.files.save import data_path, needs_external_data, stage_model
 from qcal.graph.model import (
     PrepStep,
     QuantPlan,
+    SelectionRules,
     leave_unobserved_float,
     model_inputs,
     plan_quantization,
@@ -155,7 +156,8 @@ def calibrate(
             data_mod.validate_data(eval_source, inputs)
         labels_path = _labels_path(config, eval_path)
         labels = load_labels(labels_path) if labels_path is not None else None
-        plan = plan_quantization(prepared, _selection_rules(config))
+        rules = _selection_rules(config)
+        plan = plan_quantization(prepared, rules)
         _check_overrides(config, plan)
         reused = None if statistics is None else reuse_statistics(
             statistics, loaded.sha256, plan, preset, config)
@@ -239,7 +241,7 @@ def calibrate(
             build = partial(build_quantized, prepared, act_params, weights, weight_file)
             runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
                                      threads=config.threads,
-                                     replan=_replan(prepared, config))
+                                     replan=_replan(prepared, rules, config))
             del build
             plan, quant_model = runnable.plan, runnable.model
             if runnable.repaired:
@@ -345,7 +347,7 @@ def calibrate(
 
 
 def _replan(
-    prepared: onnx.ModelProto, config: CalibrationConfig
+    prepared: onnx.ModelProto, rules: SelectionRules, config: CalibrationConfig
 ) -> Callable[[frozenset[str]], QuantPlan] | None:
     """The plan again with some nodes left float, for the check that what is planned runs in
     integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
@@ -354,7 +356,6 @@ def _replan(
     if not config.places_for_speed or tuple(config.providers) != ("CPUExecutionProvider",):
         # Other providers compile the graph their own way (and some cannot write it out).
         return None
-    rules = _selection_rules(config)
 
     def replan(nodes: frozenset[str]) -> QuantPlan:
         floated = tuple(sorted(glob.escape(n) for n in nodes))
