@@ -293,12 +293,12 @@ def collect(
     try:
         for feed, n in batches:
             arrays = _run(session, output_names, feed, samples, n)
+            by_name = dict(zip(output_names, arrays))
             if outputs is not None:  # copies: onnxruntime's arrays held 0.5 GB more on det
-                by_name = dict(zip(output_names, arrays))
                 outputs.keep([np.array(by_name[name], copy=True) for name in kept])
             if pending is not None:
                 _wait(*pending)  # keeps at most two batches of activations alive
-            batch, extremes = statistics.read(dict(zip(output_names, arrays)))
+            batch, extremes = statistics.read(by_name)
             futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
             shares = _whole_tensor_shares(by_output, set(whole), output_names, arrays)
             kernels_when_worth_it.counted(sum(arrays[i].size for s in shares for i in s), n)
@@ -307,7 +307,7 @@ def collect(
                 for share in shares
             ]
             pending = (futures, feed, samples, n)
-            del arrays
+            del arrays, by_name
             samples += n
             batch_count += 1
             if on_batch is not None:
