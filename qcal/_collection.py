@@ -19,6 +19,7 @@ from qcal._inputs import _check_overrides, _selection_rules
 from qcal._quantize_tensors import _observed, blame_nan_weights
 from qcal._stages import Progress
 from qcal.calibration import data as data_mod
+from qcal.calibration.batch_check import exact_batch_size
 from qcal.calibration.collect import collect
 from qcal.calibration.statistics import (
     HISTOGRAM,
@@ -71,9 +72,7 @@ def plan_header(config: CalibrationConfig, histograms: bool) -> dict[str, Any]:
     header["placement"] = config.placement_mode
     header["histograms"] = histograms
     # Min/max and histograms do not see how samples are batched: files of any batch size merge.
-    averages = config.method == "moving-average" or any(
-        o.method == "moving-average" for o in config.tensors.values())
-    header["batch_size"] = config.batch_size if averages else None
+    header["batch_size"] = config.batch_size if config.averages_batches() else None
     return header
 
 
@@ -146,6 +145,10 @@ def collect_statistics(
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint-every: {checkpoint_every} must be at least 1")
     run = prepare_collection(model_path, config)
+    if not config.averages_batches():  # statistics that do not depend on the batching
+        size, _ = exact_batch_size(run.model, run.source, run.inputs, config.batch_size,
+                                   providers=config.providers, threads=config.threads)
+        config = dataclasses.replace(config, batch_size=size)
     read = [model_path, *run.loaded.external_files]
     read += [p for p in (run.source.path,) if p is not None]
     if output is not None:

@@ -245,6 +245,12 @@ class CalibrationConfig:
             o.method in HISTOGRAM_METHODS for o in self.tensors.values()
         )
 
+    def averages_batches(self) -> bool:
+        """Whether a moving average observes some tensor: each batch is one of its updates, so
+        its result depends on the batching by design."""
+        return self.method == "moving-average" or any(
+            o.method == "moving-average" for o in self.tensors.values())
+
     def method_for(self, tensor: str) -> str:
         override = self.tensors.get(tensor)
         return override.method if override and override.method else self.method

@@ -59,6 +59,7 @@ from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
 from qcal.calibration import data as data_mod
+from qcal.calibration.batch_check import exact_batch_size
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
@@ -181,6 +182,11 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
+    batch_note = None
+    if not config.averages_batches():  # the results may not depend on the batching
+        size, batch_note = exact_batch_size(prepared, calib, inputs, config.batch_size,
+                                            providers=config.providers, threads=config.threads)
+        config = dataclasses.replace(config, batch_size=size)
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.
@@ -323,7 +329,7 @@ def calibrate(
             external_data=staged.external if staged is not None else None,
             statistics=None if reused is None else reused.source,
             weight_only=None if weight_only is None else weight_only.section,
-            transforms=transforms.to_json(),
+            transforms=transforms.to_json(), notes=[batch_note] if batch_note else [],
         )
         # Both files are written whole under temporary names before either gets its own: a
         # failed write (a full disk) leaves neither.

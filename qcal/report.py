@@ -193,6 +193,7 @@ def build_report(
     statistics: Mapping[str, Any] | None = None,
     weight_only: Mapping[str, Any] | None = None,
     transforms: Mapping[str, Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     import hashlib
 
@@ -210,6 +211,7 @@ def build_report(
     if any(r.onnx.replacement for r in records.values()):
         warnings.append("degenerate quantization parameters were replaced (see tensors[].onnx.replacement)")
     warnings += _accuracy_warnings(compute_coverage, fallback, gates)
+    warnings += notes  # what the run changed of the options, and why
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": {

@@ -1,0 +1,105 @@
+"""Joined samples run only where onnxruntime computes them as it computes each sample alone.
+
+The model here reads its dim 0 as a sequence, not as a batch: it subtracts the mean over dim 0,
+so joining samples changes every value. (A time-major recurrent model whose time axis is free
+does the same.) Real models differ more subtly, in the last bits of a reduction at another batch
+size; what qcal does about either is the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from _onnx_testing import build_model, float_input, residual_classifier
+from click.testing import CliRunner
+from onnx import helper
+
+from qcal.calibration.batch_check import exact_batch_size
+from qcal.calibration.data import iter_batches, open_data
+from qcal.cli import main
+from qcal.graph.model import model_inputs
+
+
+def _centred_over_dim0(rng: np.random.Generator) -> onnx.ModelProto:
+    """x (N, 4) -> (x - mean over N) @ W: every row depends on the other rows of its run."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["mean"], axes=[0], keepdims=1),
+        helper.make_node("Sub", ["x", "mean"], ["centred"]),
+        helper.make_node("MatMul", ["centred", "W"], ["y"]),
+    ]
+    weights = {"W": rng.standard_normal((4, 3)).astype(np.float32)}
+    return build_model(nodes, [float_input("x", ["N", 4])], ["y"], weights)
+
+
+def _save(tmp_path: Path, model: onnx.ModelProto, data: dict[str, np.ndarray]) -> tuple[Path, Path]:
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", **data)
+    return tmp_path / "m.onnx", tmp_path / "d.npz"
+
+
+def test_samples_that_change_when_joined_run_one_at_a_time(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    model_path, data_path = _save(tmp_path, _centred_over_dim0(rng),
+                                  {"x": rng.standard_normal((12, 4)).astype(np.float32)})
+    model = onnx.shape_inference.infer_shapes(onnx.load(model_path))  # as qcal prepares it
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    # The data batching alone would join them: the model's dim 0 is free.
+    assert next(iter(iter_batches(source, inputs, 4)))[1] == 4
+    size, reason = exact_batch_size(model, source, inputs, 4)
+    assert size == 1
+    assert reason is not None and "'mean'" in reason and "4 samples" in reason
+
+
+def test_samples_computed_alike_stay_joined(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    model = residual_classifier(rng, in_channels=3, channels=8, classes=5, side=12,
+                                second_scale=0.1, softmax=True)
+    model_path, data_path = _save(
+        tmp_path, model, {"x": rng.standard_normal((10, 3, 12, 12)).astype(np.float32)})
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    assert exact_batch_size(model, source, inputs, 4) == (4, None)
+    assert exact_batch_size(model, source, inputs, 1) == (1, None)
+
+
+def _calibrate(model: Path, data: Path, out: Path, batch: int) -> tuple[bytes, dict[str, object]]:
+    out.mkdir()
+    result = CliRunner().invoke(main, [
+        "calibrate", str(model), "--data", str(data), "--batch-size", str(batch),
+        "-o", str(out / "q.onnx"), "--report", str(out / "q.json"), "-q", "--no-fallback",
+    ])
+    assert result.exit_code == 0, result.output
+    return (out / "q.onnx").read_bytes(), json.loads((out / "q.json").read_text())
+
+
+def test_the_batch_size_cannot_change_the_model(tmp_path: Path) -> None:
+    """Joined, the centred rows would span other ranges than alone; the batch check keeps the
+    model byte for byte that of one sample at a time, and the report says why."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((12, 4)).astype(np.float32) + np.arange(12, dtype=np.float32)[:, None]
+    model_path, data_path = _save(tmp_path, _centred_over_dim0(rng), {"x": x})
+    alone, alone_report = _calibrate(model_path, data_path, tmp_path / "b1", 1)
+    joined, joined_report = _calibrate(model_path, data_path, tmp_path / "b4", 4)
+    assert joined == alone
+    assert not any("batch-size" in w for w in alone_report["warnings"])  # type: ignore[attr-defined]
+    notes = [w for w in joined_report["warnings"] if "batch-size" in w]  # type: ignore[attr-defined]
+    assert len(notes) == 1 and "one at a time" in notes[0]
+    assert joined_report["data"]["batch_size"] == 1  # type: ignore[index]
+
+
+def test_collected_statistics_do_not_depend_on_the_batch_size(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((12, 4)).astype(np.float32) + np.arange(12, dtype=np.float32)[:, None]
+    model_path, data_path = _save(tmp_path, _centred_over_dim0(rng), {"x": x})
+    files = []
+    for batch in (1, 4):
+        out = tmp_path / f"s{batch}.qcalstats"
+        result = CliRunner().invoke(main, ["collect", str(model_path), "--data", str(data_path),
+                                           "--batch-size", str(batch), "-o", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
