@@ -66,6 +66,30 @@ def test_samples_computed_alike_stay_joined(tmp_path: Path) -> None:
     assert exact_batch_size(model, source, inputs, 1) == (1, None)
 
 
+def test_shape_arithmetic_may_count_the_samples(tmp_path: Path) -> None:
+    """A float computed from the input's shape for a Reshape (as tf2onnx writes some) holds
+    the number of samples: it differs joined by design and is no reason to run one at a time."""
+    rng = np.random.default_rng(7)
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Cast", ["shape"], ["shape_f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Mul", ["shape_f", "one"], ["shape_scaled"]),
+        helper.make_node("Cast", ["shape_scaled"], ["target"], to=onnx.TensorProto.INT64),
+        helper.make_node("Reshape", ["x", "target"], ["same"]),
+        helper.make_node("MatMul", ["same", "W"], ["y"]),
+    ]
+    weights = {"W": rng.standard_normal((4, 3)).astype(np.float32),
+               "one": np.ones(1, np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 4])], [float_input("y", ["N", 3])],
+                        weights)
+    model_path, data_path = _save(tmp_path, model,
+                                  {"x": rng.standard_normal((8, 4)).astype(np.float32)})
+    model = onnx.shape_inference.infer_shapes(model)
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    assert exact_batch_size(model, source, inputs, 4) == (4, None)
+
+
 def _calibrate(model: Path, data: Path, out: Path, batch: int) -> tuple[bytes, dict[str, object]]:
     out.mkdir()
     result = CliRunner().invoke(main, [

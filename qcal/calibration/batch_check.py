@@ -7,7 +7,8 @@ vector paths by shape, and some sum in another order at another batch size: on a
 MLP-mixer a ReduceSum and the MatMul after it differ in their last bits between a batch of one and
 of two, enough to move an activation's range by one ulp and the model's bytes with it. So before
 joining, the float model runs on the first batch's samples alone and joined, with every float
-tensor of its main graph exposed; any difference and the samples run one at a time.
+tensor of its main graph exposed (but shape arithmetic, which counts the samples); any
+difference and the samples run one at a time.
 
 Values are compared as sorted lists, per tensor: a tensor whose batch axis is not first (a
 Transpose to sequence-first for a recurrent layer) holds the same values in another layout,
@@ -25,7 +26,8 @@ from qcal.calibration.collect import expose_tensors
 from qcal.calibration.data import DataSource, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
-from qcal.graph.structure import element_types
+from qcal.graph.placement import parameter_tensors
+from qcal.graph.structure import UseIndex, default_opset, element_types
 
 __all__ = ["exact_batch_size"]
 
@@ -47,9 +49,13 @@ def exact_batch_size(
     if n < 2:
         return batch_size, None
     types = element_types(model.graph)
+    # Shape arithmetic (a Cast of a Shape, scaled on its way to a Resize) counts the samples: it
+    # differs by design and is never observed.
+    parameters = parameter_tensors(model.graph, UseIndex.build(model.graph),
+                                   default_opset(model) or 1)
     # In graph order: the first tensor that differs is named, not one downstream of it.
     tensors = list(dict.fromkeys(value for node in model.graph.node for value in node.output
-                                 if types.get(value) in _FLOATS))
+                                 if types.get(value) in _FLOATS and value not in parameters))
     session = create_session(expose_tensors(model, tensors), providers=providers,
                              threads=threads, what="model (batch check)")
     outputs = {o.name for o in session.get_outputs()}
