@@ -13,11 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from _onnx_testing import build_model, float_input, residual_classifier
+import pytest
+from _onnx_testing import build_model, float_input, residual_classifier, run
 from click.testing import CliRunner
 from onnx import helper
 
+from qcal.calibration import batch_check
 from qcal.calibration.batch_check import exact_batch_size
+from qcal.calibration.collect import expose_tensors
 from qcal.calibration.data import iter_batches, open_data
 from qcal.cli import main
 from qcal.graph.model import model_inputs
@@ -127,3 +130,33 @@ def test_collected_statistics_do_not_depend_on_the_batch_size(tmp_path: Path) ->
         assert result.exit_code == 0, result.output
         files.append(out.read_bytes())
     assert files[0] == files[1]
+
+
+def test_the_size_estimate_is_what_the_check_would_hold(tmp_path: Path) -> None:
+    """Shapes from shape inference with the feed's sizes for the symbolic batch dim: the
+    estimate is the bytes the joined run's tensors take."""
+    rng = np.random.default_rng(8)
+    model = onnx.shape_inference.infer_shapes(residual_classifier(
+        rng, in_channels=3, channels=8, classes=5, side=12, second_scale=0.1, softmax=True))
+    feed = {"x": rng.standard_normal((6, 3, 12, 12)).astype(np.float32)}
+    tensors = [v for node in model.graph.node for v in node.output]
+    held = sum(a.nbytes for a in run(expose_tensors(model, tensors), feed))
+    assert held > 6 * 3 * 12 * 12 * 4
+    assert batch_check._estimated_bytes(model, tensors, feed) == held
+
+
+def test_a_check_too_large_runs_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(9)
+    model = residual_classifier(rng, in_channels=3, channels=8, classes=5, side=12,
+                                second_scale=0.1, softmax=True)
+    model_path, data_path = _save(
+        tmp_path, model, {"x": rng.standard_normal((10, 3, 12, 12)).astype(np.float32)})
+    model = onnx.shape_inference.infer_shapes(model)
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    assert exact_batch_size(model, source, inputs, 4) == (4, None)
+    monkeypatch.setattr(batch_check, "_CHECK_BYTES", 4 * 3 * 12 * 12 * 4)  # the inputs alone
+    size, reason = exact_batch_size(model, source, inputs, 4)
+    assert size == 1 and reason is not None and "MiB" in reason

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 
 from qcal.calibration.collect import expose_tensors
-from qcal.calibration.data import DataSource, iter_batches
+from qcal.calibration.data import DataSource, Feed, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
 from qcal.graph.placement import parameter_tensors
@@ -31,8 +31,13 @@ from qcal.graph.structure import UseIndex, default_opset, element_types
 
 __all__ = ["exact_batch_size"]
 
-_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                     onnx.TensorProto.BFLOAT16})
+_ITEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
+               onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BFLOAT16: 2}
+_FLOATS = frozenset(_ITEM_BYTES)
+# The joined run's tensors, all alive at once (and one sample's run beside them): beyond this,
+# samples run one at a time unchecked. A model whose tensors for a batch take this much spends
+# its time in its kernels, not in the per-run cost that joining saves.
+_CHECK_BYTES = 256 << 20
 
 
 def exact_batch_size(
@@ -41,8 +46,9 @@ def exact_batch_size(
 ) -> tuple[int, str | None]:
     """`batch_size`, or 1 with the reason when onnxruntime computes the first batch of `source`
     (its first `batch_size` samples, joined as `iter_batches` joins them) differently from its
-    samples one at a time. Nothing runs when the batch size is 1 or the first batch holds one
-    sample (the model's dim 0 is fixed, or the first samples differ in shape)."""
+    samples one at a time, or when the check would hold more than _CHECK_BYTES of them. Nothing
+    runs when the batch size is 1 or the first batch holds one sample (the model's dim 0 is
+    fixed, or the first samples differ in shape)."""
     if batch_size == 1:
         return 1, None
     joined, n = next(iter(iter_batches(source, inputs, batch_size)), ({}, 0))
@@ -56,18 +62,60 @@ def exact_batch_size(
     # In graph order: the first tensor that differs is named, not one downstream of it.
     tensors = list(dict.fromkeys(value for node in model.graph.node for value in node.output
                                  if types.get(value) in _FLOATS and value not in parameters))
+    if _estimated_bytes(model, tensors, joined) > _CHECK_BYTES:
+        return 1, (f"batch-size: the check that {n} samples joined compute as one at a time "
+                   f"would hold over {_CHECK_BYTES >> 20} MiB of this model's tensors; the "
+                   "samples ran one at a time (joining pays little on a model this large)")
     session = create_session(expose_tensors(model, tensors), providers=providers,
                              threads=threads, what="model (batch check)")
     outputs = {o.name for o in session.get_outputs()}
     names = [t for t in tensors if t in outputs]
     together = session.run(names, joined)
-    alone = [session.run(names, {k: v[i:i + 1] for k, v in joined.items()}) for i in range(n)]
-    for position, name in enumerate(names):
-        if not _same_values(together[position], [arrays[position] for arrays in alone]):
-            return 1, (f"batch-size: onnxruntime computes tensor {name!r} differently for "
-                       f"{n} samples joined than for one at a time; the samples ran one at a "
-                       "time, so that the results do not depend on the batching")
+    # Tensors whose samples are not along dim 0 (a sequence-first layout) are compared whole
+    # once every sample has run; the others sample by sample, one sample's run alive at a time.
+    by_row = [t.shape[:1] == (n,) for t in together]
+    kept: dict[int, list[np.ndarray]] = {i: [] for i, row in enumerate(by_row) if not row}
+    differs: set[int] = set()
+    for i in range(n):
+        alone = session.run(names, {k: v[i:i + 1] for k, v in joined.items()})
+        for position, array in enumerate(alone):
+            if position in kept:
+                kept[position].append(array)
+            elif not _same_values(together[position][i:i + 1], [array]):
+                differs.add(position)
+    differs |= {p for p, arrays in kept.items() if not _same_values(together[p], arrays)}
+    if differs:
+        return 1, (f"batch-size: onnxruntime computes tensor {names[min(differs)]!r} "
+                   f"differently for {n} samples joined than for one at a time; the samples "
+                   "ran one at a time, so that the results do not depend on the batching")
     return batch_size, None
+
+
+def _estimated_bytes(model: onnx.ModelProto, tensors: list[str], feed: Feed) -> int:
+    """Bytes of `tensors` for `feed`, from the shapes shape inference left in the model with
+    the feed's sizes for the symbolic dims of the inputs; a tensor of unknown size counts as
+    the largest known one (the feed's own arrays at least)."""
+    sizes: dict[str, int] = {}
+    for value in model.graph.input:
+        if value.name in feed:
+            for dim, size in zip(value.type.tensor_type.shape.dim, feed[value.name].shape):
+                if dim.dim_param:
+                    sizes[dim.dim_param] = size
+    known: dict[str, int] = {}
+    for value in (*model.graph.value_info, *model.graph.output):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        elements = 1
+        for dim in tensor_type.shape.dim:
+            size = dim.dim_value if dim.HasField("dim_value") else sizes.get(dim.dim_param)
+            if size is None:
+                break
+            elements *= size
+        else:
+            known[value.name] = elements * _ITEM_BYTES.get(tensor_type.elem_type, 4)
+    largest = max([*known.values(), *(a.nbytes for a in feed.values())])
+    return sum(known.get(t, largest) for t in tensors)
 
 
 def _same_values(joined: np.ndarray, alone: list[np.ndarray]) -> bool:
