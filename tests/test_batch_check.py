@@ -160,3 +160,23 @@ def test_a_check_too_large_runs_one_at_a_time(
     monkeypatch.setattr(batch_check, "_CHECK_BYTES", 4 * 3 * 12 * 12 * 4)  # the inputs alone
     size, reason = exact_batch_size(model, source, inputs, 4)
     assert size == 1 and reason is not None and "MiB" in reason
+
+
+def test_constants_computed_in_the_graph_are_not_samples(tmp_path: Path) -> None:
+    """A weight reshaped in the graph has nothing to do with the feed, even when its dim 0
+    happens to equal the number of samples joined (PP-OCR cls reshapes its biases)."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("Reshape", ["W", "shape"], ["W_reshaped"]),
+        helper.make_node("MatMul", ["x", "W_reshaped"], ["y"]),
+    ]
+    weights = {"W": rng.standard_normal(12).astype(np.float32),
+               "shape": np.array([4, 3], np.int64)}
+    model = build_model(nodes, [float_input("x", ["N", 4])], [float_input("y", ["N", 3])],
+                        weights)
+    model_path, data_path = _save(tmp_path, model,
+                                  {"x": rng.standard_normal((8, 4)).astype(np.float32)})
+    model = onnx.shape_inference.infer_shapes(model)
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    assert exact_batch_size(model, source, inputs, 4) == (4, None)

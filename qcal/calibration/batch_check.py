@@ -27,7 +27,7 @@ from qcal.calibration.data import DataSource, Feed, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
 from qcal.graph.placement import parameter_tensors
-from qcal.graph.structure import UseIndex, default_opset, element_types
+from qcal.graph.structure import UseIndex, default_opset, element_types, subgraph_reads
 
 __all__ = ["exact_batch_size"]
 
@@ -59,9 +59,11 @@ def exact_batch_size(
     # differs by design and is never observed.
     parameters = parameter_tensors(model.graph, UseIndex.build(model.graph),
                                    default_opset(model) or 1)
+    fed = _fed_by_inputs(model.graph)  # the others are the same for any feed
     # In graph order: the first tensor that differs is named, not one downstream of it.
-    tensors = list(dict.fromkeys(value for node in model.graph.node for value in node.output
-                                 if types.get(value) in _FLOATS and value not in parameters))
+    tensors = list(dict.fromkeys(
+        value for node in model.graph.node for value in node.output
+        if types.get(value) in _FLOATS and value not in parameters and value in fed))
     if _estimated_bytes(model, tensors, joined) > _CHECK_BYTES:
         return 1, (f"batch-size: the check that {n} samples joined compute as one at a time "
                    f"would hold over {_CHECK_BYTES >> 20} MiB of this model's tensors; the "
@@ -71,13 +73,15 @@ def exact_batch_size(
     outputs = {o.name for o in session.get_outputs()}
     names = [t for t in tensors if t in outputs]
     together = session.run(names, joined)
-    # Tensors whose samples are not along dim 0 (a sequence-first layout) are compared whole
-    # once every sample has run; the others sample by sample, one sample's run alive at a time.
-    by_row = [t.shape[:1] == (n,) for t in together]
-    kept: dict[int, list[np.ndarray]] = {i: [] for i, row in enumerate(by_row) if not row}
+    # A tensor whose samples lie along dim 0 is compared sample by sample, one sample's run
+    # alive at a time; any other (a sequence-first layout) whole, once every sample has run.
+    kept: dict[int, list[np.ndarray]] = {}
     differs: set[int] = set()
     for i in range(n):
         alone = session.run(names, {k: v[i:i + 1] for k, v in joined.items()})
+        if i == 0:
+            kept = {p: [] for p, a in enumerate(alone)
+                    if together[p].shape != (n, *a.shape[1:]) or a.shape[:1] != (1,)}
         for position, array in enumerate(alone):
             if position in kept:
                 kept[position].append(array)
@@ -89,6 +93,16 @@ def exact_batch_size(
                    f"differently for {n} samples joined than for one at a time; the samples "
                    "ran one at a time, so that the results do not depend on the batching")
     return batch_size, None
+
+
+def _fed_by_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Values that depend on a graph input (through a node's inputs or the outer values its
+    subgraphs read); the others are constants, folded or not."""
+    fed = {v.name for v in graph.input} - {i.name for i in graph.initializer}
+    for node in graph.node:  # topological order
+        if any(v in fed for v in (*node.input, *subgraph_reads(node)) if v):
+            fed.update(v for v in node.output if v)
+    return fed
 
 
 def _estimated_bytes(model: onnx.ModelProto, tensors: list[str], feed: Feed) -> int:
