@@ -21,8 +21,12 @@ from qcal.graph.placement import parameter_slots
         ("Slice", ["x", "starts", "ends", "axes", "steps"], {1, 2, 3, 4}),
         ("TopK", ["x", "k"], {1}),
         ("Conv", ["x", "w", "b"], set()),
-        ("Where", ["c", "x", "y"], {0}),
         ("Concat", ["a", "b", "c"], set()),
+        # The first input is the operator's data whatever type it writes.
+        ("Cast", ["x"], set()),
+        ("ArgMax", ["x"], set()),
+        ("Greater", ["x", "threshold"], {1}),
+        ("Where", ["c", "x", "y"], set()),
     ],
 )
 def test_parameter_slots_come_from_the_schemas(op: str, inputs: list[str], expected: set[int]) -> None:
@@ -83,6 +87,31 @@ def test_placement_all_quantizes_a_cubic_resize_model_that_still_runs(tmp_path: 
     (quantized,) = run(result.model, {"x": x})
     (expected,) = run(model, {"x": x})
     assert np.abs(quantized - expected).max() < 0.1 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("tail", ["Cast", "ArgMax"])
+def test_a_model_ending_in_another_type_is_still_quantized(tail: str) -> None:
+    """Conv -> Relu -> Conv -> Relu, then a Cast (to float16, as a mixed-precision export
+    writes) or an ArgMax (a segmentation head) as the only output: the convolutions are
+    quantized, not "computed only for a parameter" of the last node."""
+    rng = np.random.default_rng(5)
+    last = (helper.make_node("Cast", ["r2"], ["y"], name="tail", to=TensorProto.FLOAT16)
+            if tail == "Cast" else helper.make_node("ArgMax", ["r2"], ["y"], name="tail", axis=1))
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        last,
+    ]
+    inits = {"w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}
+    output = helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT16 if tail == "Cast" else TensorProto.INT64, None)
+    model = build_model(nodes, [float_input("x", [1, 3, 8, 8])], [output], inits)
+    _, decisions, activations = _plan(model, "auto")
+    assert decisions["conv1"] is True and decisions["conv2"] is True
+    assert {"x", "r1"} <= activations
 
 
 def _cnn_with_head() -> onnx.ModelProto:

@@ -4,8 +4,9 @@ Two questions the planner (`qcal.graph.plan`) asks of every graph, before any da
 
 **Parameters are never quantized.** An operator's inputs are either the values it computes with or
 parameters that say how (Resize's roi/scales/sizes, Reshape's shape, Pad's pads, Slice's starts,
-TopK's k, ...). Which is which comes from the ONNX schemas, not from a list: an input whose type
-constraint differs from the first output's is a parameter. A float tensor that flows only into
+TopK's k, ...). Which is which comes from the ONNX schemas, not from a list: an input after the
+first whose type constraint differs from the first output's is a parameter. The first input is
+always a value, even where the operator writes another type (Cast, ArgMax, Greater). A float tensor that flows only into
 parameters (a scale factor computed from a shape, divided and concatenated on its way to a
 Resize) is a parameter too, with everything computed only for it: quantizing it changes what
 the operator does, not how precisely (and onnxruntime may refuse the result, e.g. a cubic Resize).
@@ -112,7 +113,10 @@ def _schema_parameter_slots(op_type: str, opset: int) -> frozenset[int]:
     for slot, formal in enumerate(schema.inputs):
         if formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
             break
-        if formal.type_str != value_type:
+        # The first input is what the operator works on, whatever type it writes: Cast's data,
+        # ArgMax's logits, Greater's left side. (A model ending in Cast or ArgMax otherwise had
+        # every tensor "computed only for a parameter", and nothing quantized.)
+        if slot > 0 and formal.type_str != value_type:
             slots.add(slot)
     return frozenset(slots)
 
