@@ -285,3 +285,46 @@ def test_outputs_handed_to_a_float_reference_are_kept_in_order_within_its_budget
     other.keep(["y"], [np.zeros(2, np.float32)])
     other.keep(["z"], [np.zeros(2, np.float32)])  # another output set: not mixed in
     assert len(other.outputs) == 1 and other.names == ["y"]
+
+
+def _thresholded(threshold: float, op: str) -> onnx.ModelProto:
+    """ArgMax of x + threshold per row (int64 labels), or the indices where x > threshold
+    (NonZero: as many as there are, a shape that depends on the values)."""
+    nodes = [helper.make_node("Add", ["x", "t"], ["shifted"])]
+    if op == "ArgMax":
+        nodes.append(helper.make_node("ArgMax", ["shifted"], ["y"], axis=1, keepdims=0))
+    else:
+        nodes += [helper.make_node("Greater", ["shifted", "zero"], ["mask"]),
+                  helper.make_node("NonZero", ["mask"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+        initializer=[onnx.numpy_helper.from_array(
+                         np.array([threshold, 0, 0, 0, 0], np.float32), "t"),
+                     onnx.numpy_helper.from_array(np.float32(0), "zero")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_integer_outputs_are_judged_by_the_share_of_equal_elements() -> None:
+    """Labels have no SQNR (an index one off is no closer than one far off): the share of
+    equal elements is their agreement."""
+    rng = np.random.default_rng(12)
+    data = [rng.standard_normal((8, 5)).astype(np.float32) for _ in range(4)]
+    out = compare_models(_thresholded(0.0, "ArgMax"), _thresholded(0.4, "ArgMax"),
+                         (({"x": d}, 8) for d in data)).outputs[0]
+    x = np.concatenate(data)
+    shifted = x + np.array([0.4, 0, 0, 0, 0], np.float32)
+    expected = np.mean(np.argmax(x, axis=1) == np.argmax(shifted, axis=1))
+    assert 0 < expected < 1
+    assert out.sqnr_db is None and out.top1_agreement == pytest.approx(expected)
+
+
+def test_outputs_of_another_shape_are_decisions_that_differ() -> None:
+    """NonZero finds another count on some samples: no error, and those samples disagree."""
+    rng = np.random.default_rng(13)
+    data = [rng.standard_normal((1, 5)).astype(np.float32) for _ in range(20)]
+    out = compare_models(_thresholded(0.0, "NonZero"), _thresholded(0.3, "NonZero"),
+                         (({"x": d}, 1) for d in data)).outputs[0]
+    other = sum(int(d[0, 0] > 0) != int(d[0, 0] + np.float32(0.3) > 0) for d in data)
+    assert 0 < other < 20
+    assert out.top1_agreement == pytest.approx(1 - other / 20)

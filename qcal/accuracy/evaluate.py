@@ -118,8 +118,24 @@ class _Accumulator:
     nonfinite_quantized: int = 0
     nonfinite_introduced: int = 0
     shapes: set[tuple[int, ...]] = field(default_factory=set)
+    # Integer outputs (indices, labels, counts) are decisions: their elements agree or not.
+    integer: bool = False
+    equal: int = 0
+    elements: int = 0
+    # Batches whose outputs differ in shape (NonZero finds another count): they disagree.
+    batches: int = 0
+    other_shape: int = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
+        self.batches += 1
+        if x.shape != y.shape:
+            self.other_shape += 1
+            return
+        if x.dtype.kind in "biu":
+            self.integer = True
+            self.equal += int(np.count_nonzero(x == y))
+            self.elements += int(x.size)
+            return
         x64 = x.astype(np.float64, copy=False).ravel()
         y64 = y.astype(np.float64, copy=False).ravel()
         finite_x, finite_y = np.isfinite(x64), np.isfinite(y64)
@@ -157,6 +173,11 @@ class _Accumulator:
         denom = math.sqrt(self.signal * self.quant_energy)
         cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
         agreement = self.agree / self.rows if self.rule is not None and self.rows else None
+        if self.integer:  # no SQNR of indices: the share of equal elements is the agreement
+            sqnr, agreement = None, self.equal / self.elements if self.elements else 1.0
+        if self.other_shape:  # a batch of another shape is a batch of decisions that differ
+            same = 1.0 - self.other_shape / self.batches
+            agreement = same * (1.0 if agreement is None else agreement)
         has_labels = self.rule is not None and self.labelled > 0
         return OutputMetrics(
             name=name,
@@ -266,11 +287,7 @@ def compare_models(
                 raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
             batch_labels = labels[samples : samples + n]
         for name, x, y in zip(names, x_outputs, y_outputs):
-            x, y = np.asarray(x), np.asarray(y)
-            if x.shape != y.shape:
-                raise ModelError(f"output {name!r}: the float model gives shape {list(x.shape)}, "
-                                 f"the other model {list(y.shape)}")
-            accumulators[name].add(x, y, batch_labels)
+            accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels)
         samples += n
         if on_batch is not None:
             on_batch(n)
