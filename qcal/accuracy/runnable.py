@@ -37,6 +37,7 @@ from qcal.numerics.errors import ModelError
 __all__ = ["Runnable", "make_runnable"]
 
 _MAX_REPAIRS = 8  # nodes kept float one at a time; more means the cause is not one node
+_MAX_READ_BACKS = 3  # each keeps every node found float at once: more rounds find nothing new
 _NODE_NAMES = (
     re.compile(r"Name:'([^']+)'"),
     re.compile(r"node with name '([^']+)'"),
@@ -82,18 +83,21 @@ def make_runnable(
     without them, so that what they read stays quantized for the integer kernels writing it."""
     repaired: dict[str, str] = {}
     model = build(plan)
-    fusions_checked = replan is None
-    for _ in range(_MAX_REPAIRS + 2):
+    # Read-backs left: keeping a node float can leave another without integer readers or
+    # writers (a Conv whose only readers were the Convs of an If branch), so the plan made
+    # without them is read back again.
+    read_backs = 0 if replan is None else _MAX_READ_BACKS
+    for _ in range(_MAX_REPAIRS + _MAX_READ_BACKS + 1):
         failure, session, optimized = _run_failure(
-            model, feed, providers, threads, read_back=not fusions_checked)
+            model, feed, providers, threads, read_back=read_backs > 0)
         if failure is None and optimized is not None:
-            fusions_checked = True
+            read_backs -= 1
             stray = _float_anchors(optimized, plan)
-            if stray:  # built again without them, and run once more (not checked again)
+            if stray:  # built again without them, and run once more
                 assert replan is not None
                 nodes = frozenset(stray.values())
                 repaired.update(dict.fromkeys(sorted(nodes), _FLOAT_REASON))
-                plan = _within(replan(nodes), plan, nodes)
+                plan = _within(replan(frozenset(repaired)), plan, nodes)
                 model = build(plan)
                 continue
         if failure is None:
@@ -139,19 +143,24 @@ def _run_failure(
 
 def _float_anchors(optimized: onnx.ModelProto, plan: QuantPlan) -> dict[str, str]:
     """Planned weight -> its node, for the weights that onnxruntime's optimized graph still
-    dequantizes into a float compute node (main graph; the QDQ writer names a weight's codes
-    ``<weight>_quantized``)."""
+    dequantizes into a float compute node (the QDQ writer names a weight's codes
+    ``<weight>_quantized``), through the Casts it adds where a float16 model's kernels take
+    float32, in the main graph and in the bodies of If, Loop and Scan (where it fuses nothing
+    that crosses the body's edge)."""
     codes = {f"{w.tensor}_quantized": w for w in plan.weights}
-    producers = {out: node for node in optimized.graph.node for out in node.output}
+    graphs = list(all_graphs(optimized.graph))
+    producers = {out: node for graph in graphs for node in graph.node for out in node.output}
     found: dict[str, str] = {}
-    for node in optimized.graph.node:
+    for node in (n for graph in graphs for n in graph.node):
         if node.op_type not in _FLOAT_COMPUTE_OPS:
             continue
         for value in node.input:
-            dequantize = producers.get(value)
-            if (dequantize is not None and dequantize.op_type == "DequantizeLinear"
-                    and dequantize.input and dequantize.input[0] in codes):
-                weight = codes[dequantize.input[0]]
+            source = producers.get(value)
+            while source is not None and source.op_type == "Cast" and source.input:
+                source = producers.get(source.input[0])
+            if (source is not None and source.op_type == "DequantizeLinear"
+                    and source.input and source.input[0] in codes):
+                weight = codes[source.input[0]]
                 found[weight.tensor] = weight.node
     return found
 

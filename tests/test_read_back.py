@@ -1,0 +1,109 @@
+"""What qcal reports as quantized is what onnxruntime runs in integers, in every form of graph.
+
+The read-back check (qcal.accuracy.runnable) finds the planned weights onnxruntime's optimized
+graph still dequantizes into a float Conv/MatMul/Gemm. These cases hide that behind a Cast
+(a float16 model: onnxruntime's CPU kernels take float32, so it casts the dequantized weight and
+runs the float kernel) or inside an If branch (onnxruntime fuses nothing across a body's edge).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from _onnx_testing import build_model, float_input
+from onnx import TensorProto, helper
+
+from qcal.config import CalibrationConfig
+from qcal.pipeline import CalibrationResult, calibrate
+
+
+def _calibrate(model: onnx.ModelProto, tmp_path: Path, feeds: dict[str, np.ndarray]) -> CalibrationResult:
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", **feeds)
+    return calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+
+
+def _ops_run(model: onnx.ModelProto, folder: Path) -> Counter[str]:
+    """Op types of every graph onnxruntime runs after its optimizations, bodies included."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(folder / "optimized.onnx")
+    graphs = [optimized.graph]
+    ops: Counter[str] = Counter()
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            ops[node.op_type] += 1
+            graphs += [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    return ops
+
+
+def _weights(rng: np.random.Generator, dtype: type) -> dict[str, np.ndarray]:
+    return {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(dtype),
+            "w2": (rng.standard_normal((4, 8, 3, 3)) * 0.3).astype(dtype)}
+
+
+def test_a_float16_model_is_not_reported_as_running_in_integers(tmp_path: Path) -> None:
+    """Conv -> Relu -> Conv in float16: every planned Conv would run in float on cast,
+    dequantized weights (slower than the float model, and no integer kernel), so each is kept
+    float and says why; the output model computes as the float one."""
+    rng = np.random.default_rng(20)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)
+    model = build_model(nodes, [x], [y], _weights(rng, np.float16))
+    data = rng.standard_normal((8, 3, 8, 8)).astype(np.float16)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert not decisions["conv1"]["quantized"] and not decisions["conv2"]["quantized"]
+    assert "onnxruntime runs it in float" in decisions["conv1"]["reason"]
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["DequantizeLinear"] == 0 and ops["QLinearConv"] == 0, ops
+    assert result.report["coverage"]["quantized_compute_nodes"] == 0
+
+
+def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: Path) -> None:
+    """A Conv -> Relu, then an If whose branches each hold a Conv: onnxruntime runs the branch
+    Convs in float on dequantized weights, so they are kept float (and say why). The first
+    Conv's only readers are then float ones inside the branches, where its integers would be
+    dequantized anyway: it is read back again and reported as what it runs as."""
+    rng = np.random.default_rng(21)
+    weights = _weights(rng, np.float32)
+
+    def branch(name: str, scale: float) -> onnx.GraphProto:
+        w = helper.make_tensor(f"{name}_w", TensorProto.FLOAT, [4, 8, 3, 3],
+                               (weights["w2"] * scale).ravel().tolist())
+        conv = helper.make_node("Conv", ["r1", f"{name}_w"], [f"{name}_out"], name=f"{name}_conv",
+                                pads=[1, 1, 1, 1])
+        return helper.make_graph([conv], name, [], [helper.make_tensor_value_info(
+            f"{name}_out", TensorProto.FLOAT, None)], [w])
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("If", ["flag"], ["y"], name="choose",
+                         then_branch=branch("then", 1.0), else_branch=branch("else", -0.5)),
+    ]
+    flag = helper.make_tensor_value_info("flag", TensorProto.BOOL, [])
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8]), flag], ["y"],
+                        {"w1": weights["w1"]})
+    feeds = {"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+             "flag": np.array([True, False] * 4)}
+    result = _calibrate(model, tmp_path, feeds)
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    for name in ("then_conv", "else_conv"):
+        assert not decisions[name]["quantized"], decisions[name]
+        assert "onnxruntime runs it in float" in decisions[name]["reason"]
+    integer = sum(d["quantized"] for d in decisions.values() if d["op_type"] == "Conv")
+    assert _ops_run(result.model, tmp_path)["QLinearConv"] == integer
+    assert result.report["coverage"]["quantized_compute_nodes"] == integer
