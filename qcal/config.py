@@ -227,7 +227,9 @@ class CalibrationConfig:
         else:
             target = ("accuracy-floor", 0.0)
         return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
-                     self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target)
+                     self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target,
+                     coverage_floor=(self.min_coverage if self.fallback and self.weight_only is None
+                                     else None))
 
     @property
     def has_fallback_target(self) -> bool:

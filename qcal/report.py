@@ -312,9 +312,9 @@ def _accuracy_warnings(
 ) -> list[str]:
     found = []
     if coverage is not None and not coverage.anything_quantized:
-        found.append("nothing was quantized: no node of this model has an operator qcal "
-                     "quantizes under the current selection and placement (see nodes[].reason); "
-                     "the output model computes exactly as the float one")
+        found.append("nothing was quantized: no node of this model is quantized under the "
+                     "current selection and placement, or onnxruntime would run it in float "
+                     "(see nodes[].reason); the output model computes exactly as the float one")
     if coverage is not None and coverage.note:
         found.append(f"coverage: {coverage.note}")
     if fallback is not None and not fallback.reached:

@@ -9,7 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import compare_models
+from qcal.accuracy.gates import Gates, check_gates
 
 
 def _scale_model(factor: float, op: str = "MatMul") -> onnx.ModelProto:
@@ -328,3 +330,26 @@ def test_outputs_of_another_shape_are_decisions_that_differ() -> None:
     other = sum(int(d[0, 0] > 0) != int(d[0, 0] + np.float32(0.3) > 0) for d in data)
     assert 0 < other < 20
     assert out.top1_agreement == pytest.approx(1 - other / 20)
+
+
+@pytest.mark.parametrize(("quantized", "floor", "fails"),
+                         [(10, 70.0, True), (70, 70.0, False), (0, 0.0, False), (10, None, False)])
+def test_the_coverage_floor_is_a_gate_when_the_fallback_is_on(
+    quantized: int, floor: float | None, fails: bool
+) -> None:
+    """With the fallback on (the default), less than the coverage floor's share of the compute
+    running in integers fails the run, whatever kept it float; --no-fallback (no floor) and
+    --min-coverage 0 let such a model through."""
+    coverage = Coverage(basis="macs", compute_nodes=2, quantized_nodes=1, macs_total=100,
+                        macs_quantized=quantized)
+    results = check_gates(Gates(coverage_floor=floor), None, coverage)
+    assert [r.option for r in results] == (["coverage-floor"] if fails else [])
+    if fails:
+        assert results[0].value == pytest.approx(quantized) and not results[0].passed
+        assert "the coverage floor 70 (--min-coverage): FAILED" in results[0].describe()
+
+
+def test_a_model_without_compute_has_no_coverage_floor() -> None:
+    coverage = Coverage(basis="nodes", compute_nodes=0, quantized_nodes=0, macs_total=None,
+                        macs_quantized=None, anything_quantized=False)
+    assert check_gates(Gates(coverage_floor=70.0), None, coverage) == []

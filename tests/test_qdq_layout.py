@@ -437,7 +437,7 @@ def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_pa
     }
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    result = _run(model, tmp_path, x)
+    result = _run(model, tmp_path, x, min_coverage=0.0)  # half the compute stays float here
     decisions = {n["name"]: n for n in result.report["nodes"]}
     nodes = {n.name: n for n in result.model.graph.node}
     ops = _optimized_ops(result.model, tmp_path)

@@ -24,7 +24,8 @@ from qcal.pipeline import CalibrationResult, calibrate
 def _calibrate(model: onnx.ModelProto, tmp_path: Path, feeds: dict[str, np.ndarray]) -> CalibrationResult:
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", **feeds)
-    return calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"))
+    return calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"),
+                     enforce_gates=False)
 
 
 def _ops_run(model: onnx.ModelProto, folder: Path) -> Counter[str]:
@@ -70,6 +71,9 @@ def test_a_float16_model_is_not_reported_as_running_in_integers(tmp_path: Path) 
     ops = _ops_run(result.model, tmp_path)
     assert ops["DequantizeLinear"] == 0 and ops["QLinearConv"] == 0, ops
     assert result.report["coverage"]["quantized_compute_nodes"] == 0
+    # No integer compute at all: a verdict, not a silent exit 0.
+    failed = [g.option for g in result.gates if not g.passed]
+    assert failed == ["coverage-floor"]
 
 
 def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from qcal.numerics.errors import AccuracyGateError
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
 
 # Gates every run checks, set by no option.
-BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor"})
+BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor"})
 # Gates whose value is a yes/no: whether the fallback reached its target.
 _REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
 _YES_NO = " (1 yes, 0 no)"
@@ -35,6 +35,9 @@ class Gates:
     fail_if_slower: float | None = None
     fallback_target: tuple[str, float] | None = None
     floor_is_gate: bool = False  # the default accuracy floor: missing it fails the run
+    # With the fallback on: the share of compute MACs (%) that must run in integers, whatever
+    # kept the rest float (the selection, onnxruntime's own graph, the fallback).
+    coverage_floor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class GateResult:
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         limit = ("always checked" if self.option in BUILT_IN_GATES
                  else f"--{self.option} {self.threshold:g}")
+        if self.option == "coverage-floor":
+            limit = f"the coverage floor {self.threshold:g} (--min-coverage)"
         return f"{self.measure} {value} vs {limit}: {verdict}"
 
     def to_json(self) -> dict[str, object]:
@@ -89,7 +94,9 @@ def check_gates(
 
     One gate is always on: the quantized model may not compute non-finite values where the float
     model computes finite ones ("finite-outputs"). Such a model is broken whatever its other
-    figures, so when it fails, every other gate fails with it.
+    figures, so when it fails, every other gate fails with it. With the fallback on, so is the
+    coverage floor ("coverage-floor"): a model with Conv/MatMul/Gemm nodes of which less than
+    that share runs in integers is no quantized model to hand over silently.
     """
     results: list[GateResult] = []
     broken = comparison is not None and bool(comparison.broken_outputs)
@@ -119,6 +126,12 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
                                   value >= gates.fail_if_coverage_below and not broken))
+    if gates.coverage_floor is not None and coverage.compute_nodes:
+        value = 100.0 * coverage.fraction
+        if value < gates.coverage_floor:  # checked always: only a miss is a result
+            results.append(GateResult(
+                "coverage-floor", "share of Conv/MatMul/Gemm compute running in integers (%)",
+                gates.coverage_floor, value, False))
     if gates.fail_if_slower is not None:
         results.append(GateResult(
             "fail-if-slower", "quantized/float latency, worst of 1 and 2 threads (x)",
