@@ -180,3 +180,26 @@ def test_constants_computed_in_the_graph_are_not_samples(tmp_path: Path) -> None
     inputs = model_inputs(model)
     source = open_data(data_path, model_path=model_path, inputs=inputs)
     assert exact_batch_size(model, source, inputs, 4) == (4, None)
+
+
+def test_a_difference_after_the_first_batch_is_found(tmp_path: Path) -> None:
+    """Whether joining shows can depend on the values too. Here each row gets the index of the
+    largest row per column, broadcast back to the rows' shape: four equal rows give index 0
+    joined or alone (ties go to the first); the next four do not."""
+    nodes = [
+        helper.make_node("ArgMax", ["x"], ["index"], axis=0, keepdims=1),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Expand", ["index", "shape"], ["indices"]),
+        helper.make_node("Cast", ["indices"], ["offset"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Add", ["x", "offset"], ["y"]),
+    ]
+    model = build_model(nodes, [float_input("x", ["N", 4])], [float_input("y", ["N", 4])])
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    x[:4] = x[0]
+    model_path, data_path = _save(tmp_path, model, {"x": x})
+    model = onnx.shape_inference.infer_shapes(model)
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    size, reason = exact_batch_size(model, source, inputs, 4)
+    assert size == 1 and reason is not None and "'offset'" in reason

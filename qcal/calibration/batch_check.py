@@ -18,6 +18,8 @@ which no range, histogram or sum sees.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
+from typing import Any
 
 import numpy as np
 import onnx
@@ -38,21 +40,25 @@ _FLOATS = frozenset(_ITEM_BYTES)
 # samples run one at a time unchecked. A model whose tensors for a batch take this much spends
 # its time in its kernels, not in the per-run cost that joining saves.
 _CHECK_BYTES = 256 << 20
+# Batches compared: whether a kernel's sum order shows depends on the values too (a JAX MLP's
+# softmax sums agreed on its first batch of four and differed on the next four).
+_BATCHES_CHECKED = 4
 
 
 def exact_batch_size(
     model: onnx.ModelProto, source: DataSource, inputs: Sequence[InputSpec], batch_size: int,
     *, providers: tuple[str, ...] = ("CPUExecutionProvider",), threads: int = 0,
 ) -> tuple[int, str | None]:
-    """`batch_size`, or 1 with the reason when onnxruntime computes the first batch of `source`
-    (its first `batch_size` samples, joined as `iter_batches` joins them) differently from its
-    samples one at a time, or when the check would hold more than _CHECK_BYTES of them. Nothing
-    runs when the batch size is 1 or the first batch holds one sample (the model's dim 0 is
-    fixed, or the first samples differ in shape)."""
+    """`batch_size`, or 1 with the reason when onnxruntime computes one of the first
+    _BATCHES_CHECKED batches of `source` (joined as `iter_batches` joins them) differently from
+    their samples one at a time, or when the check would hold more than _CHECK_BYTES of them.
+    Nothing runs when the batch size is 1 or no such batch holds two samples (the model's dim 0
+    is fixed, or the samples differ in shape)."""
     if batch_size == 1:
         return 1, None
-    joined, n = next(iter(iter_batches(source, inputs, batch_size)), ({}, 0))
-    if n < 2:
+    batches = [(feed, n) for feed, n in islice(iter_batches(source, inputs, batch_size),
+                                               _BATCHES_CHECKED) if n > 1]
+    if not batches:
         return batch_size, None
     types = element_types(model.graph)
     # Shape arithmetic (a Cast of a Shape, scaled on its way to a Resize) counts the samples: it
@@ -64,7 +70,8 @@ def exact_batch_size(
     tensors = list(dict.fromkeys(
         value for node in model.graph.node for value in node.output
         if types.get(value) in _FLOATS and value not in parameters and value in fed))
-    if _estimated_bytes(model, tensors, joined) > _CHECK_BYTES:
+    n = max(n for _, n in batches)
+    if max(_estimated_bytes(model, tensors, feed) for feed, _ in batches) > _CHECK_BYTES:
         return 1, (f"batch-size: the check that {n} samples joined compute as one at a time "
                    f"would hold over {_CHECK_BYTES >> 20} MiB of this model's tensors; the "
                    "samples ran one at a time (joining pays little on a model this large)")
@@ -72,6 +79,18 @@ def exact_batch_size(
                              threads=threads, what="model (batch check)")
     outputs = {o.name for o in session.get_outputs()}
     names = [t for t in tensors if t in outputs]
+    for feed, count in batches:
+        differs = _first_difference(session, names, feed, count)
+        if differs is not None:
+            return 1, (f"batch-size: onnxruntime computes tensor {differs!r} differently for "
+                       f"{count} samples joined than for one at a time; the samples ran one "
+                       "at a time, so that the results do not depend on the batching")
+    return batch_size, None
+
+
+def _first_difference(session: Any, names: list[str], joined: Feed, n: int) -> str | None:
+    """The first of `names` whose values differ between the `n` samples of `joined` run
+    together and run one at a time (None: none)."""
     together = session.run(names, joined)
     # A tensor whose samples lie along dim 0 is compared sample by sample, one sample's run
     # alive at a time; any other (a sequence-first layout) whole, once every sample has run.
@@ -88,11 +107,7 @@ def exact_batch_size(
             elif not _same_values(together[position][i:i + 1], [array]):
                 differs.add(position)
     differs |= {p for p, arrays in kept.items() if not _same_values(together[p], arrays)}
-    if differs:
-        return 1, (f"batch-size: onnxruntime computes tensor {names[min(differs)]!r} "
-                   f"differently for {n} samples joined than for one at a time; the samples "
-                   "ran one at a time, so that the results do not depend on the batching")
-    return batch_size, None
+    return names[min(differs)] if differs else None
 
 
 def _fed_by_inputs(graph: onnx.GraphProto) -> set[str]:
