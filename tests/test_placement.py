@@ -229,3 +229,36 @@ def test_a_node_onnxruntime_cannot_run_quantized_is_kept_float(
     (expected,) = run(model, {"x": x[0]})
     assert np.abs(quantized - expected).max() < 0.1 * np.abs(expected).max()
     assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
+
+
+def _scan_model(weight_as_state: bool) -> onnx.ModelProto:
+    """A Scan over the rows of x: h = Relu(row @ W) per step, W either an initializer the body
+    reads from outside or passed in as a state (as tf2onnx writes a tf.scan's weights)."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((4, 4)).astype(np.float32)
+    body_inputs = [helper.make_tensor_value_info("row", TensorProto.FLOAT, [1, 4])]
+    body_outputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 4])]
+    weight = "W"
+    if weight_as_state:
+        body_inputs.insert(0, helper.make_tensor_value_info("W_in", TensorProto.FLOAT, [4, 4]))
+        body_outputs.insert(0, helper.make_tensor_value_info("W_out", TensorProto.FLOAT, [4, 4]))
+        weight = "W_in"
+    body_nodes = [
+        helper.make_node("MatMul", ["row", weight], ["m"], name="body_matmul"),
+        helper.make_node("Relu", ["m"], ["h"], name="body_relu"),
+    ]
+    if weight_as_state:
+        body_nodes.append(helper.make_node("Identity", ["W_in"], ["W_out"], name="keep_w"))
+    body = helper.make_graph(body_nodes, "body", body_inputs, body_outputs)
+    scan_inputs = ["W", "x"] if weight_as_state else ["x"]
+    scan_outputs = ["W_final", "hs"] if weight_as_state else ["hs"]
+    scan = helper.make_node("Scan", scan_inputs, scan_outputs, name="scan", body=body,
+                            num_scan_inputs=1)
+    return build_model([scan], [float_input("x", [6, 1, 4])], ["hs"], {"W": w}, opset=17)
+
+
+@pytest.mark.parametrize("weight_as_state", [False, True])
+def test_a_loop_body_quantizes_only_anchors_with_a_constant_weight(weight_as_state: bool) -> None:
+    _, decisions, activations = _plan(_scan_model(weight_as_state), "auto")
+    assert decisions["body_matmul"] is (not weight_as_state)
+    assert ("W_in" in activations) is False

@@ -162,6 +162,8 @@ def place(
     index: UseIndex,
     selected: Mapping[str, object],
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    *,
+    loop_body: bool = False,
 ) -> Placement:
     """Placement "auto" for one graph (module docstring).
 
@@ -172,9 +174,19 @@ def place(
             be quantized (values unused).
         quantized_inputs: the float activations (not constants) a node would read quantized
             under its rule.
+        loop_body: `graph` is the body of a Loop or Scan. There an anchor whose weight is not a
+            constant (tf2onnx passes a scan's weights in as loop state) would quantize it anew
+            at every iteration: such anchors stay float (a tf.scan model ran 3.2x slower).
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
+    if loop_body:
+        for node in nodes:
+            if node.op_type in ANCHOR_OPS and len(quantized_inputs(node)) > 1:
+                placement.nodes[node.name] = (
+                    "placement auto: inside a Loop/Scan body its weight is not a constant, "
+                    "so it would be quantized again at every iteration")
+        nodes = [n for n in nodes if n.name not in placement.nodes]
     by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
     fused = _fused_activations(nodes, anchors, index)

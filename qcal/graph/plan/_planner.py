@@ -77,6 +77,7 @@ class _Planner(_Selection):
         types: Mapping[str, int] | None = None,
         outer_constants: Mapping[str, onnx.TensorProto] | None = None,
         ambiguous: frozenset[str] = frozenset(),
+        loop_body: bool = False,
     ) -> None:
         self._graph = graph
         self._rules = rules
@@ -101,7 +102,8 @@ class _Planner(_Selection):
                 self._skips[node.name] = reason
         self._placed = Placement()
         if rules.placement == "auto" and rules.op_types is None:
-            self._placed = place(graph, self._index, self._selected, self._activation_inputs)
+            self._placed = place(graph, self._index, self._selected, self._activation_inputs,
+                                 loop_body=loop_body)
             for name, reason in self._placed.nodes.items():
                 del self._selected[name]
                 self._skips[name] = reason
@@ -141,6 +143,7 @@ class _Planner(_Selection):
                             types=self._types,
                             outer_constants=self._scope_constants(),
                             ambiguous=self._ambiguous,
+                            loop_body=node.op_type in ("Loop", "Scan"),
                         )
                         body._plan_into(found)
                         continue
