@@ -56,11 +56,15 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                        f"model does not ({', '.join(broken)})")
     if floor is not None and not floor["passed"]:
         minimum = config["min_coverage"]
+        fallback = report.get("fallback") or {}
+        # Why the search stopped: the coverage floor, or no tensor left that it could blame.
+        why = (f"Keeping float what harms most did not reach it with {minimum:g} % of compute "
+               "quantized" if "coverage floor" in fallback.get("message", "coverage floor")
+               else "Keeping float every tensor where the error jumps did not reach it")
         return Verdict(
             "below-floor",
             "quality: below the accuracy floor (99 % of decisions, 10 dB elsewhere)",
-            f"{said}. Keeping float what harms most did "
-            f"not reach it with {minimum:g} % of compute quantized. To go on: --min-coverage "
+            f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")
     if config["fallback"] and not config["target_sqnr"] and config["max_agreement_drop"] is None:

@@ -497,3 +497,26 @@ def test_every_command_and_option_is_in_the_readme() -> None:
             if flags and flags != ["--help"] and not any(f in readme for f in flags):
                 missing.append(f"qcal {name} {flags[0]}")
     assert missing == []
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    (("... NOT reached: it would need more than 30 % of compute in float (coverage floor 70 %); "
+      "kept the best model checked (3 tensor(s) float)"),
+     "did not reach it with 70 % of compute quantized"),
+    (("... NOT reached even with all 2 sensitive tensor(s) in float; kept the best model "
+      "checked (2 tensor(s) float)"), "every tensor where the error jumps did not reach it"),
+])
+def test_a_missed_floor_says_why_the_search_stopped(message: str, said: str) -> None:
+    """The coverage floor, or no tensor left to blame: the verdict says which."""
+    from qcal._verdict import quality_verdict
+
+    report = {
+        "evaluation": {"outputs": [{"name": "y", "sqnr_db": 30.0, "top1_agreement": 0.9,
+                                    "nonfinite_introduced": 0}]},
+        "gates": [{"option": "accuracy-floor", "passed": False}],
+        "config": {"min_coverage": 70.0, "fallback": True, "target_sqnr": None,
+                   "max_agreement_drop": None},
+        "fallback": {"reached": False, "message": message},
+    }
+    verdict = quality_verdict(report)
+    assert verdict is not None and verdict.level == "below-floor" and said in verdict.detail
