@@ -111,3 +111,6 @@ def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: P
     integer = sum(d["quantized"] for d in decisions.values() if d["op_type"] == "Conv")
     assert _ops_run(result.model, tmp_path)["QLinearConv"] == integer
     assert result.report["coverage"]["quantized_compute_nodes"] == integer
+    # The branches' work is not in the figure, and the report says so.
+    assert result.report["coverage"]["note"].startswith(
+        "2 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies are not counted (0 of them")

@@ -36,7 +36,13 @@ from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
 from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
 from qcal.graph.placement import FUSED_ACTIVATIONS
-from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, element_types
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    FLOAT_TYPES,
+    UseIndex,
+    all_graphs,
+    element_types,
+)
 from qcal.numerics.errors import QcalError
 
 __all__ = [
@@ -68,7 +74,8 @@ class Coverage:
         quantized_nodes: those that run as integer kernels under the plan.
         macs_total: MACs of all compute nodes for one sample (None on the "nodes" basis).
         macs_quantized: MACs of the quantized ones (None on the "nodes" basis).
-        note: why the basis is "nodes", or None.
+        note: what the figure leaves out (shapes unknown: it counts nodes; compute inside
+            If/Loop/Scan bodies), or None.
         anything_quantized: whether the plan quantizes any node at all.
     """
 
@@ -165,17 +172,32 @@ def measure_coverage(
     quantized = quantized_compute(model, plan)
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
+    bodies = _bodies_note(model, plan)
     if unknown:
         note = (
             f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
             f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
         )
-        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None, note,
-                        anything)
+        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
+                        "; ".join(n for n in (note, bodies) if n), anything)
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
-    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done,
+    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                     anything_quantized=anything)
+
+
+def _bodies_note(model: onnx.ModelProto, plan: QuantPlan) -> str | None:
+    """What the figure leaves out: compute inside If/Loop/Scan bodies, whose MACs depend on
+    the branch taken and the number of iterations."""
+    inside = [n.name for g in all_graphs(model.graph) if g is not model.graph
+              for n in g.node if _is_compute(n)]
+    if not inside:
+        return None
+    planned = {d.node for d in plan.nodes if d.quantized}
+    count = sum(name in planned for name in inside)
+    return (f"{len(inside)} Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies are not counted "
+            f"({count} of them quantized): their work depends on the branch taken and the "
+            "number of iterations")
 
 
 # ------------------------------------------------------------------------------------ helpers
