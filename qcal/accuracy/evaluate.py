@@ -35,6 +35,12 @@ __all__ = [
 Feed = Mapping[str, np.ndarray]
 
 
+# The comparisons whose figures go into the report and decide the fallback run onnxruntime on
+# one thread: its float kernels may sum in another order with more (a float Conv reading
+# dequantized values did, in a detector head's quantized model), and neither the report nor
+# the fallback's choices may depend on --threads.
+COMPARE_THREADS = 1
+
 @dataclass(frozen=True)
 class OutputMetrics:
     name: str
