@@ -43,6 +43,16 @@ def _save(tmp_path: Path, model: onnx.ModelProto, data: dict[str, np.ndarray]) -
     return tmp_path / "m.onnx", tmp_path / "d.npz"
 
 
+def _check(tmp_path: Path, model: onnx.ModelProto, x: np.ndarray) -> tuple[int, str | None]:
+    """`exact_batch_size` at 4 of `model` (shapes inferred, as qcal prepares it) on samples `x`
+    of its input "x"."""
+    model_path, data_path = _save(tmp_path, model, {"x": x})
+    model = onnx.shape_inference.infer_shapes(model)
+    inputs = model_inputs(model)
+    source = open_data(data_path, model_path=model_path, inputs=inputs)
+    return exact_batch_size(model, source, inputs, 4)
+
+
 def test_samples_that_change_when_joined_run_one_at_a_time(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     model_path, data_path = _save(tmp_path, _centred_over_dim0(rng),
@@ -85,12 +95,7 @@ def test_shape_arithmetic_may_count_the_samples(tmp_path: Path) -> None:
                "one": np.ones(1, np.float32)}
     model = build_model(nodes, [float_input("x", ["N", 4])], [float_input("y", ["N", 3])],
                         weights)
-    model_path, data_path = _save(tmp_path, model,
-                                  {"x": rng.standard_normal((8, 4)).astype(np.float32)})
-    model = onnx.shape_inference.infer_shapes(model)
-    inputs = model_inputs(model)
-    source = open_data(data_path, model_path=model_path, inputs=inputs)
-    assert exact_batch_size(model, source, inputs, 4) == (4, None)
+    assert _check(tmp_path, model, rng.standard_normal((8, 4)).astype(np.float32)) == (4, None)
 
 
 def _calibrate(model: Path, data: Path, out: Path, batch: int) -> tuple[bytes, dict[str, object]]:
@@ -174,12 +179,7 @@ def test_constants_computed_in_the_graph_are_not_samples(tmp_path: Path) -> None
                "shape": np.array([4, 3], np.int64)}
     model = build_model(nodes, [float_input("x", ["N", 4])], [float_input("y", ["N", 3])],
                         weights)
-    model_path, data_path = _save(tmp_path, model,
-                                  {"x": rng.standard_normal((8, 4)).astype(np.float32)})
-    model = onnx.shape_inference.infer_shapes(model)
-    inputs = model_inputs(model)
-    source = open_data(data_path, model_path=model_path, inputs=inputs)
-    assert exact_batch_size(model, source, inputs, 4) == (4, None)
+    assert _check(tmp_path, model, rng.standard_normal((8, 4)).astype(np.float32)) == (4, None)
 
 
 def test_a_difference_after_the_first_batch_is_found(tmp_path: Path) -> None:
@@ -197,9 +197,5 @@ def test_a_difference_after_the_first_batch_is_found(tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     x = rng.standard_normal((8, 4)).astype(np.float32)
     x[:4] = x[0]
-    model_path, data_path = _save(tmp_path, model, {"x": x})
-    model = onnx.shape_inference.infer_shapes(model)
-    inputs = model_inputs(model)
-    source = open_data(data_path, model_path=model_path, inputs=inputs)
-    size, reason = exact_batch_size(model, source, inputs, 4)
+    size, reason = _check(tmp_path, model, x)
     assert size == 1 and reason is not None and "'offset'" in reason
