@@ -6,13 +6,13 @@ computes a sample in a batch exactly as it computes it alone. Its kernels pick t
 vector paths by shape, and some sum in another order at another batch size: on a JAX-exported
 MLP-mixer a ReduceSum and the MatMul after it differ in their last bits between a batch of one and
 of two, enough to move an activation's range by one ulp and the model's bytes with it. So before
-joining, the float model runs on the first batch's samples alone and joined, with every float
-tensor of its main graph exposed (but shape arithmetic, which counts the samples); any
-difference and the samples run one at a time.
+joining, the float model runs on the first batches' samples alone and joined, with every float
+tensor of its main graph exposed (but shape arithmetic, which counts the samples, and constants
+computed in the graph); any difference and the samples run one at a time.
 
-Values are compared as sorted lists, per tensor: a tensor whose batch axis is not first (a
-Transpose to sequence-first for a recurrent layer) holds the same values in another layout,
-which no range, histogram or sum sees.
+A tensor whose samples are stacked on dim 0 is compared sample by sample; any other (a Transpose
+to sequence-first for a recurrent layer) as a sorted list of its values: the same values in
+another layout, which no range, histogram or sum sees.
 """
 
 from __future__ import annotations
