@@ -319,6 +319,9 @@ def test_integer_outputs_are_judged_by_the_share_of_equal_elements() -> None:
     expected = np.mean(np.argmax(x, axis=1) == np.argmax(shifted, axis=1))
     assert 0 < expected < 1
     assert out.sqnr_db is None and out.top1_agreement == pytest.approx(expected)
+    # How far the labels moved is still said.
+    labels = np.argmax(x, axis=1), np.argmax(shifted, axis=1)
+    assert out.max_abs_error == np.max(np.abs(labels[0] - labels[1])) > 0 and out.cosine < 1
 
 
 def test_outputs_of_another_shape_are_decisions_that_differ() -> None:
