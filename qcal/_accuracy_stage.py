@@ -52,9 +52,12 @@ def _improve_accuracy(
     if config.wants_sensitivity:
         with timings.stage("sensitivity"):
             count, screen = _sensitivity_samples(config, plan, source)
+            # One sample per run here and in the localisation: the batch check ran the float
+            # model, not these models with their tensors exposed, which joined samples can
+            # change in the last bits (and the fallback's ranking with them).
             sensitivity = measure_sensitivity(
                 model, plan, act_params, weights,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
+                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
                 screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
                 threads=COMPARE_THREADS,
                 on_batch=_stage_progress(progress, "sensitivity", count),
@@ -73,7 +76,7 @@ def _improve_accuracy(
             count = min(_LOCALISE_SAMPLES, source.num_samples() or _LOCALISE_SAMPLES)
             sensitivity = localise_error(
                 model, quant_model, plan,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, config.batch_size),
+                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
                 providers=config.providers, threads=COMPARE_THREADS,
             )
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
