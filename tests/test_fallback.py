@@ -555,6 +555,8 @@ def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path
     assert not report["fallback"]["reached"]
     assert [g["option"] for g in report["gates"]] == ["accuracy-floor"]
     assert out.is_file()
+    agreement = report["evaluation"]["outputs"][0]["top1_agreement"]  # the one line names it
+    assert f"{100 * agreement:.2f} % of the decisions agree" in result.stderr
 
 
 def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(

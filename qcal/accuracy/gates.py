@@ -140,9 +140,24 @@ def check_gates(
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what = "accuracy floor (see README)" if option == "accuracy-floor" else "fallback target"
+        if comparison is not None:  # the one-line reason names the figures that missed
+            what = f"{what[:-1]}; {_figures(comparison)})" if what.endswith(")") else \
+                f"{what} ({_figures(comparison)})"
         measure = f"{what} reached above the coverage floor{_YES_NO}"
         results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
+
+
+def _figures(comparison: Comparison) -> str:
+    """The measured quality in a few words: the worst agreement, the worst other SQNR."""
+    said = []
+    agreement = worst_agreement(comparison)
+    if agreement is not None:
+        said.append(f"{100 * agreement:.2f} % of the decisions agree")
+    sqnr = comparison.worst_finite_sqnr_db(classifiers=False)
+    if sqnr is not None:
+        said.append(f"worst SQNR {sqnr:.1f} dB")
+    return ", ".join(said) or "outputs identical"
 
 
 def raise_for_failed(results: Sequence[GateResult], report_path: object) -> None:
