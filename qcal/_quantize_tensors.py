@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
@@ -31,6 +32,9 @@ from qcal.numerics.ranges import RangeChoice, choose_range, new_observer
 from qcal.numerics.schemes import QParams
 from qcal.report import TensorRecord
 
+# Range selections run at once: the calibration's own two cores (see qcal.calibration.collect).
+_RANGE_WORKERS = 2
+
 
 def _activation_observer(recipe: TensorRecipe, config: CalibrationConfig, tensor: str) -> Observer:
     return new_observer(recipe, config.method_for(tensor), PerTensor())
@@ -43,19 +47,30 @@ def _activation_records(
     """Each observed activation's range and parameters (`output_side`: see `choose_range`),
     and those of the tensors that share another's."""
     records: dict[str, TensorRecord] = {}
+
+    def choose(tensor: str) -> RangeChoice | None:
+        try:
+            return choose_range(observers[tensor], recipe, config.method_for(tensor),
+                                config.histogram_settings(),
+                                percentile=config.percentile_for(tensor),
+                                output_side=tensor in output_side)
+        except EmptyStatisticsError:
+            return None  # received no values: the caller leaves it float
+        except DataError as err:
+            raise type(err)(f"tensor {tensor!r}: {err}") from None
+
+    observed = [t.tensor for t in plan.activations if t.tensor in observers]
+    # Each range is a function of its own statistics alone: chosen on both cores (the
+    # histogram searches spend their time in numpy, outside the GIL), used in plan order.
+    with ThreadPoolExecutor(max_workers=_RANGE_WORKERS, thread_name_prefix="qcal-range") as pool:
+        choices = dict(zip(observed, pool.map(choose, observed)))
     for target in plan.activations:
         if target.tensor not in observers:
             continue  # takes the parameters of `target.same_as`, below
         method = config.method_for(target.tensor)
-        try:
-            choice = choose_range(observers[target.tensor], recipe, method,
-                                  config.histogram_settings(),
-                                  percentile=config.percentile_for(target.tensor),
-                                  output_side=target.tensor in output_side)
-        except EmptyStatisticsError:
-            continue  # received no values: the caller leaves it float
-        except DataError as err:
-            raise type(err)(f"tensor {target.tensor!r}: {err}") from None
+        choice = choices[target.tensor]
+        if choice is None:
+            continue
         qparams = recipe.qparams(choice.stats)
         records[target.tensor] = TensorRecord(
             tensor=target.tensor, role="activation", method=method, choice=choice,

@@ -123,3 +123,20 @@ def test_moving_average_is_identical_across_runs_and_threads_at_one_batch_size(
         results.append(calibrate(inputs, out, "moving-average", 4, threads))
     assert len({model for model, _ in results}) == 1
     assert all(comparable(r) == comparable(results[0][1]) for _, r in results)
+
+
+def test_ranges_chosen_on_two_threads_are_those_chosen_on_one(
+    inputs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activation ranges are chosen concurrently, each from its own statistics: the model is
+    the one a single thread writes, for a histogram method."""
+    import qcal._quantize_tensors as quantize_tensors
+
+    written = []
+    for workers in (1, 2):
+        monkeypatch.setattr(quantize_tensors, "_RANGE_WORKERS", workers)
+        out = tmp_path / str(workers)
+        out.mkdir()
+        written.append(calibrate(inputs, out, "mse", 1, 1))
+    (one, one_report), (two, two_report) = written
+    assert one == two and comparable(one_report) == comparable(two_report)
