@@ -139,11 +139,12 @@ def check_gates(
             latency_ratio is not None and latency_ratio <= gates.fail_if_slower and not broken))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
-        what = "accuracy floor (see README)" if option == "accuracy-floor" else "fallback target"
+        what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"
+                       else ("fallback target", []))
         if comparison is not None:  # the one-line reason names the figures that missed
-            what = f"{what[:-1]}; {_figures(comparison)})" if what.endswith(")") else \
-                f"{what} ({_figures(comparison)})"
-        measure = f"{what} reached above the coverage floor{_YES_NO}"
+            notes.append(_figures(comparison))
+        said = f" ({'; '.join(notes)})" if notes else ""
+        measure = f"{what}{said} reached above the coverage floor{_YES_NO}"
         results.append(GateResult(option, measure, float(threshold), 0.0, False))
     return results
 
