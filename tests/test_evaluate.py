@@ -356,3 +356,48 @@ def test_a_model_without_compute_has_no_coverage_floor() -> None:
     coverage = Coverage(basis="nodes", compute_nodes=0, quantized_nodes=0, macs_total=None,
                         macs_quantized=None, anything_quantized=False)
     assert check_gates(Gates(coverage_floor=70.0), None, coverage) == []
+
+
+def _spelled_softmax(shift: float, normalise: bool = True) -> onnx.ModelProto:
+    """softmax(x + shift on class 0) as jax2tf writes it: Exp, ReduceSum, Div (or, without
+    `normalise`, the Exp alone: positive scores whose rows do not sum to 1)."""
+    nodes = [helper.make_node("Add", ["x", "t"], ["shifted"]),
+             helper.make_node("Exp", ["shifted"], ["e" if normalise else "y"])]
+    if normalise:
+        nodes += [helper.make_node("ReduceSum", ["e", "axes"], ["total"], keepdims=1),
+                  helper.make_node("Div", ["e", "total"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        initializer=[onnx.numpy_helper.from_array(np.array([shift, 0, 0, 0, 0], np.float32), "t"),
+                     onnx.numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_softmax_however_spelled_is_read_as_decisions() -> None:
+    """No Softmax node: the rows measured as probability distributions on every batch make
+    the output's argmax the decisions (agreement counted independently here)."""
+    rng = np.random.default_rng(14)
+    data = [rng.standard_normal((8, 5)).astype(np.float32) for _ in range(3)]
+    out = compare_models(_spelled_softmax(0.0), _spelled_softmax(0.5),
+                         (({"x": d}, 8) for d in data)).outputs[0]
+    x = np.concatenate(data)
+    expected = np.mean(np.argmax(x, 1) == np.argmax(x + np.array([0.5, 0, 0, 0, 0], np.float32), 1))
+    assert 0 < expected < 1 and out.top1_agreement == pytest.approx(expected)
+    # Positive scores whose rows do not sum to 1 are no distributions: SQNR and cosine only.
+    scores = compare_models(_spelled_softmax(0.0, False), _spelled_softmax(0.5, False),
+                            (({"x": d}, 8) for d in data)).outputs[0]
+    assert scores.top1_agreement is None and scores.sqnr_db is not None
+
+
+def test_rows_that_stop_being_distributions_are_not_decisions() -> None:
+    """Measured on every batch: rows that sum to 1 in the first batch only say nothing."""
+    rng = np.random.default_rng(15)
+    first = rng.dirichlet(np.ones(5), size=4).astype(np.float32)
+    later = rng.standard_normal((4, 5)).astype(np.float32)
+    out = compare_models(_scale_model(1.0, "Mul"), _scale_model(1.1, "Mul"),
+                         iter([({"x": first}, 4), ({"x": later}, 4)])).outputs[0]
+    assert out.top1_agreement is None
+    only_first = compare_models(_scale_model(1.0, "Mul"), _scale_model(1.1, "Mul"),
+                                iter([({"x": first}, 4)])).outputs[0]
+    assert only_first.top1_agreement == 1.0  # scaling keeps every argmax

@@ -13,7 +13,9 @@ read how, and at which shapes:
   multi-label tags, a detector's objectness).
 
 A linear layer's output of a higher rank is hidden states, not scores. Reshapes, casts and a
-scaling by a positive constant (a temperature) in between change no decision.
+scaling by a positive constant (a temperature) in between change no decision. An output none of
+these rules reads may still be a softmax spelled out (Exp, ReduceSum, Div): the evaluation
+measures that on the values (`qcal.accuracy.evaluate`).
 """
 
 from __future__ import annotations

@@ -131,6 +131,10 @@ class _Accumulator:
     # Batches whose outputs differ in shape (NonZero finds another count): they disagree.
     batches: int = 0
     other_shape: int = 0
+    # No rule from the graph: an output whose rows are probability distributions in every
+    # batch (a softmax however it is spelled, as jax2tf's Exp / ReduceSum / Div) is read as
+    # decisions, one argmax per row.
+    measure: bool = False
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
         self.batches += 1
@@ -157,6 +161,11 @@ class _Accumulator:
         self.quant_energy += float(y64 @ y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
+        if self.measure:
+            if _distributions(x) and (self.batches == 1 or self.rule is not None):
+                self.rule = self.rule or _MEASURED_SOFTMAX
+            else:
+                self.rule, self.measure = None, False
         if self.rule is not None and not self.rule.applies(x.shape):
             self.rule = None  # a shape without decisions (first batch or any later one)
         if self.rule is not None:
@@ -196,6 +205,21 @@ class _Accumulator:
             nonfinite_quantized=self.nonfinite_quantized,
             nonfinite_introduced=self.nonfinite_introduced,
         )
+
+
+_MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
+
+
+def _distributions(x: np.ndarray) -> bool:
+    """Whether every row of `x` along its last axis (of at least 2) is a probability
+    distribution: finite, non-negative, summing to 1 within the type's rounding."""
+    if x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size == 0:
+        return False
+    values = x.astype(np.float64, copy=False)
+    if not np.isfinite(values).all() or values.min() < 0:
+        return False
+    tolerance = 1e-2 if x.dtype.itemsize < 4 else 1e-4
+    return bool(np.abs(values.sum(axis=-1) - 1.0).max() <= tolerance)
 
 
 class FloatReference:
@@ -280,7 +304,8 @@ def compare_models(
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
     rules = reference.rules or {}
-    accumulators = {name: _Accumulator(rule=rules.get(name)) for name in names}
+    accumulators = {name: _Accumulator(rule=rules.get(name), measure=name not in rules)
+                    for name in names}
     samples = 0
     for batch, (feed, n) in enumerate(batches):
         _check_finite(feed, samples, n)
