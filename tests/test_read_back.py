@@ -45,6 +45,11 @@ def _ops_run(model: onnx.ModelProto, folder: Path) -> Counter[str]:
     return ops
 
 
+def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, feeds)[0])
+
+
 def _weights(rng: np.random.Generator, dtype: type) -> dict[str, np.ndarray]:
     return {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(dtype),
             "w2": (rng.standard_normal((4, 8, 3, 3)) * 0.3).astype(dtype)}
@@ -79,8 +84,8 @@ def test_a_float16_model_is_not_reported_as_running_in_integers(tmp_path: Path) 
 def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: Path) -> None:
     """A Conv -> Relu, then an If whose branches each hold a Conv: onnxruntime runs the branch
     Convs in float on dequantized weights, so they are kept float (and say why). The first
-    Conv's only readers are then float ones inside the branches, where its integers would be
-    dequantized anyway: it is read back again and reported as what it runs as."""
+    Conv's only readers are then float ones inside the branches: they read its
+    DequantizeLinear from the outer scope, so that it still runs as QLinearConv."""
     rng = np.random.default_rng(21)
     weights = _weights(rng, np.float32)
 
@@ -109,8 +114,15 @@ def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: P
         assert not decisions[name]["quantized"], decisions[name]
         assert "onnxruntime runs it in float" in decisions[name]["reason"]
     integer = sum(d["quantized"] for d in decisions.values() if d["op_type"] == "Conv")
+    assert decisions["conv1"]["quantized"] and integer == 1
     assert _ops_run(result.model, tmp_path)["QLinearConv"] == integer
     assert result.report["coverage"]["quantized_compute_nodes"] == integer
     # The branches' work is not in the figure, and the report says so.
     assert result.report["coverage"]["note"].startswith(
         "2 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies are not counted (0 of them")
+    # Both branches compute with what the integer Conv wrote: outputs close to float.
+    feeds = {"x": np.random.default_rng(22).standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    for flag in (True, False):
+        got = _outputs(result.model, {**feeds, "flag": np.array(flag)})
+        want = _outputs(model, {**feeds, "flag": np.array(flag)})
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max()

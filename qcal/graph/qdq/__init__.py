@@ -7,7 +7,9 @@ MatMulIntegerToFloat, QGemm, QLinearAdd, QLinearConcat) and drops Q/DQ around da
 
 * activation ``t``: ``t -> [Clip] -> QuantizeLinear -> t_quantized -> DequantizeLinear ->
   t_dequantized``, one pair per tensor, read by the quantized consumers the plan lists. Other
-  consumers, subgraphs and graph outputs keep reading the float ``t``.
+  consumers and graph outputs keep reading the float ``t``, except where onnxruntime needs the
+  QuantizeLinear to be the producer's only reader to run it in integers: then float readers,
+  inside If/Loop/Scan bodies too, read ``t_dequantized``.
 * weight ``w``: integer codes ``w_quantized`` (an initializer) and a DequantizeLinear; the float
   initializer is dropped unless something not quantized still reads it.
 * bias ``b`` of a node whose input activation and weight are both quantized: int32 codes with

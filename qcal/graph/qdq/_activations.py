@@ -73,7 +73,8 @@ class _ActivationWriter(_Writer):
                 for consumer in consumers
                 for use in self._uses_by(rewrite, tensor, consumer, "activation")
             ]
-        uses += self._float_reads_of_integer_output(owner, tensor, uses)
+        bodies = [r for r in scopes.rewrites if r is not owner]
+        uses += self._float_reads_of_integer_output(owner, tensor, uses, bodies)
         if not uses:
             # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
             logger.debug("activation %r has no quantized consumer; left in float", tensor)
@@ -81,7 +82,8 @@ class _ActivationWriter(_Writer):
         self._insert_pair(owner, tensor, uses)
 
     def _float_reads_of_integer_output(
-        self, rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]
+        self, rewrite: _Rewrite, tensor: str, quantized: Sequence[Use],
+        bodies: Sequence[_Rewrite] = (),
     ) -> list[Use]:
         """The float reads of `tensor` that must go through its pair for onnxruntime to compute
         the producer in integers.
@@ -90,7 +92,8 @@ class _ActivationWriter(_Writer):
         integer kernel only when the QuantizeLinear is the producer's only reader. So when every
         input of the producer is quantized, float readers (a HardSigmoid, a Div) read the
         DequantizeLinear too, as onnxruntime's own quantizer arranges it. Not for graph outputs
-        or tensors read inside bodies: those keep the float value. Likewise for the output of
+        or tensors a body returns as they are: those keep the float value (a body's nodes read
+        the DequantizeLinear from the outer scope, `bodies`). Likewise for the output of
         a data-movement operator whose input is read with the same parameters
         (`_INTEGER_DATA_OPS`): onnxruntime runs it on the integers only when the QuantizeLinear
         is its only reader, and the DequantizeLinear gives back exactly the float values.
@@ -103,7 +106,7 @@ class _ActivationWriter(_Writer):
         ):
             return []
         if self._integer_data_op(producer, tensor):
-            return self._other_float_reads(rewrite, tensor, quantized)
+            return self._other_float_reads(rewrite, tensor, quantized, bodies)
         fused = self._fused_into(rewrite, producer)
         if fused is not None:
             if not quantized and self._quantized_after_data_movement(rewrite, tensor):
@@ -127,7 +130,7 @@ class _ActivationWriter(_Writer):
                 and read not in self._quantized_biases
             ):
                 return []  # a float bias keeps the node float
-        return self._other_float_reads(rewrite, tensor, quantized)
+        return self._other_float_reads(rewrite, tensor, quantized, bodies)
 
     def _fused_into(self, rewrite: _Rewrite, node: onnx.NodeProto) -> onnx.NodeProto | None:
         """The anchor a Relu/Clip `node` is fused into, if any: its input is left float
@@ -162,13 +165,18 @@ class _ActivationWriter(_Writer):
         )
 
     @staticmethod
-    def _other_float_reads(rewrite: _Rewrite, tensor: str, quantized: Sequence[Use]) -> list[Use]:
-        """The reads of `tensor` not in `quantized`; none when one is inside a body."""
+    def _other_float_reads(
+        rewrite: _Rewrite, tensor: str, quantized: Sequence[Use], bodies: Sequence[_Rewrite],
+    ) -> list[Use]:
+        """The reads of `tensor` not in `quantized`, those of the nodes inside `bodies` (If,
+        Loop and Scan bodies nested in `rewrite`'s graph) included; none when a body returns it
+        as it is (a graph output is a name, not a read to redirect)."""
         taken = {(id(use.node), use.slot) for use in quantized}
-        others = [u for u in rewrite.index.uses.get(tensor, ()) if (id(u.node), u.slot) not in taken]
-        if any(use.slot == SUBGRAPH_SLOT for use in others):
+        reads = [*rewrite.index.uses.get(tensor, ()),
+                 *(u for body in bodies for u in body.index.uses.get(tensor, ()))]
+        if any(tensor in body.index.graph_outputs for body in bodies):
             return []
-        return others
+        return [u for u in reads if u.slot != SUBGRAPH_SLOT and (id(u.node), u.slot) not in taken]
 
     def _integer_data_op(self, producer: onnx.NodeProto, tensor: str) -> bool:
         """Whether `producer` moves the values of an input it reads quantized with the
