@@ -42,6 +42,7 @@ from qcal.graph.structure import (
     UseIndex,
     all_graphs,
     element_types,
+    static_shapes,
 )
 from qcal.numerics.errors import QcalError
 
@@ -128,7 +129,7 @@ def compute_macs(
     graph = model.graph
     nodes = [n for n in graph.node if _is_compute(n)]
     needed = sorted({t for n in nodes for t in _shape_tensors(n) if t})
-    shapes = _static_shapes(graph, sample)
+    shapes = static_shapes(graph, sample)
     missing = [t for t in needed if t not in shapes]
     if missing and sample is not None:
         shapes.update(_concrete_shapes(model, sample, missing))
@@ -234,40 +235,6 @@ def _shape_tensors(node: onnx.NodeProto) -> Iterable[str]:
         yield node.output[0]
 
 
-def _static_shapes(
-    graph: onnx.GraphProto, sample: Mapping[str, np.ndarray] | None
-) -> dict[str, tuple[int, ...]]:
-    """Fully known shapes from value_info and initializers, input symbols bound from `sample`."""
-    symbols: dict[str, int] = {}
-    if sample is not None:
-        for value in graph.input:
-            array = sample.get(value.name)
-            input_dims = value.type.tensor_type.shape.dim
-            if array is None or len(input_dims) != array.ndim:
-                continue
-            for dim, size in zip(input_dims, array.shape):
-                if dim.HasField("dim_param"):
-                    symbols.setdefault(dim.dim_param, int(size))
-    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        tensor_type = value.type.tensor_type
-        if not tensor_type.HasField("shape"):
-            continue
-        dims: list[int] = []
-        for dim in tensor_type.shape.dim:
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                dims.append(int(dim.dim_value))
-            elif dim.HasField("dim_param") and dim.dim_param in symbols:
-                dims.append(symbols[dim.dim_param])
-            else:
-                break
-        else:
-            shapes.setdefault(value.name, tuple(dims))
-    if sample is not None:
-        shapes.update({name: tuple(a.shape) for name, a in sample.items()})
-    return shapes
-
-
 def _node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     data = shapes.get(node.input[0]) if node.input else None
     weight = shapes.get(node.input[1]) if len(node.input) > 1 else None
@@ -306,7 +273,7 @@ def _concrete_shapes(
     except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
         logger.info("shape inference with the sample's shapes failed: %s", err)
         return {}
-    found = _static_shapes(inferred.graph, None)
+    found = static_shapes(inferred.graph, None)
     return {t: found[t] for t in wanted if t in found}
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DEFAULT_DOMAINS",
@@ -26,6 +30,7 @@ __all__ = [
     "exposing",
     "graph_element_types",
     "insert_after",
+    "static_shapes",
     "subgraph_reads",
 ]
 
@@ -251,3 +256,37 @@ def insert_after(graph: onnx.GraphProto, after: Mapping[int, list[onnx.NodeProto
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(copies)
+
+
+def static_shapes(
+    graph: onnx.GraphProto, sample: Mapping[str, np.ndarray] | None
+) -> dict[str, tuple[int, ...]]:
+    """Fully known shapes from value_info and initializers, input symbols bound from `sample`."""
+    symbols: dict[str, int] = {}
+    if sample is not None:
+        for value in graph.input:
+            array = sample.get(value.name)
+            input_dims = value.type.tensor_type.shape.dim
+            if array is None or len(input_dims) != array.ndim:
+                continue
+            for dim, size in zip(input_dims, array.shape):
+                if dim.HasField("dim_param"):
+                    symbols.setdefault(dim.dim_param, int(size))
+    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims: list[int] = []
+        for dim in tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                dims.append(int(dim.dim_value))
+            elif dim.HasField("dim_param") and dim.dim_param in symbols:
+                dims.append(symbols[dim.dim_param])
+            else:
+                break
+        else:
+            shapes.setdefault(value.name, tuple(dims))
+    if sample is not None:
+        shapes.update({name: tuple(a.shape) for name, a in sample.items()})
+    return shapes
