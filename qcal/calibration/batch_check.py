@@ -17,6 +17,7 @@ another layout, which no range, histogram or sum sees.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import islice
 from typing import Any
@@ -29,11 +30,17 @@ from qcal.calibration.data import DataSource, Feed, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
 from qcal.graph.placement import parameter_tensors
-from qcal.graph.structure import UseIndex, default_opset, element_types, subgraph_reads
+from qcal.graph.structure import (
+    UseIndex,
+    default_opset,
+    element_types,
+    static_shapes,
+    subgraph_reads,
+)
 
 __all__ = ["exact_batch_size"]
 
-_ITEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
+_ITEM_BYTES: dict[int, int] = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
                onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BFLOAT16: 2}
 _FLOATS = frozenset(_ITEM_BYTES)
 # The joined run's tensors, all alive at once (and one sample's run beside them): beyond this,
@@ -125,25 +132,9 @@ def _estimated_bytes(model: onnx.ModelProto, tensors: list[str], feed: Feed) -> 
     """Bytes of `tensors` for `feed`, from the shapes shape inference left in the model with
     the feed's sizes for the symbolic dims of the inputs; a tensor of unknown size counts as
     the largest known one (the feed's own arrays at least)."""
-    sizes: dict[str, int] = {}
-    for value in model.graph.input:
-        if value.name in feed:
-            for dim, size in zip(value.type.tensor_type.shape.dim, feed[value.name].shape):
-                if dim.dim_param:
-                    sizes[dim.dim_param] = size
-    known: dict[str, int] = {}
-    for value in (*model.graph.value_info, *model.graph.output):
-        tensor_type = value.type.tensor_type
-        if not tensor_type.HasField("shape"):
-            continue
-        elements = 1
-        for dim in tensor_type.shape.dim:
-            size = dim.dim_value if dim.HasField("dim_value") else sizes.get(dim.dim_param)
-            if size is None:
-                break
-            elements *= size
-        else:
-            known[value.name] = elements * _ITEM_BYTES.get(tensor_type.elem_type, 4)
+    types = element_types(model.graph)
+    known = {name: math.prod(shape) * _ITEM_BYTES.get(types.get(name, 0), 4)
+             for name, shape in static_shapes(model.graph, feed).items()}
     largest = max([*known.values(), *(a.nbytes for a in feed.values())])
     return sum(known.get(t, largest) for t in tensors)
 
