@@ -12,7 +12,7 @@ import onnx
 from qcal._inputs import _SampleRange
 from qcal._stages import Progress, _stage_progress, _Timings
 from qcal.accuracy.coverage import compute_macs, shape_probe
-from qcal.accuracy.evaluate import COMPARE_THREADS, Comparison
+from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import FallbackResult, rank_candidates, search_fallback
 from qcal.accuracy.localise import localise_error
 from qcal.accuracy.sensitivity import SensitivityResult, measure_sensitivity
@@ -59,7 +59,6 @@ def _improve_accuracy(
                 model, plan, act_params, weights,
                 data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
                 screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
-                threads=COMPARE_THREADS,
                 on_batch=_stage_progress(progress, "sensitivity", count),
             )
         if not config.has_fallback_target:
@@ -77,7 +76,7 @@ def _improve_accuracy(
             sensitivity = localise_error(
                 model, quant_model, plan,
                 data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
-                providers=config.providers, threads=COMPARE_THREADS,
+                providers=config.providers,
             )
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
     with timings.stage("fallback"):

@@ -54,13 +54,7 @@ from qcal._weight_only import (
     weight_only_plan,
 )
 from qcal.accuracy.coverage import measure_coverage
-from qcal.accuracy.evaluate import (
-    COMPARE_THREADS,
-    Comparison,
-    FloatReference,
-    compare_models,
-    numeric_outputs,
-)
+from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models, numeric_outputs
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
@@ -251,9 +245,8 @@ def calibrate(
 
         with timings.stage("qdq"):
             build = partial(build_quantized, prepared, act_params, weights, weight_file)
-            # Its session is the first evaluation's: the comparisons' thread count.
+            # Its session (COMPARE_THREADS threads) is the first evaluation's.
             runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
-                                     threads=COMPARE_THREADS,
                                      replan=_replan(prepared, rules, config))
             del build
             plan, quant_model = runnable.plan, runnable.model
@@ -279,7 +272,7 @@ def calibrate(
         session = checked.pop()[1] if checked and checked[0][0] is model else None
         return compare_models(
             prepared, model, data_mod.iter_batches(source, inputs, config.batch_size),
-            labels=eval_labels, providers=config.providers, threads=COMPARE_THREADS,
+            labels=eval_labels, providers=config.providers,
             on_batch=_stage_progress(progress, stage, source.num_samples()), reference=reference,
             quant_session=session,
         )

@@ -35,11 +35,13 @@ __all__ = [
 Feed = Mapping[str, np.ndarray]
 
 
-# The comparisons whose figures go into the report and decide the fallback run onnxruntime on
-# one thread: its float kernels may sum in another order with more (a float Conv reading
-# dequantized values did, in a detector head's quantized model), and neither the report nor
-# the fallback's choices may depend on --threads.
+# Every comparison of float and quantized models (this module, the localisation, sensitivity
+# and the runnable check whose session the first evaluation reuses) runs onnxruntime on this
+# many threads, whatever --threads says: its float kernels may sum in another order with more
+# (a float Conv reading dequantized values did, in a detector head's quantized model), and
+# neither the figures (reports, `qcal compare`) nor the fallback's choices may depend on it.
 COMPARE_THREADS = 1
+
 
 @dataclass(frozen=True)
 class OutputMetrics:
@@ -282,24 +284,23 @@ def compare_models(
     *,
     labels: np.ndarray | None = None,
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
-    threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
     reference: FloatReference | None = None,
     quant_session: Any = None,
 ) -> Comparison:
     """Run both models on every batch; labels (one int per sample, in data order) are optional.
     A `reference` shared by calls on the same float model, data and settings saves rerunning it;
-    `quant_session`, a session already open on `quant_model` with these providers and threads,
-    saves building it again."""
+    `quant_session`, a session already open on `quant_model` with these providers and
+    COMPARE_THREADS threads, saves building it again. Both models run on COMPARE_THREADS."""
     reference = reference if reference is not None else FloatReference(budget_bytes=0)
     if reference.session is None:
-        reference.session = create_session(float_model, providers=providers, threads=threads,
-                                           what="float model")
+        reference.session = create_session(float_model, providers=providers,
+                                           threads=COMPARE_THREADS, what="float model")
         reference.rules = decision_rules(float_model)
     float_session = reference.session
     if quant_session is None:
-        quant_session = create_session(quant_model, providers=providers, threads=threads,
-                                       what="quantized model")
+        quant_session = create_session(quant_model, providers=providers,
+                                       threads=COMPARE_THREADS, what="quantized model")
     _check_same_outputs(float_session.get_outputs(), quant_session.get_outputs())
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]

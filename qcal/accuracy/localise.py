@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
@@ -35,7 +36,6 @@ def localise_error(
     batches: Iterable[tuple[Feed, int]],
     *,
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
-    threads: int = 0,
 ) -> SensitivityResult:
     """Each planned tensor's harm as the error jump at the nodes that read it quantized (module
     docstring), as a `SensitivityResult` the fallback ranks by (`noise_ratio` is the jump)."""
@@ -44,8 +44,7 @@ def localise_error(
     outputs = [o.name for o in float_model.graph.output]
     watched = sorted(({a.tensor for a in plan.activations} & produced & quant_produced)
                      - set(outputs)) + outputs
-    ratios, samples = _error_ratios(float_model, quant_model, watched, batches, providers,
-                                    threads)
+    ratios, samples = _error_ratios(float_model, quant_model, watched, batches, providers)
 
     harm: dict[str, float] = {}
     inputs_of = {n.name: [v for v in n.input if v] for n in float_model.graph.node}
@@ -76,14 +75,14 @@ def localise_error(
 
 def _error_ratios(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, names: list[str],
-    batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...], threads: int,
+    batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...],
 ) -> tuple[dict[str, float], int]:
     """Tensor -> noise energy over signal energy of the quantized model's value, over the
     elements both compute finite; and the number of samples."""
     float_session = create_session(exposing(float_model, names), providers=providers,
-                                   threads=threads, what="float model")
+                                   threads=COMPARE_THREADS, what="float model")
     quant_session = create_session(exposing(quant_model, names), providers=providers,
-                                   threads=threads, what="quantized model")
+                                   threads=COMPARE_THREADS, what="quantized model")
     signal = dict.fromkeys(names, 0.0)
     noise = dict.fromkeys(names, 0.0)
     samples = 0

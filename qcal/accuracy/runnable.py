@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
@@ -73,7 +74,6 @@ def make_runnable(
     feed: Mapping[str, np.ndarray],
     *,
     providers: tuple[str, ...],
-    threads: int,
     replan: Callable[[frozenset[str]], QuantPlan] | None = None,
 ) -> Runnable:
     """Build the model of `plan` (for `float_model`); while onnxruntime cannot run it on `feed`,
@@ -89,7 +89,7 @@ def make_runnable(
     read_backs = 0 if replan is None else _MAX_READ_BACKS
     for _ in range(_MAX_REPAIRS + _MAX_READ_BACKS + 1):
         failure, session, optimized = _run_failure(
-            model, feed, providers, threads, read_back=read_backs > 0)
+            model, feed, providers, read_back=read_backs > 0)
         if failure is None and optimized is not None:
             read_backs -= 1
             stray = _float_anchors(optimized, plan)
@@ -114,20 +114,20 @@ def make_runnable(
 
 def _run_failure(
     model: onnx.ModelProto, feed: Mapping[str, np.ndarray], providers: tuple[str, ...],
-    threads: int, *, read_back: bool,
+    *, read_back: bool,
 ) -> tuple[str | None, Any, onnx.ModelProto | None]:
     """(None, the open session, the graph onnxruntime runs when `read_back`) when onnxruntime
     runs `model` on `feed`, else (why, None, None)."""
     with tempfile.TemporaryDirectory(prefix="qcal-") as folder:
         optimized_path = Path(folder) / "optimized.onnx" if read_back else None
         try:
-            session = create_session(model, providers=providers, threads=threads,
+            session = create_session(model, providers=providers, threads=COMPARE_THREADS,
                                      what="quantized model", optimized_to=optimized_path)
             names = [o.name for o in session.get_outputs()]
             session.run(names, dict(feed))
         except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
             if read_back:  # writing the optimized graph out may be what failed: judge without
-                return _run_failure(model, feed, providers, threads, read_back=False)
+                return _run_failure(model, feed, providers, read_back=False)
             if isinstance(err, ModelError):
                 return str(err), None, None
             text = str(err).strip()

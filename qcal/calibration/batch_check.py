@@ -41,7 +41,7 @@ from qcal.graph.structure import (
 __all__ = ["exact_batch_size"]
 
 _ITEM_BYTES: dict[int, int] = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
-               onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BFLOAT16: 2}
+                               onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BFLOAT16: 2}
 _FLOATS = frozenset(_ITEM_BYTES)
 # The joined run's tensors, all alive at once (and one sample's run beside them): beyond this,
 # samples run one at a time unchecked. A model whose tensors for a batch take this much spends

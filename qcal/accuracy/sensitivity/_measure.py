@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import decision_rules
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity._models import _Models
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
@@ -75,7 +76,6 @@ def measure_sensitivity(
     screen_fraction: float = SCREEN_FRACTION,
     refine_runs: int | None = None,
     providers: tuple[str, ...] = ("CPUExecutionProvider",),
-    threads: int = 0,
     on_batch: Callable[[int], None] | None = None,
 ) -> SensitivityResult:
     """Quantize each planned tensor of `model` alone and measure the outputs (module docstring).
@@ -91,7 +91,7 @@ def measure_sensitivity(
         screen_fraction: relevance threshold of screening, a fraction of the worst harm.
         refine_runs: after screening, at most about this many runs (whole batches) for the
             relevant tensors; None: all samples.
-        providers, threads: onnxruntime settings.
+        providers: onnxruntime's execution providers (on COMPARE_THREADS threads).
         on_batch: called with the number of samples after each batch.
 
     Raises:
@@ -99,10 +99,10 @@ def measure_sensitivity(
         ModelError: onnxruntime cannot load the switch model.
     """
     models = _Models.build(model, plan, activations, weights)
-    probe = create_session(models.probe, providers=providers, threads=threads,
+    probe = create_session(models.probe, providers=providers, threads=COMPARE_THREADS,
                            what="sensitivity probe model")
-    switch: object | None = create_session(models.switch, providers=providers, threads=threads,
-                                           what="sensitivity model")
+    switch: object | None = create_session(models.switch, providers=providers,
+                                           threads=COMPARE_THREADS, what="sensitivity model")
     selector = models.selector
     outputs = [o.name for o in model.graph.output] + list(models.logits)
     probes = [name for pair in models.probes.values() for name in pair]
@@ -147,7 +147,7 @@ def measure_sensitivity(
                 active, switch = relevant, None  # release the large session first
                 if active:
                     rebuilt, selector = models.switch_for(active)
-                    switch = create_session(rebuilt, providers=providers, threads=threads,
+                    switch = create_session(rebuilt, providers=providers, threads=COMPARE_THREADS,
                                             what="sensitivity model")
             screen_samples = None
     if samples == 0:
