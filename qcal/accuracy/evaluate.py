@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -125,7 +125,6 @@ class _Accumulator:
     nonfinite_float: int = 0
     nonfinite_quantized: int = 0
     nonfinite_introduced: int = 0
-    shapes: set[tuple[int, ...]] = field(default_factory=set)
     # Integer outputs (indices, labels, counts) are decisions: their elements agree or not.
     integer: bool = False
     equal: int = 0
