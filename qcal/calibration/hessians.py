@@ -29,7 +29,7 @@ from qcal.calibration.layer_sums import (
     in_graph,
     read_sums,
 )
-from qcal.calibration.runtime import create_session, run_batches
+from qcal.calibration.runtime import create_session, run_feed
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
 
 __all__ = ["HessianTarget", "LayerInputs", "collect_hessians", "hessian_target"]
@@ -384,8 +384,8 @@ def collect_hessians(
         retake = Retake(model, summed, providers, threads)
         acc = {t.node: _ExactSum(t) for t in group}
         for feed, n in batches():
-            values = next(run_batches(session, names, [(feed, n)],
-                                      what="layer-input pass (GPTQ, bias correction)"))
+            values = run_feed(session, names, feed,
+                              what="layer-input pass (GPTQ, bias correction)")
             for target in group:
                 if target.node not in in_onnxruntime:
                     _update(acc[target.node], values[target.tensor], target)

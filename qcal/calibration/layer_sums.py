@@ -44,7 +44,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.calibration.collect import expose_tensors
-from qcal.calibration.runtime import create_session, run_batches
+from qcal.calibration.runtime import create_session, run_feed
 from qcal.graph.names import NameAllocator
 from qcal.graph.structure import default_opset, element_types, insert_after
 
@@ -294,8 +294,8 @@ class Retake:
                 expose_tensors(self.model, self.tensors), providers=self.providers,
                 threads=self.threads, what="layer-input model", node_order=True)
         if self.values is None:
-            self.values = next(run_batches(self.session, self.tensors, [(feed, 0)],
-                                           what="layer-input pass (GPTQ, bias correction)"))
+            self.values = run_feed(self.session, self.tensors, feed,
+                                   what="layer-input pass (GPTQ, bias correction)")
         return self.values[name]
 
     def forget(self) -> None:

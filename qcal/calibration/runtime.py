@@ -19,7 +19,7 @@ from qcal.graph.files.large import (
 from qcal.graph.files.save import stage_model
 from qcal.numerics.errors import ConfigError, DataError, ModelError
 
-__all__ = ["available_providers", "create_session", "run_batches"]
+__all__ = ["available_providers", "create_session", "run_batches", "run_feed"]
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models go through a temp folder.
 _MAX_INLINE_BYTES = 2**31 - 2**24
@@ -150,10 +150,18 @@ def run_batches(
     """The outputs `names` of `session` for each of `batches`, by name; a DataError naming the
     pass (`what`) when onnxruntime fails; `on_batch(n)` once the caller has used a batch."""
     for feed, n in batches:
-        try:
-            values = session.run(list(names), dict(feed))
-        except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-            raise DataError(f"onnxruntime failed on the {what}: {err}") from None
-        yield dict(zip(names, values))
+        yield run_feed(session, names, feed, what=what)
         if on_batch is not None:
             on_batch(n)
+
+
+def run_feed(
+    session: ort.InferenceSession, names: Sequence[str], feed: Mapping[str, np.ndarray], *,
+    what: str,
+) -> dict[str, np.ndarray]:
+    """The outputs `names` of `session` for one feed, by name (errors as `run_batches`)."""
+    try:
+        values = session.run(list(names), dict(feed))
+    except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
+        raise DataError(f"onnxruntime failed on the {what}: {err}") from None
+    return dict(zip(names, values))
