@@ -1,11 +1,13 @@
 """What a run reads, resolved and checked in calibrate's first stage, before onnxruntime
 starts: the selection rules and per-tensor overrides of the config, the evaluation data and
-labels found beside the model, the options that need a classifier-like output, and the part of
-the calibration data held out for sensitivity and fallback.
+labels found beside the model, the options that need a classifier-like output, the part of
+the calibration data held out for sensitivity and fallback, and the batch size the data can
+be joined at (the one check here that runs the model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
@@ -15,6 +17,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import decision_rules
+from qcal.calibration.batch_check import exact_batch_size
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
@@ -133,3 +136,16 @@ def _accuracy_sources(
     kept = count - held
     label = f"calibration samples {kept}-{count - 1}, held out from calibration"
     return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
+
+
+def _exact_batching(
+    model: onnx.ModelProto, source: Any, inputs: Any, config: CalibrationConfig
+) -> tuple[CalibrationConfig, str | None]:
+    """`config` with the batch size its passes run at, and why it is not the one asked for:
+    joined samples must compute as they do alone (`exact_batch_size`), unless a moving
+    average, which depends on the batching by design, observes a tensor."""
+    if config.averages_batches():
+        return config, None
+    size, note = exact_batch_size(model, source, inputs, config.batch_size,
+                                  providers=config.providers, threads=config.threads)
+    return dataclasses.replace(config, batch_size=size), note

@@ -29,6 +29,7 @@ from qcal._inputs import (
     _check_agreement_options,
     _check_overrides,
     _eval_source_path,
+    _exact_batching,
     _labels_path,
     _selection_rules,
     load_labels,
@@ -59,7 +60,6 @@ from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable
 from qcal.calibration import data as data_mod
-from qcal.calibration.batch_check import exact_batch_size
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
@@ -182,11 +182,7 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
-    batch_note = None
-    if not config.averages_batches():  # the results may not depend on the batching
-        size, batch_note = exact_batch_size(prepared, calib, inputs, config.batch_size,
-                                            providers=config.providers, threads=config.threads)
-        config = dataclasses.replace(config, batch_size=size)
+    config, batch_note = _exact_batching(prepared, calib, inputs, config)
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.
