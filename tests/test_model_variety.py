@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from _onnx_testing import build_model, float_input, run
 from click.testing import CliRunner
@@ -279,12 +280,18 @@ def test_several_inputs_and_outputs_with_int64_and_bool_inputs(tmp_path: Path) -
 # -------------------------------------------------------------------------------- float16
 
 
-def test_float16_model_is_observed_in_float32_and_the_choice_reported(tmp_path: Path) -> None:
+def test_float16_model_is_computed_in_float32_inside_and_keeps_its_interface(
+    tmp_path: Path,
+) -> None:
+    """onnxruntime's integer kernels take float32 graphs: a float16 model is widened inside,
+    its input and output keep their float16 type, and its MatMuls run as integer kernels."""
     rng = np.random.default_rng(7)
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["t"], name="mm"),
         helper.make_node("Relu", ["t"], ["r"], name="relu"),
-        helper.make_node("MatMul", ["r", "V"], ["y"], name="mm_out"),
+        helper.make_node("Cast", ["r"], ["r16"], name="keep_half", to=TensorProto.FLOAT16),
+        helper.make_node("MatMul", ["r16", "V"], ["m"], name="mm_out"),
+        helper.make_node("Relu", ["m"], ["y"], name="relu_out"),
     ]
     model = build_model(
         nodes,
@@ -297,12 +304,23 @@ def test_float16_model_is_observed_in_float32_and_the_choice_reported(tmp_path: 
     )
     data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 8)).astype(np.float16))
     report = calibrate_cli(tmp_path, model, data)
-    done = steps(report)
-    assert done["upgrade-opset"] == "opset 13 -> 19, IR 8 -> 9"  # opset 19 needs IR 9
-    assert "observed in float32" in done["half-precision"]
+    assert steps(report)["widen-half"] == (
+        "float16 computed in float32 (inputs and outputs keep their types)")
     q = quantized(tmp_path)
-    scales = [i for i in q.graph.initializer if i.name.endswith("_scale")]
-    assert scales and {s.data_type for s in scales} == {TensorProto.FLOAT16}
+    onnx.checker.check_model(q, full_check=True)
+    assert [(v.name, v.type.tensor_type.elem_type) for v in (*q.graph.input, *q.graph.output)] \
+        == [("x", TensorProto.FLOAT16), ("y", TensorProto.FLOAT16)]
+    assert not [i.name for i in q.graph.initializer if i.data_type == TensorProto.FLOAT16]
+    # Both MatMuls run as integer kernels in onnxruntime's own graph.
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(q.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    assert sum(op in ("MatMulIntegerToFloat", "QLinearMatMul") for op in ops) == 2, ops
+    x = np.load(data)["x"]
+    (got,) = run(q, {"x": x})
+    (expected,) = run(model, {"x": x})
+    assert got.dtype == np.float16 and got.shape == expected.shape
     assert worst_sqnr(report) > 20
 
 

@@ -25,6 +25,7 @@ from qcal.graph.passes import (
     PrepPass,
     UnshareBiases,
     UpgradeOpset,
+    WidenHalf,
 )
 from qcal.graph.plan import (
     OP_RULES,
@@ -40,7 +41,7 @@ from qcal.graph.plan import (
     plan_quantization,
     rules_table,
 )
-from qcal.graph.structure import all_graphs, check_wiring
+from qcal.graph.structure import check_wiring
 from qcal.numerics.errors import ModelError, QcalError
 
 __all__ = [
@@ -146,26 +147,24 @@ def prepare_model(
 
     Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
     int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    fold-batchnorm, unshare-biases, infer-shapes. Each step that did something (or could not complete, as
+    widen-half, fold-batchnorm, unshare-biases, infer-shapes. Each step that did something (or could not complete, as
     shape inference may) is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
-    A model with float16 or bfloat16 tensors is upgraded to at least opset 19, the first whose
-    QuantizeLinear/DequantizeLinear take half-precision values and scales; its tensors are
-    observed in float32 (a step says so).
+    A model with float16 or bfloat16 tensors is computed in float32 inside (widen-half, after
+    eliminate-identity), its inputs and outputs cast at the edges: onnxruntime's integer kernels
+    take float32 graphs only.
 
     Raises:
         ModelError: naming the step, when the model is malformed or a step cannot do its job.
         ConfigError: when `min_opset` is not an opset the installed onnx knows.
     """
-    half = _half_precision_types(model.graph)
-    if half:
-        min_opset = max(min_opset, _HALF_QDQ_OPSET)
     passes: list[PrepPass] = [
         UpgradeOpset(min_opset),
         NameNodes(),
         ConstantsToInitializers(),
         EliminateIdentity(),
+        WidenHalf(),
         FoldBatchNorm(),
         UnshareBiases(),
         InferShapes(),
@@ -193,26 +192,6 @@ def prepare_model(
         if result.detail:
             steps.append(PrepStep(prep.name, result.detail))
             logger.info("%s: %s", prep.name, result.detail)
-    if half:
-        steps.append(PrepStep("half-precision", (
-            f"{' and '.join(half)} tensors are observed in float32; their Q/DQ scales are "
-            f"stored in {half[0]} (QuantizeLinear takes {half[0]} from opset {_HALF_QDQ_OPSET})"
-        )))
     return work, steps
 
 
-_HALF_QDQ_OPSET = 19
-_HALF_TYPES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
-
-
-def _half_precision_types(graph: onnx.GraphProto) -> list[str]:
-    """The half-precision float types among the model's typed values, e.g. ["float16"]."""
-    found: set[int] = set()
-    for g in all_graphs(graph):
-        found.update(t.data_type for t in g.initializer)
-        for value in (*g.input, *g.output, *g.value_info):
-            found.add(value.type.tensor_type.elem_type)
-        for node in g.node:
-            if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
-                found.update(a.i for a in node.attribute if a.name == "to")
-    return [name for dtype, name in _HALF_TYPES.items() if dtype in found]

@@ -12,6 +12,7 @@ from qcal.graph.passes.infer_shapes import InferShapes
 from qcal.graph.passes.name_nodes import NameNodes
 from qcal.graph.passes.unshare_biases import UnshareBiases
 from qcal.graph.passes.upgrade_opset import UpgradeOpset
+from qcal.graph.passes.widen_half import WidenHalf
 
 __all__ = [
     "ConstantsToInitializers",
@@ -23,4 +24,5 @@ __all__ = [
     "StepResult",
     "UnshareBiases",
     "UpgradeOpset",
+    "WidenHalf",
 ]
