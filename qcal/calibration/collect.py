@@ -288,8 +288,11 @@ def collect(
     # The batch being observed, with its feed and first sample (to name bad inputs on failure).
     pending: tuple[list[Future[None]], Feed, int, int] | None = None
     # Not a `with` block: on an interrupt (Ctrl-C raises wherever the program is, even inside a
-    # lock the workers need) the pool is left without waiting for its threads.
-    pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="qcal-observe")
+    # lock the workers need) the pool is left without waiting for its threads. Started only
+    # for whole tensors: extremes taken inside onnxruntime are a few numbers a batch, fed here
+    # faster than a worker thread could take them (its start and the interpreter lock passed
+    # back and forth cost a small model more than its whole inference).
+    pool: ThreadPoolExecutor | None = None
     try:
         for feed, n in batches:
             arrays = _run(session, output_names, feed, samples, n)
@@ -299,13 +302,17 @@ def collect(
             if pending is not None:
                 _wait(*pending)  # keeps at most two batches of activations alive
             batch, extremes = statistics.read(by_name)
-            futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
             shares = _whole_tensor_shares(by_output, set(whole), output_names, arrays)
             kernels_when_worth_it.counted(sum(arrays[i].size for s in shares for i in s), n)
-            futures += [
-                pool.submit(_update_observers, by_output, output_names, arrays, share, extremes)
-                for share in shares
-            ]
+            if shares:
+                if pool is None:
+                    pool = ThreadPoolExecutor(max_workers=_WORKERS,
+                                              thread_name_prefix="qcal-observe")
+                futures = [pool.submit(_update_reduced, by_output, statistics, batch)]
+                futures += [pool.submit(_update_observers, by_output, output_names, arrays,
+                                        share, extremes) for share in shares]
+            else:
+                futures = [_done_here(_update_reduced, by_output, statistics, batch)]
             pending = (futures, feed, samples, n)
             del arrays, by_name
             samples += n
@@ -316,12 +323,15 @@ def collect(
             _wait(*pending)
         statistics.feed.close()
     except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         raise
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
-    pool.shutdown(wait=True)
+    if pool is not None:
+        pool.shutdown(wait=True)
     if samples == 0:
         raise DataError("calibration data has no samples")
     return CollectionSummary(
@@ -374,6 +384,18 @@ def _run(
         raise DataError(
             f"onnxruntime failed on calibration {_samples_text(first, n)}: {message}"
         ) from None
+
+
+def _done_here(update: Callable[..., None], *args: object) -> Future[None]:
+    """`update(*args)` run in this thread, its outcome held as a worker's would be."""
+    future: Future[None] = Future()
+    try:
+        update(*args)
+    except Exception as err:  # noqa: BLE001  raised where the workers' are: in _wait
+        future.set_exception(err)
+    else:
+        future.set_result(None)
+    return future
 
 
 def _wait(futures: list[Future[None]], feed: Feed, first: int, n: int) -> None:
