@@ -401,3 +401,78 @@ def test_rows_that_stop_being_distributions_are_not_decisions() -> None:
     only_first = compare_models(_scale_model(1.0, "Mul"), _scale_model(1.1, "Mul"),
                                 iter([({"x": first}, 4)])).outputs[0]
     assert only_first.top1_agreement == 1.0  # scaling keeps every argmax
+
+
+def _conv_head(weight: np.ndarray, head: str) -> onnx.ModelProto:
+    """A convolutional classifier head on [N, 4, 3, 3] features: a 1x1 Conv to 5 class maps,
+    then Relu -> GlobalAveragePool -> Flatten (SqueezeNet), or GlobalAveragePool -> Conv ->
+    Reshape (Keras MobileNetV3), or the maps' mean over a model's hidden states (no scores)."""
+    w = onnx.numpy_helper.from_array(weight, "w")
+    shape = onnx.numpy_helper.from_array(np.array([-1, 5], np.int64), "shape")
+    if head == "squeezenet":  # its bias added on its own, as paddle2onnx writes it
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="cls"),
+                 helper.make_node("Add", ["c", "b"], ["maps"], name="bias"),
+                 helper.make_node("Relu", ["maps"], ["r"], name="relu"),
+                 helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+                 helper.make_node("Flatten", ["p"], ["y"], name="flat")]
+    elif head == "mobilenet":
+        nodes = [helper.make_node("GlobalAveragePool", ["x"], ["p"], name="gap"),
+                 helper.make_node("Conv", ["p", "w"], ["maps"], name="cls"),
+                 helper.make_node("Reshape", ["maps", "shape"], ["y"], name="flat")]
+    else:  # pooled hidden states of a linear layer: an embedding, not scores
+        nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1], name="nhwc"),
+                 helper.make_node("MatMul", ["t", "wt"], ["h"], name="proj"),
+                 helper.make_node("ReduceMean", ["h", "axes"], ["y"], keepdims=0, name="mean")]
+        w = onnx.numpy_helper.from_array(weight.reshape(5, 4).T.copy(), "wt")
+        shape = onnx.numpy_helper.from_array(np.array([1, 2], np.int64), "axes")
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        initializer=[w, shape, onnx.numpy_helper.from_array(
+            np.linspace(-0.2, 0.2, 5, dtype=np.float32).reshape(1, 5, 1, 1), "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize(("head", "scores"), [("squeezenet", True), ("mobilenet", True),
+                                              ("embedding", False)])
+def test_a_convolutional_classifier_head_is_read_by_its_decisions(head: str, scores: bool) -> None:
+    """Class maps pooled (or a 1x1 Conv on pooled features) and flattened are scores: their
+    argmax agreement is counted, as an independent argmax says; the mean of a linear layer's
+    hidden states is an embedding and has none."""
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((16, 4, 3, 3)).astype(np.float32)
+    w = rng.standard_normal((5, 4, 1, 1)).astype(np.float32)
+    noisy = (w + rng.standard_normal(w.shape).astype(np.float32) * 0.6).astype(np.float32)
+    out = compare_models(_conv_head(w, head), _conv_head(noisy, head),
+                         [({"x": x}, 16)]).outputs[0]
+    if not scores:
+        assert out.top1_agreement is None
+        return
+    import onnxruntime as ort
+
+    def run(model: onnx.ModelProto) -> np.ndarray:
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        return np.asarray(session.run(None, {"x": x})[0])
+
+    expected = float(np.mean(run(_conv_head(w, head)).argmax(1)
+                             == run(_conv_head(noisy, head)).argmax(1)))
+    assert 0 < expected < 1
+    assert out.top1_agreement == pytest.approx(expected)
+
+
+def test_a_flip_between_classes_the_float_model_scores_alike_is_no_disagreement() -> None:
+    """The float model's top two within a hundred float32 steps: a tie it does not hold
+    itself (untrained networks, near-uniform softmax); a real margin flips as before."""
+    from qcal.accuracy.decisions import TIE_TOLERANCE, DecisionRule
+
+    rule = DecisionRule()
+    x = np.array([[0.2, 0.2 - 1e-7, 0.1], [0.2, 0.19, 0.1]], np.float32)
+    y = np.array([[0.2, 0.2 + 1e-6, 0.1], [0.2, 0.21, 0.1]], np.float32)
+    assert 1e-7 < TIE_TOLERANCE * 0.2 < 0.01
+    agree, decisions, classes = rule.count(x, y)
+    assert (agree, decisions) == (1, 2) and list(classes) == [0, 0]  # the second flip counts
+    sigmoid = DecisionRule(threshold=True)
+    p = np.array([0.5 + 1e-7, 0.6], np.float32)
+    q = np.array([0.5 - 1e-7, 0.4], np.float32)
+    assert sigmoid.count(p, q)[:2] == (1, 2)

@@ -5,8 +5,9 @@ what a user reads; an output computed otherwise (a pooled or normalized embeddin
 states) has no meaningful argmax and is compared by SQNR and cosine only. Which outputs are
 read how, and at which shapes:
 
-* scores ``[N, classes]`` (at least 2 classes) from Gemm, MatMul, Add, Softmax or LogSoftmax:
-  one argmax per sample;
+* scores ``[N, classes]`` (at least 2 classes) from Gemm, MatMul, Conv, Add, Softmax or
+  LogSoftmax: one argmax per sample (a convolutional head's class maps reach it through a
+  global pooling, a Relu or a 1x1 Conv and a flatten);
 * a softmax over the last axis of a higher rank (a CTC recognizer's ``[N, T, classes]``, a token
   classifier): one argmax per position, since that is how such an output is decoded;
 * a Sigmoid's output, any shape: every element is a yes/no at 0.5 (voice activity per frame,
@@ -16,6 +17,12 @@ A linear layer's output of a higher rank is hidden states, not scores. Reshapes,
 scaling by a positive constant (a temperature) in between change no decision. An output none of
 these rules reads may still be a softmax spelled out (Exp, ReduceSum, Div): the evaluation
 measures that on the values (`qcal.accuracy.evaluate`).
+
+A decision the float model itself does not hold is no disagreement: where its two candidates'
+scores (float top-1 and quantized top-1, read in the float output) differ by less than
+TIE_TOLERANCE of the sample's largest score, or a probability lies that close to 0.5, a change
+of mind is counted as agreement. That is about a hundred float32 steps: float models flip such
+near-ties between thread counts and kernels, and untrained networks are full of them.
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-__all__ = ["DecisionRule", "decision_rules", "is_classifier_like"]
+__all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like"]
 
-_SCORE_OPS = frozenset({"Gemm", "MatMul", "Add", "Softmax", "LogSoftmax"})
+_SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
+# Ops between scores and an output that keep each class's rank: shape changes, casts.
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
+# And between a Conv's class maps and an output: their global pooling, a Relu (order kept,
+# ties at 0 alike). Only there: pooled hidden states of a linear layer are an embedding.
+_CLASS_MAP_OPS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax",
+                            "Relu"})
+TIE_TOLERANCE = 1e-5
 
 
 def is_classifier_like(shape: tuple[int, ...], *, per_position: bool = False) -> bool:
@@ -60,12 +73,20 @@ class DecisionRule:
         return is_classifier_like(shape, per_position=last and len(shape) > 2)
 
     def count(self, x: np.ndarray, y: np.ndarray) -> tuple[int, int, np.ndarray | None]:
-        """(decisions that agree, decisions, the float model's per-sample classes or None)."""
+        """(decisions that agree, decisions, the float model's per-sample classes or None);
+        float `x`, quantized `y`. Near-ties of the float model agree (module docstring)."""
         if self.threshold:
             fx, fy = x > 0.5, y > 0.5
-            return int(np.count_nonzero(fx == fy)), int(fx.size), None
+            tie = np.abs(x.astype(np.float64) - 0.5) <= TIE_TOLERANCE * 0.5
+            return int(np.count_nonzero((fx == fy) | tie)), int(fx.size), None
         fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
-        return int(np.count_nonzero(fx == fy)), int(fx.size), fx if fx.ndim == 1 else None
+        wide = x.astype(np.float64)
+        chosen = np.take_along_axis(wide, fx[..., None], axis=-1)[..., 0]
+        other = np.take_along_axis(wide, fy[..., None], axis=-1)[..., 0]
+        largest = np.max(np.abs(wide), axis=-1)
+        tie = chosen - other <= TIE_TOLERANCE * largest
+        agree = int(np.count_nonzero((fx == fy) | tie))
+        return agree, int(fx.size), fx if fx.ndim == 1 else None
 
 
 def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
@@ -76,10 +97,13 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     found = {}
     for output in model.graph.output:
         node = producer.get(output.name)
-        reshaped = False
+        reshaped = pooled = False
         while node is not None and node.input:
             if node.op_type in _PASS_THROUGH:
                 reshaped = reshaped or node.op_type != "Identity"
+                node = producer.get(node.input[0])
+            elif node.op_type in _CLASS_MAP_OPS:
+                pooled = True
                 node = producer.get(node.input[0])
             elif (node.op_type in ("Mul", "Div") and len(node.input) == 2
                   and node.input[1] in positive):
@@ -88,7 +112,7 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
                 node = producer.get(node.input[1])
             else:
                 break
-        if node is None:
+        if node is None or (pooled and not _class_maps(node, producer)):
             continue
         if node.op_type == "Sigmoid":
             found[output.name] = DecisionRule(threshold=True)
@@ -96,6 +120,13 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped))
     return found
+
+
+def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> bool:
+    """A Conv's output, or its bias added on its own (as paddle2onnx writes it)."""
+    if node.op_type == "Add":
+        return any(p.op_type == "Conv" for p in (producer.get(v) for v in node.input) if p)
+    return node.op_type == "Conv"
 
 
 def _positive_scalars(model: onnx.ModelProto) -> set[str]:
