@@ -103,6 +103,38 @@ def _activation_records(
     return records
 
 
+# A range spanning fewer steps than this share of the integer grid has lost more than four
+# bits: only the preset's floor on the step (PyTorch's eps, 2^-23) does that to a range of
+# its own, on tensors whose values are all below about 3e-5.
+_FEWEST_STEPS_SHARE = 1 / 16
+
+
+def unrepresentable_ranges(records: Mapping[str, TensorRecord]) -> dict[str, str]:
+    """Activations whose values the preset's smallest step cannot tell apart -> why; they
+    stay float (quantized, they would be all but constant, their readers' signal gone)."""
+    found: dict[str, str] = {}
+    for name, record in records.items():
+        choice, qparams = record.choice, record.qparams
+        shared = "same_as" in choice.summary and "divided_by" not in choice.summary \
+            if choice is not None else False
+        if choice is None or qparams is None or shared:  # a copy: judged with its source
+            continue
+        observed = float(np.max(choice.observed.max - choice.observed.min))
+        span = np.asarray(choice.stats.max, np.float64) - np.asarray(choice.stats.min, np.float64)
+        steps = float(np.max(span / np.asarray(qparams.scale, np.float64)))
+        grid = qparams.quant_max - qparams.quant_min
+        if observed > 0 and steps < grid * _FEWEST_STEPS_SHARE:
+            found[name] = (
+                f"its values span {observed:.3g}, {steps:.3g} of the {grid} steps of the "
+                f"smallest scale the preset allows ({float(np.min(qparams.scale)):.3g}): "
+                "quantized, they would be all but constant")
+    for name, record in records.items():  # tensors with a copy of such a tensor's parameters
+        summary = record.choice.summary if record.choice is not None else {}
+        if summary.get("same_as") in found and "divided_by" not in summary:
+            found[name] = found[summary["same_as"]]
+    return found
+
+
 def _divided(stats: MinMaxStats, divisor: float) -> MinMaxStats:
     return MinMaxStats(
         (stats.min / np.float32(divisor)).astype(np.float32),

@@ -44,6 +44,7 @@ from qcal._quantize_tensors import (
     blame_nan_weights,
     build_quantized,
     layer_input_targets,
+    unrepresentable_ranges,
 )
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
@@ -219,9 +220,13 @@ def calibrate(
         with timings.stage("qparams"):
             records = _activation_records(plan, observers, preset.activation, config, opset,
                                           output_side=output_side_tensors(prepared.graph))
-            # Tensors that received no values (If branches not taken, ...) stay float.
+            # Tensors that received no values (If branches not taken, ...) stay float, and so
+            # do those whose values are below the preset's smallest step.
             unobserved = {t.tensor for t in plan.activations} - records.keys()
-            plan = leave_unobserved_float(prepared, plan, unobserved)
+            unrepresentable = unrepresentable_ranges(records)
+            for name in unrepresentable:
+                del records[name]
+            plan = leave_unobserved_float(prepared, plan, unobserved, unrepresentable)
             act_params = {name: rec.onnx for name, rec in records.items()}  # activations only yet
             targets = layer_input_targets(prepared, plan, act_params, config)
         layer_inputs = None

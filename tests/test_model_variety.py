@@ -277,6 +277,41 @@ def test_several_inputs_and_outputs_with_int64_and_bool_inputs(tmp_path: Path) -
         assert got.shape == expected.shape and got.dtype == expected.dtype
 
 
+def test_activations_below_the_presets_smallest_step_stay_float(tmp_path: Path) -> None:
+    """A layer whose outputs are all about 1e-9 (the pytorch preset's smallest step is 2^-23):
+    quantized, they would be a constant. Kept float, each says why, and the model's output
+    keeps its signal; the tensors of ordinary size around them are quantized as usual."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
+        helper.make_node("Div", ["h", "huge"], ["t"], name="shrink"),
+        helper.make_node("MatMul", ["t", "V"], ["u"], name="mm2"),
+        helper.make_node("Div", ["u", "tiny"], ["v"], name="grow"),
+        helper.make_node("MatMul", ["v", "U"], ["y"], name="mm3"),
+    ]
+    model = build_model(
+        nodes, [float_input("x", ["N", 2, 8])], ["y"],
+        {"W": rng.standard_normal((8, 16)).astype(np.float32),
+         # Vectors: a Div by a scalar shares its input's parameters instead of observing.
+         "tiny": np.full(16, 1e-9, np.float32), "huge": np.full(16, 1e9, np.float32),
+         "V": rng.standard_normal((16, 16)).astype(np.float32),
+         "U": rng.standard_normal((16, 4)).astype(np.float32)},
+    )
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 2, 8)).astype(np.float32))
+    # mm2 reads float values: a model this small falls under the coverage floor.
+    report = calibrate_cli(tmp_path, model, data, "--min-coverage", "0")
+    quantized_tensors = {t["name"] for t in report["tensors"] if t["role"] == "activation"}
+    assert {"x", "h", "v"} <= quantized_tensors and not {"t", "u"} & quantized_tensors
+    reasons = {n["name"]: n["reason"] for n in report["nodes"]}
+    assert "smallest scale the preset allows" in reasons["shrink"], reasons
+    assert all(n["quantized"] for n in report["nodes"] if n["name"] in ("mm1", "mm3"))
+    x = np.load(data)["x"]
+    (got,) = run(quantized(tmp_path), {"x": x})
+    (expected,) = run(model, {"x": x})
+    sqnr = 10 * np.log10(np.sum(expected**2) / np.sum((got - expected) ** 2))
+    assert sqnr > 20 and worst_sqnr(report) > 20
+
+
 # -------------------------------------------------------------------------------- float16
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import onnx
 
@@ -13,19 +13,22 @@ from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs
 
 
 def leave_unobserved_float(
-    model: onnx.ModelProto, plan: QuantPlan, unobserved: Iterable[str]
+    model: onnx.ModelProto, plan: QuantPlan, unobserved: Iterable[str],
+    unrepresentable: Mapping[str, str] | None = None,
 ) -> QuantPlan:
-    """`plan` without what calibration never saw, which stays float.
+    """`plan` without what calibration never saw, which stays float, nor what the
+    calibration saw but the preset cannot represent (`unrepresentable`: tensor -> why).
 
     An activation in `unobserved` received no values (an If branch not taken, a Loop that ran
     no iteration, a tensor empty in every batch): it is not quantized, and its quantized
     readers say so. An If/Loop/Scan body none of whose planned tensors received values never
     ran during calibration: every node in it (nested bodies included) stays float, with that
-    reason.
+    reason. An activation in `unrepresentable` is not quantized either, its readers saying why.
     """
     never = set(unobserved)
+    why = dict(unrepresentable or {})
     dropped = set(never)  # grows by activations whose every quantized reader stays float
-    if not never:
+    if not never and not why:
         return plan
     planned = {t.tensor for t in plan.activations}
     idle: dict[str, str] = {}  # node -> why it stays float
@@ -49,6 +52,7 @@ def leave_unobserved_float(
                     visit(body, f"the {attribute.name} of {node.op_type} node {node.name!r}")
 
     visit(model.graph, None)
+    dropped.update(why)
     activations = []
     for target in plan.activations:
         consumers = tuple(c for c in target.consumers if c not in idle)
@@ -67,11 +71,15 @@ def leave_unobserved_float(
     live.update(producers[t.tensor] for t in activations if t.tensor in producers)
     notes: dict[str, list[str]] = {}
     for target in plan.activations:
-        if target.tensor in never:
+        reason = "it received no values in calibration" if target.tensor in never else (
+            why.get(target.tensor))
+        if reason is not None:
             for consumer in target.consumers:
                 notes.setdefault(consumer, []).append(
-                    f"input {target.tensor!r} left float: it received no values in calibration"
-                )
+                    f"input {target.tensor!r} left float: {reason}")
+            if target.tensor in why and target.tensor in producers:
+                notes.setdefault(producers[target.tensor], []).append(
+                    f"output {target.tensor!r} left float: {reason}")
     decisions = []
     for decision in plan.nodes:
         if decision.node in idle:
