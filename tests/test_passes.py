@@ -458,3 +458,36 @@ def test_shared_biases_are_quantized_for_each_conv(tmp_path: Path) -> None:
     biases = [t for t in result.report["tensors"] if t["role"] == "bias"]
     assert len(biases) == 2
     assert result.report["coverage"]["quantized_compute_nodes"] == 2
+
+
+def test_a_bias_a_layer_norm_also_reads_is_copied_for_the_conv(tmp_path: Path) -> None:
+    """torch.onnx stores one zero vector for a Conv's bias and a LayerNormalization's: the Conv
+    gets a copy of its own (else it stays float on dequantized weights), the LayerNorm keeps
+    the original, and onnxruntime runs the Conv as QLinearConv."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("Conv", ["x", "W", "zero"], ["c"], name="patch", pads=[1] * 4),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Transpose", ["r"], ["t"], name="nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["t", "ones", "zero"], ["n"], name="norm",
+                         axis=-1),
+        helper.make_node("MatMul", ["n", "V"], ["y"], name="head"),
+    ]
+    inits = {
+        "W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "V": rng.standard_normal((4, 5)).astype(np.float32),
+        "zero": np.zeros(4, np.float32),
+        "ones": np.ones(4, np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits, opset=17)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["unshare-biases"] == "gave 1 node a bias of their own"
+    readers = {n.name: list(n.input) for n in prepared.graph.node}
+    assert readers["norm"][2] == "zero" and readers["patch"][2] not in ("zero", "")
+    _assert_same_outputs(model, prepared, _feed(rng))
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert decisions["patch"]["quantized"], decisions["patch"]["reason"]

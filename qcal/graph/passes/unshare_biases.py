@@ -5,7 +5,9 @@ Exporters store identical constants once: torch.onnx shares one zero vector amon
 convolution whose folded BatchNormalization left it a zero bias. A bias is stored as int32 at
 its node's input scale x weight scale, so a shared one cannot be quantized for each reader, and
 stays float; onnxruntime then runs its Conv in float on dequantized weights. With a copy of its
-own, each node's bias is quantized at its own scale. The first reader keeps the original name.
+own, each node's bias is quantized at its own scale. The first reader keeps the original name,
+unless other nodes read it too (torch.onnx shares a zero vector between a Conv's bias and a
+LayerNormalization's): then every reader that takes it as a bias gets a copy.
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ class UnshareBiases:
         names = NameAllocator.from_model(model)
         first_reader: dict[str, str] = {}
         copies = 0
+        slots = {id(node): _bias_slot(node, index) for node in graph.node}
         for node in graph.node:
-            slot = _bias_slot(node, index)
+            slot = slots[id(node)]
             if slot is None:
                 continue
             bias = node.input[slot]
             tensor = index.constant(bias)
             if tensor is None or bias in index.graph_outputs or len(index.readers(bias)) < 2:
                 continue
-            if first_reader.setdefault(bias, node.name) == node.name:
+            only_biases = all(u.slot == slots[id(u.node)] for u in index.uses[bias])
+            if only_biases and first_reader.setdefault(bias, node.name) == node.name:
                 continue
             copy = names.allocate(f"{bias}_{node.name}")
             graph.initializer.append(numpy_helper.from_array(tensor_array(tensor), copy))
