@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import decision_rules
-from qcal.calibration.batch_check import exact_batch_size
+from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
@@ -140,12 +140,17 @@ def _accuracy_sources(
 
 def _exact_batching(
     model: onnx.ModelProto, source: Any, inputs: Any, config: CalibrationConfig
-) -> tuple[CalibrationConfig, str | None]:
-    """`config` with the batch size its passes run at, and why it is not the one asked for:
-    joined samples must compute as they do alone (`exact_batch_size`), unless a moving
-    average, which depends on the batching by design, observes a tensor."""
+) -> tuple[CalibrationConfig, list[str]]:
+    """`config` with the thread count and batch size its passes run at, and why they are not
+    the ones asked for: a sample must compute at the thread count as at one thread
+    (`exact_threads`), and joined samples as they do alone (`exact_batch_size`), unless a
+    moving average, which depends on the batching by design, observes a tensor."""
+    threads, thread_note = exact_threads(model, source, inputs, config.threads,
+                                         providers=config.providers)
+    config = dataclasses.replace(config, threads=threads)
+    notes = [thread_note] if thread_note else []
     if config.averages_batches():
-        return config, None
+        return config, notes
     size, note = exact_batch_size(model, source, inputs, config.batch_size,
                                   providers=config.providers, threads=config.threads)
-    return dataclasses.replace(config, batch_size=size), note
+    return dataclasses.replace(config, batch_size=size), notes + ([note] if note else [])

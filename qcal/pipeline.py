@@ -183,7 +183,7 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
-    config, batch_note = _exact_batching(prepared, calib, inputs, config)
+    config, exactness_notes = _exact_batching(prepared, calib, inputs, config)
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.
@@ -330,7 +330,7 @@ def calibrate(
             external_data=staged.external if staged is not None else None,
             statistics=None if reused is None else reused.source,
             weight_only=None if weight_only is None else weight_only.section,
-            transforms=transforms.to_json(), notes=[batch_note] if batch_note else [],
+            transforms=transforms.to_json(), notes=exactness_notes,
         )
         # Both files are written whole under temporary names before either gets its own: a
         # failed write (a full disk) leaves neither.

@@ -13,6 +13,11 @@ computed in the graph); any difference and the samples run one at a time.
 A tensor whose samples are stacked on dim 0 is compared sample by sample; any other (a Transpose
 to sequence-first for a recurrent layer) as a sorted list of its values: the same values in
 another layout, which no range, histogram or sum sees.
+
+The thread count is checked the same way (`exact_threads`): onnxruntime splits some kernels'
+sums between its threads (a 1-D Conv of a wav2vec2 feature encoder differs in its last bits at
+one thread and at two), so the first sample runs at the thread count asked for and at one
+thread, and any difference has the statistics passes run at one thread.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from qcal.graph.structure import (
     subgraph_reads,
 )
 
-__all__ = ["exact_batch_size"]
+__all__ = ["exact_batch_size", "exact_threads"]
 
 _ITEM_BYTES: dict[int, int] = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2,
                                onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BFLOAT16: 2}
@@ -68,16 +73,7 @@ def exact_batch_size(
                                                _BATCHES_CHECKED) if n > 1]
     if not batches:
         return batch_size, None
-    types = element_types(model.graph)
-    # Shape arithmetic (a Cast of a Shape, scaled on its way to a Resize) counts the samples: it
-    # differs by design and is never observed.
-    parameters = parameter_tensors(model.graph, UseIndex.build(model.graph),
-                                   default_opset(model) or 1)
-    fed = _fed_by_inputs(model.graph)  # the others are the same for any feed
-    # In graph order: the first tensor that differs is named, not one downstream of it.
-    tensors = list(dict.fromkeys(
-        value for node in model.graph.node for value in node.output
-        if types.get(value) in _FLOATS and value not in parameters and value in fed))
+    tensors = _checked_tensors(model)
     n = max(n for _, n in batches)
     if max(_estimated_bytes(model, tensors, feed) for feed, _ in batches) > _CHECK_BYTES:
         return 1, (f"batch-size: the check that {n} samples joined compute as one at a time "
@@ -94,6 +90,56 @@ def exact_batch_size(
                        f"{count} samples joined than for one at a time; the samples ran one "
                        "at a time, so that the results do not depend on the batching")
     return batch_size, None
+
+
+def exact_threads(
+    model: onnx.ModelProto, source: DataSource, inputs: Sequence[InputSpec], threads: int,
+    *, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+) -> tuple[int, str | None]:
+    """`threads`, or 1 with the reason when onnxruntime computes the first sample of `source`
+    differently at `threads` intra-op threads than at one. Every float tensor is compared while
+    they fit in _CHECK_BYTES, else the model's outputs (a difference inside reaches them)."""
+    if threads == 1:
+        return 1, None
+    first = next(iter(iter_batches(source, inputs, 1)), None)
+    if first is None:
+        return threads, None
+    feed = first[0]
+    tensors = _checked_tensors(model)
+    if _estimated_bytes(model, tensors, feed) > _CHECK_BYTES:
+        tensors = [o.name for o in model.graph.output]
+    exposed = expose_tensors(model, tensors)
+    runs = []
+    for count in (threads, 1):
+        session = create_session(exposed, providers=providers, threads=count,
+                                 what="model (thread check)")
+        outputs = {o.name for o in session.get_outputs()}
+        names = [t for t in tensors if t in outputs]
+        try:
+            runs.append(session.run(names, feed))
+        except Exception:  # noqa: BLE001  the calibration pass names the sample that fails
+            return threads, None
+        del session
+    for name, many, one in zip(names, *runs):
+        if not _same_values(many, [one]):
+            asked = "onnxruntime's default" if threads == 0 else str(threads)
+            return 1, (f"threads: onnxruntime computes tensor {name!r} differently at {asked} "
+                       "threads than at one; the statistics were collected at one thread, so "
+                       "that the results do not depend on the thread count")
+    return threads, None
+
+
+def _checked_tensors(model: onnx.ModelProto) -> list[str]:
+    """The main graph's float tensors that depend on the feed, in graph order (the first that
+    differs is named, not one downstream of it). Shape arithmetic (a Cast of a Shape, scaled on
+    its way to a Resize) counts the samples: it differs by design and is never observed."""
+    types = element_types(model.graph)
+    parameters = parameter_tensors(model.graph, UseIndex.build(model.graph),
+                                   default_opset(model) or 1)
+    fed = _fed_by_inputs(model.graph)  # the others are the same for any feed
+    return list(dict.fromkeys(
+        value for node in model.graph.node for value in node.output
+        if types.get(value) in _FLOATS and value not in parameters and value in fed))
 
 
 def _first_difference(session: Any, names: list[str], joined: Feed, n: int) -> str | None:
