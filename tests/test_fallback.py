@@ -344,6 +344,32 @@ def test_unknown_shapes_fall_back_to_counting_nodes() -> None:
     assert coverage.fraction == 1.0 and coverage.compute_nodes == len(macs)
 
 
+def test_recurrent_layers_are_named_as_left_out_of_the_figure() -> None:
+    """An LSTM holds most of the work of a tagger but has no integer kernel: the share of
+    MACs counts the Linear after it, and the note says the LSTM is not counted."""
+    rng = np.random.default_rng(4)
+    hidden = 8
+    nodes = [
+        helper.make_node("LSTM", ["x", "W", "R", "B"], ["seq", "", ""], name="lstm",
+                         hidden_size=hidden),
+        helper.make_node("Squeeze", ["seq", "axis"], ["h"], name="squeeze"),
+        helper.make_node("MatMul", ["h", "V"], ["y"], name="head"),
+    ]
+    inits = {
+        "W": rng.standard_normal((1, 4 * hidden, 5)).astype(np.float32),
+        "R": rng.standard_normal((1, 4 * hidden, hidden)).astype(np.float32),
+        "B": np.zeros((1, 8 * hidden), np.float32),
+        "axis": np.array([1], np.int64),
+        "V": rng.standard_normal((hidden, 3)).astype(np.float32),
+    }
+    model, _ = prepare_model(build_model(nodes, [float_input("x", [6, 1, 5])], ["y"], inits))
+    sample = {"x": rng.standard_normal((6, 1, 5)).astype(np.float32)}
+    macs = compute_macs(model, sample)
+    assert set(macs) == {"head"}
+    coverage = measure_coverage(model, plan_quantization(model, SelectionRules()), macs)
+    assert coverage.note is not None and coverage.note.startswith("1 LSTM not counted")
+
+
 # ------------------------------------------------------------------------- search mechanics
 
 

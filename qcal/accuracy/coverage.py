@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -173,7 +174,8 @@ def measure_coverage(
     quantized = quantized_compute(model, plan)
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
-    bodies = _bodies_note(model, plan)
+    bodies = "; ".join(n for n in (_bodies_note(model, plan), _recurrent_note(model)) if n) \
+        or None
     if unknown:
         note = (
             f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
@@ -199,6 +201,21 @@ def _bodies_note(model: onnx.ModelProto, plan: QuantPlan) -> str | None:
     return (f"{len(inside)} Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies are not counted "
             f"({count} of them quantized): their work depends on the branch taken and the "
             "number of iterations")
+
+
+def _recurrent_note(model: onnx.ModelProto) -> str | None:
+    """What else the figure leaves out: recurrent layers, which run in float (onnxruntime has
+    no integer kernel for them after QDQ fusion), however much of the work they hold."""
+    found = Counter(n.op_type for g in all_graphs(model.graph) for n in g.node
+                    if n.op_type in _RECURRENT_OPS and n.domain in DEFAULT_DOMAINS)
+    if not found:
+        return None
+    named = ", ".join(f"{count} {op}" for op, count in sorted(found.items()))
+    return (f"{named} not counted: recurrent layers run in float (onnxruntime has no integer "
+            "kernel for them in QDQ form), however much of the work they hold")
+
+
+_RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 
 
 # ------------------------------------------------------------------------------------ helpers
