@@ -491,3 +491,53 @@ def test_a_bias_a_layer_norm_also_reads_is_copied_for_the_conv(tmp_path: Path) -
                        CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["patch"]["quantized"], decisions["patch"]["reason"]
+
+
+# --------------------------------------------------------------------------- fold-weight-views
+
+
+def _tied_head(rng: np.random.Generator) -> onnx.ModelProto:
+    """A language model's head tied to its embedding, as torch.onnx's dynamo exporter writes
+    it: ids -> Gather(E) -> MatMul(Transpose(E)); plus a weight reshaped and squeezed on its
+    way to a second MatMul (views of views fold too)."""
+    nodes = [
+        helper.make_node("Gather", ["E", "ids"], ["g"], name="embed"),
+        helper.make_node("MatMul", ["g", "W"], ["h"], name="layer"),
+        helper.make_node("Transpose", ["E"], ["Et"], name="tie", perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "Et"], ["logits"], name="head"),
+        helper.make_node("Reshape", ["P", "shape"], ["P2"], name="view"),
+        helper.make_node("Squeeze", ["P2", "axis"], ["P3"], name="drop"),
+        helper.make_node("MatMul", ["logits", "P3"], ["y"], name="proj"),
+    ]
+    inits = {
+        "E": rng.standard_normal((10, 6)).astype(np.float32),
+        "W": rng.standard_normal((6, 6)).astype(np.float32),
+        "P": rng.standard_normal((10, 4)).astype(np.float32),
+        "shape": np.array([1, 10, 4], np.int64),
+        "axis": np.array([0], np.int64),
+    }
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 5])
+    return build_model(nodes, [ids], ["y"], inits)
+
+
+def test_views_of_constant_weights_are_stored_as_weights(tmp_path: Path) -> None:
+    """The transposed, tied weight and the reshaped one become initializers (the embedding
+    stays: its Gather still reads it); outputs are those of the float model, and calibration
+    quantizes both as weights, per channel, with no QuantizeLinear left to run on them."""
+    rng = np.random.default_rng(11)
+    model = _tied_head(rng)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["fold-weight-views"] == "stored 3 views of constant weights as initializers"
+    assert [n.op_type for n in prepared.graph.node] == ["Gather", "MatMul", "MatMul", "MatMul"]
+    assert {"E", "Et", "P3"} <= {t.name for t in prepared.graph.initializer}
+    assert not {"P", "P2", "shape"} & {t.name for t in prepared.graph.initializer}
+    feeds = {"ids": rng.integers(0, 10, (3, 5))}
+    _assert_same_outputs(model, prepared, feeds)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", ids=rng.integers(0, 10, (8, 5)))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    roles = {t["name"]: t["role"] for t in result.report["tensors"]}
+    assert roles["Et"] == roles["P3"] == "weight"
+    quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert not {"Et", "P3"} & quantize_inputs

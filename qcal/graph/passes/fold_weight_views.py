@@ -1,0 +1,117 @@
+"""Pass: store a weight that reaches its reader through a Transpose, Reshape, Squeeze,
+Unsqueeze, Flatten or Cast of constants as the initializer it computes.
+
+torch.onnx's dynamo exporter writes a tied language-model head as ``MatMul(h,
+Transpose(embedding))``: planned as it stands, the transposed weight is an activation, observed
+over the calibration data, quantized per tensor and quantized again by a QuantizeLinear on every
+run. Folded, it is a weight like any other (per channel, codes stored once). onnxruntime folds
+such nodes itself when it loads the float model, so the float model computes the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qcal.graph.files.large import tensor_array
+from qcal.graph.passes._base import StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, default_opset
+
+__all__ = ["FoldWeightViews"]
+
+_VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
+# Below IR version 4 every initializer must be a graph input too: such models are left alone.
+_IR_INITIALIZERS_WITHOUT_INPUTS = 4
+
+
+class FoldWeightViews:
+    """Replace each view of constants in the main graph whose result is float by an initializer
+    of its output's name; chains fold in one run, and a constant nothing reads any more goes."""
+
+    name: ClassVar[str] = "fold-weight-views"
+
+    def __call__(self, model: onnx.ModelProto) -> StepResult:
+        if model.ir_version < _IR_INITIALIZERS_WITHOUT_INPUTS:
+            return StepResult(model, False)
+        graph = model.graph
+        opset = default_opset(model) or 1
+        inputs = {v.name for v in graph.input}
+        constants = {t.name: t for t in graph.initializer if t.name not in inputs}
+        outputs = {v.name for v in graph.output}
+        folded: list[onnx.TensorProto] = []
+        kept = []
+        for node in graph.node:  # graph order: a view of a view finds its input folded
+            value = _fold(node, constants, opset) if node.output[0] not in outputs else None
+            if value is None:
+                kept.append(node)
+                continue
+            tensor = numpy_helper.from_array(value, node.output[0])
+            constants[tensor.name] = tensor
+            folded.append(tensor)
+        if not folded:
+            return StepResult(model, False)
+        del graph.node[:]
+        graph.node.extend(kept)
+        graph.initializer.extend(folded)
+        read = UseIndex.build(graph).uses.keys() | outputs
+        unread = [t for t in graph.initializer if t.name not in read and t.name not in inputs]
+        for tensor in unread:
+            graph.initializer.remove(tensor)
+        count = len(folded)
+        return StepResult(model, True, f"stored {count} view{'s' * (count != 1)} of constant "
+                                       "weights as initializers")
+
+
+def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+          opset: int) -> np.ndarray | None:
+    """The value `node` computes from constants alone, when it is a float view; else None."""
+    if (node.op_type not in _VIEW_OPS or node.domain not in DEFAULT_DOMAINS
+            or len(node.output) != 1 or not node.input or not node.input[0]
+            or any(v and v not in constants for v in node.input)):
+        return None
+    first = constants[node.input[0]]
+    to = _attribute(node, "to")
+    if (to if node.op_type == "Cast" else first.data_type) not in FLOAT_TYPES:
+        return None
+    x = tensor_array(first)
+    extra = [tensor_array(constants[v]) if v else None for v in node.input[1:]]
+    if node.op_type == "Transpose":
+        perm = _attribute(node, "perm")
+        return np.ascontiguousarray(np.transpose(x, perm))
+    if node.op_type == "Cast":
+        return x.astype(helper.tensor_dtype_to_np_dtype(int(to)))
+    if node.op_type == "Flatten":
+        axis = int(_attribute(node, "axis", 1))
+        axis = axis + x.ndim if axis < 0 else axis
+        return x.reshape(math.prod(x.shape[:axis]), -1)
+    if node.op_type == "Reshape":
+        if not extra or extra[0] is None:
+            return None
+        shape = [int(d) for d in extra[0]]
+        if not _attribute(node, "allowzero", 0):
+            shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        return x.reshape(shape)
+    axes = _attribute(node, "axes") if opset < 13 else (
+        [int(a) for a in extra[0]] if extra and extra[0] is not None else None)
+    if node.op_type == "Unsqueeze":
+        if axes is None:
+            return None
+        rank = x.ndim + len(axes)
+        for axis in sorted(a + rank if a < 0 else a for a in axes):
+            x = np.expand_dims(x, axis)
+        return x
+    # Squeeze: the given axes, or every axis of size 1.
+    if axes is None:
+        return np.squeeze(x)
+    return np.squeeze(x, axis=tuple(a + x.ndim if a < 0 else a for a in axes))
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
