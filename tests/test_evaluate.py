@@ -476,3 +476,16 @@ def test_a_flip_between_classes_the_float_model_scores_alike_is_no_disagreement(
     p = np.array([0.5 + 1e-7, 0.6], np.float32)
     q = np.array([0.5 - 1e-7, 0.4], np.float32)
     assert sigmoid.count(p, q)[:2] == (1, 2)
+
+
+@pytest.mark.parametrize(("name", "decisions"), [("logits", True), ("text_embeds", False),
+                                                 ("pred_boxes", False), ("scores", True)])
+def test_an_output_named_as_a_value_holds_no_decisions(name: str, decisions: bool) -> None:
+    """A CLIP tower's projected embedding and a DETR head's boxes come from a linear layer or a
+    sigmoid as scores do; their names say they are values, and no argmax is counted."""
+    model = _scale_model(1.0)
+    model.graph.node[0].output[0] = name
+    model.graph.output[0].name = name
+    data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
+    out = compare_models(model, model, (({"x": d}, 2) for d in data)).outputs[0]
+    assert (out.top1_agreement == 1.0) if decisions else (out.top1_agreement is None)

@@ -14,9 +14,11 @@ read how, and at which shapes:
   multi-label tags, a detector's objectness).
 
 A linear layer's output of a higher rank is hidden states, not scores. Reshapes, casts and a
-scaling by a positive constant (a temperature) in between change no decision. An output none of
-these rules reads may still be a softmax spelled out (Exp, ReduceSum, Div): the evaluation
-measures that on the values (`qcal.accuracy.evaluate`).
+scaling by a positive constant (a temperature) in between change no decision. An output named as
+a value (an embedding, hidden states, features, a pooled output, boxes, coordinates, keypoints,
+depth) holds none, whatever computes it. An output none of these rules reads may still be a
+softmax spelled out (Exp, ReduceSum, Div): the evaluation measures that on the values
+(`qcal.accuracy.evaluate`).
 
 A decision the float model itself does not hold is no disagreement: where its two candidates'
 scores (float top-1 and quantized top-1, read in the float output) differ by less than
@@ -27,6 +29,7 @@ near-ties between thread counts and kernels, and untrained networks are full of 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,6 +48,11 @@ _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
 _CLASS_MAP_OPS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax",
                             "Relu"})
 TIE_TOLERANCE = 1e-5
+# Outputs their exporter names as values, not choices: a CLIP tower's projected `text_embeds`
+# come from a linear layer like logits do, a DETR head's sigmoid `pred_boxes` like yes/no
+# probabilities do, yet their argmax or threshold means nothing.
+_NOT_DECISIONS = re.compile(r"embed|hidden|feature|pool|box|coord|landmark|keypoint|depth",
+                            re.IGNORECASE)
 
 
 def is_classifier_like(shape: tuple[int, ...], *, per_position: bool = False) -> bool:
@@ -96,6 +104,8 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     positive = _positive_scalars(model)
     found = {}
     for output in model.graph.output:
+        if _NOT_DECISIONS.search(output.name):
+            continue
         node = producer.get(output.name)
         reshaped = pooled = False
         while node is not None and node.input:
