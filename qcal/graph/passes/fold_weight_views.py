@@ -29,8 +29,10 @@ _IR_INITIALIZERS_WITHOUT_INPUTS = 4
 
 
 class FoldWeightViews:
-    """Replace each view of constants in the main graph whose result is float by an initializer
-    of its output's name; chains fold in one run, and a constant nothing reads any more goes."""
+    """Replace each view of constants in the main graph whose float result a Conv,
+    ConvTranspose, MatMul or Gemm reads (through further views) by an initializer of its
+    output's name; chains fold in one run, and a constant nothing reads any more goes. Views
+    read otherwise stay: a bias reshaped for an Add is planned as it stands."""
 
     name: ClassVar[str] = "fold-weight-views"
 
@@ -42,10 +44,13 @@ class FoldWeightViews:
         inputs = {v.name for v in graph.input}
         constants = {t.name: t for t in graph.initializer if t.name not in inputs}
         outputs = {v.name for v in graph.output}
+        wanted = _read_as_weights(graph)
         folded: list[onnx.TensorProto] = []
         kept = []
         for node in graph.node:  # graph order: a view of a view finds its input folded
-            value = _fold(node, constants, opset) if node.output[0] not in outputs else None
+            value = None
+            if node.output and node.output[0] in wanted and node.output[0] not in outputs:
+                value = _fold(node, constants, opset)
             if value is None:
                 kept.append(node)
                 continue
@@ -64,6 +69,21 @@ class FoldWeightViews:
         count = len(folded)
         return StepResult(model, True, f"stored {count} view{'s' * (count != 1)} of constant "
                                        "weights as initializers")
+
+
+def _read_as_weights(graph: onnx.GraphProto) -> set[str]:
+    """Values a compute node reads as an operand, and the values views of them are made from
+    (walked back from the readers, so chains of views count)."""
+    wanted = {v for n in graph.node if n.op_type in _COMPUTE_OPS and n.domain in DEFAULT_DOMAINS
+              for v in n.input[:2] if v}
+    for node in reversed(graph.node):  # readers come after their views
+        if (node.op_type in _VIEW_OPS and node.domain in DEFAULT_DOMAINS and node.input
+                and any(o in wanted for o in node.output)):
+            wanted.add(node.input[0])
+    return wanted
+
+
+_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 
 
 def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
