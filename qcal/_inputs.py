@@ -8,7 +8,7 @@ be joined at (the one check here that runs the model).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.accuracy.coverage import compute_macs
 from qcal.accuracy.decisions import decision_rules
 from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
@@ -138,15 +139,29 @@ def _accuracy_sources(
     return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
 
 
+# About two milliseconds of float work per sample on one core (see `_exact_batching`).
+_ONE_THREAD_MACS = 20_000_000
+
+
 def _exact_batching(
-    model: onnx.ModelProto, source: Any, inputs: Any, config: CalibrationConfig
+    model: onnx.ModelProto, source: Any, inputs: Any, config: CalibrationConfig,
+    macs: Mapping[str, int | None] | None = None,
 ) -> tuple[CalibrationConfig, list[str]]:
     """`config` with the thread count and batch size its passes run at, and why they are not
     the ones asked for: a sample must compute at the thread count as at one thread
     (`exact_threads`), and joined samples as they do alone (`exact_batch_size`), unless a
-    moving average, which depends on the batching by design, observes a tensor."""
-    threads, thread_note = exact_threads(model, source, inputs, config.threads,
-                                         providers=config.providers)
+    moving average, which depends on the batching by design, observes a tensor.
+
+    A model of less than _ONE_THREAD_MACS multiply-accumulates per sample (`macs`, the first
+    sample's, computed here when not given) runs its passes on one thread unchecked: more
+    threads save it less than the check would cost, and one thread is the check's reference."""
+    if macs is None:
+        first = next(iter(source.samples()), None)
+        macs = compute_macs(model, first) if first is not None else {}
+    small = bool(macs) and all(v is not None for v in macs.values()) and \
+        sum(v or 0 for v in macs.values()) < _ONE_THREAD_MACS
+    threads, thread_note = (1, None) if small else exact_threads(
+        model, source, inputs, config.threads, providers=config.providers)
     config = dataclasses.replace(config, threads=threads)
     notes = [thread_note] if thread_note else []
     if config.averages_batches():

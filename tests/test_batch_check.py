@@ -229,10 +229,18 @@ def _threads_differ(model: onnx.ModelProto, x: np.ndarray) -> bool:
     return not np.array_equal(outputs[0].view(np.uint32), outputs[1].view(np.uint32))
 
 
-def test_the_thread_count_cannot_change_the_model(tmp_path: Path) -> None:
-    """At two threads and at one the model and its ranges are byte for byte the same; where
+@pytest.mark.parametrize("checked", [True, False])
+def test_the_thread_count_cannot_change_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: bool
+) -> None:
+    """At two threads and at one the model and its ranges are byte for byte the same. Where
     onnxruntime's kernels differ with the thread count (measured here), the statistics were
-    collected at one thread and the report says why."""
+    collected at one thread and the report says why; a model this small (under
+    _ONE_THREAD_MACS) runs on one thread unchecked, and nothing is said."""
+    import qcal._inputs
+
+    if checked:
+        monkeypatch.setattr(qcal._inputs, "_ONE_THREAD_MACS", 0)
     rng = np.random.default_rng(6)
     model = _strided_conv1d(rng)
     x = rng.standard_normal((6, 64, 199)).astype(np.float32)
@@ -249,7 +257,9 @@ def test_the_thread_count_cannot_change_the_model(tmp_path: Path) -> None:
         runs[threads] = ((out / "q.onnx").read_bytes(), json.loads((out / "q.json").read_text()))
     assert runs[1][0] == runs[2][0]
     notes = [w for w in runs[2][1]["warnings"] if w.startswith("threads:")]
-    if _threads_differ(model, x[:1]):
+    if not checked:
+        assert notes == [] and runs[2][1]["runtime"]["threads"] == 1
+    elif _threads_differ(model, x[:1]):
         assert len(notes) == 1 and "at one thread" in notes[0]
         assert runs[2][1]["runtime"]["threads"] == 1
     else:  # this machine's kernels agree: nothing to say
