@@ -109,9 +109,15 @@ def _activation_records(
 _FEWEST_STEPS_SHARE = 1 / 16
 
 
-def unrepresentable_ranges(records: Mapping[str, TensorRecord]) -> dict[str, str]:
+def unrepresentable_ranges(
+    records: Mapping[str, TensorRecord], recipe: TensorRecipe
+) -> dict[str, str]:
     """Activations whose values the preset's smallest step cannot tell apart -> why; they
-    stay float (quantized, they would be all but constant, their readers' signal gone)."""
+    stay float (quantized, they would be all but constant, their readers' signal gone). Only
+    a scale at that floor counts: a softmax's output whose step its fixed range sets spans few
+    steps by design."""
+    tiny = np.float32(1e-30)
+    floor = float(np.max(recipe.qparams(MinMaxStats(-tiny, tiny)).scale))
     found: dict[str, str] = {}
     for name, record in records.items():
         choice, qparams = record.choice, record.qparams
@@ -123,7 +129,8 @@ def unrepresentable_ranges(records: Mapping[str, TensorRecord]) -> dict[str, str
         span = np.asarray(choice.stats.max, np.float64) - np.asarray(choice.stats.min, np.float64)
         steps = float(np.max(span / np.asarray(qparams.scale, np.float64)))
         grid = qparams.quant_max - qparams.quant_min
-        if observed > 0 and steps < grid * _FEWEST_STEPS_SHARE:
+        at_floor = float(np.max(qparams.scale)) <= floor * (1 + 1e-6)
+        if observed > 0 and at_floor and steps < grid * _FEWEST_STEPS_SHARE:
             found[name] = (
                 f"its values span {observed:.3g}, {steps:.3g} of the {grid} steps of the "
                 f"smallest scale the preset allows ({float(np.min(qparams.scale)):.3g}): "

@@ -223,7 +223,7 @@ def calibrate(
             # Tensors that received no values (If branches not taken, ...) stay float, and so
             # do those whose values are below the preset's smallest step.
             unobserved = {t.tensor for t in plan.activations} - records.keys()
-            unrepresentable = unrepresentable_ranges(records)
+            unrepresentable = unrepresentable_ranges(records, preset.activation)
             for name in unrepresentable:
                 del records[name]
             plan = leave_unobserved_float(prepared, plan, unobserved, unrepresentable)

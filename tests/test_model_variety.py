@@ -312,6 +312,28 @@ def test_activations_below_the_presets_smallest_step_stay_float(tmp_path: Path) 
     assert sqnr > 20 and worst_sqnr(report) > 20
 
 
+def test_a_narrow_range_far_from_zero_stays_quantized(tmp_path: Path) -> None:
+    """Values of 100 +- 0.5 span few steps of their scale (the range includes 0, as a
+    near-uniform softmax's output does), but that scale is the scheme's choice, not the
+    preset's floor: the tensor is quantized as usual."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
+        helper.make_node("Add", ["h", "offset"], ["t"], name="shift"),
+        helper.make_node("MatMul", ["t", "V"], ["y"], name="mm2"),
+    ]
+    model = build_model(
+        nodes, [float_input("x", ["N", 2, 8])], ["y"],
+        {"W": (rng.standard_normal((8, 16)) * 0.05).astype(np.float32),
+         "offset": np.full(16, 100, np.float32),
+         "V": rng.standard_normal((16, 4)).astype(np.float32)},
+    )
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 2, 8)).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, data)
+    assert "t" in {t["name"] for t in report["tensors"] if t["role"] == "activation"}
+    assert "smallest scale" not in json.dumps(report["nodes"])
+
+
 # -------------------------------------------------------------------------------- float16
 
 
