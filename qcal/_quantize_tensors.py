@@ -121,10 +121,10 @@ def unrepresentable_ranges(
     found: dict[str, str] = {}
     for name, record in records.items():
         choice, qparams = record.choice, record.qparams
-        shared = "same_as" in choice.summary and "divided_by" not in choice.summary \
-            if choice is not None else False
-        if choice is None or qparams is None or shared:  # a copy: judged with its source
+        if choice is None or qparams is None:
             continue
+        if "same_as" in choice.summary and "divided_by" not in choice.summary:
+            continue  # a copy of another tensor's parameters: judged with it, below
         observed = float(np.max(choice.observed.max - choice.observed.min))
         span = np.asarray(choice.stats.max, np.float64) - np.asarray(choice.stats.min, np.float64)
         steps = float(np.max(span / np.asarray(qparams.scale, np.float64)))

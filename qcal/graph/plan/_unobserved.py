@@ -1,5 +1,5 @@
-"""A plan narrowed after calibration: what received no values stays float
-(`leave_unobserved_float`)."""
+"""A plan narrowed after calibration: what received no values, or values the preset cannot
+represent, stays float (`leave_unobserved_float`)."""
 
 from __future__ import annotations
 
