@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from qcal._inputs import _check_overrides, _exact_batching, _selection_rules
+from qcal._inputs import _check_overrides, _exact_runs, _selection_rules
 from qcal._quantize_tensors import _observed, blame_nan_weights
 from qcal._stages import Progress
 from qcal.calibration import data as data_mod
@@ -144,7 +144,7 @@ def collect_statistics(
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint-every: {checkpoint_every} must be at least 1")
     run = prepare_collection(model_path, config)
-    config = _exact_batching(run.model, run.source, run.inputs, config)[0]
+    config = _exact_runs(run.model, run.source, run.inputs, config)[0]
     read = [model_path, *run.loaded.external_files]
     read += [p for p in (run.source.path,) if p is not None]
     if output is not None:

@@ -139,11 +139,11 @@ def _accuracy_sources(
     return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
 
 
-# About two milliseconds of float work per sample on one core (see `_exact_batching`).
+# About two milliseconds of float work per sample on one core (see `_exact_runs`).
 _ONE_THREAD_MACS = 20_000_000
 
 
-def _exact_batching(
+def _exact_runs(
     model: onnx.ModelProto, source: Any, inputs: Any, config: CalibrationConfig,
     macs: Mapping[str, int | None] | None = None,
 ) -> tuple[CalibrationConfig, list[str]]:

@@ -29,7 +29,7 @@ from qcal._inputs import (
     _check_agreement_options,
     _check_overrides,
     _eval_source_path,
-    _exact_batching,
+    _exact_runs,
     _labels_path,
     _selection_rules,
     load_labels,
@@ -183,7 +183,7 @@ def calibrate(
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
-    config, exactness_notes = _exact_batching(prepared, calib, inputs, config, macs)
+    config, exactness_notes = _exact_runs(prepared, calib, inputs, config, macs)
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.

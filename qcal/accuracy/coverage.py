@@ -38,6 +38,7 @@ from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
 from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.structure import (
+    COMPUTE_OPS,
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     UseIndex,
@@ -48,7 +49,6 @@ from qcal.graph.structure import (
 from qcal.numerics.errors import QcalError
 
 __all__ = [
-    "COMPUTE_OPS",
     "Coverage",
     "compute_macs",
     "measure_coverage",
@@ -58,7 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 _OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
 
 Shapes = Mapping[str, tuple[int, ...]]

@@ -109,12 +109,12 @@ def exact_threads(
     if _estimated_bytes(model, tensors, feed) > _CHECK_BYTES:
         tensors = [o.name for o in model.graph.output]
     exposed = expose_tensors(model, tensors)
+    outputs = {o.name for o in exposed.graph.output}
+    names = [t for t in tensors if t in outputs]
     runs = []
     for count in (threads, 1):
         session = create_session(exposed, providers=providers, threads=count,
                                  what="model (thread check)")
-        outputs = {o.name for o in session.get_outputs()}
-        names = [t for t in tensors if t in outputs]
         try:
             runs.append(session.run(names, feed))
         except Exception:  # noqa: BLE001  the calibration pass names the sample that fails

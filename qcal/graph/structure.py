@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "COMPUTE_OPS",
     "DEFAULT_DOMAINS",
     "FLOAT_TYPES",
     "SUBGRAPH_SLOT",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+# The operators that hold a model's multiply-accumulates (its weights, its coverage).
+COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 SUBGRAPH_SLOT = -1  # input slot recorded when a node reads a value inside one of its subgraphs
 # Element types qcal quantizes (observed in float32). double is left alone: QuantizeLinear
 # does not accept it.

@@ -7,7 +7,10 @@ from typing import ClassVar, Protocol
 
 import onnx
 
-__all__ = ["PrepPass", "StepResult"]
+__all__ = ["IR_INITIALIZERS_WITHOUT_INPUTS", "PrepPass", "StepResult"]
+
+# IR versions below 4 require every initializer to be listed as a graph input too.
+IR_INITIALIZERS_WITHOUT_INPUTS = 4
 
 
 @dataclass(frozen=True)

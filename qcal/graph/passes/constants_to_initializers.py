@@ -9,13 +9,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qcal.graph.passes._base import StepResult
+from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
 from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
 
 __all__ = ["ConstantsToInitializers"]
 
-# IR versions below 4 require every initializer to be listed as a graph input too.
-_IR_INITIALIZERS_WITHOUT_INPUTS = 4
 _BODY_OPS = frozenset({"If", "Loop", "Scan"})
 
 
@@ -32,7 +30,7 @@ class ConstantsToInitializers:
 
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         graph = model.graph
-        with_bodies = model.ir_version >= _IR_INITIALIZERS_WITHOUT_INPUTS
+        with_bodies = model.ir_version >= IR_INITIALIZERS_WITHOUT_INPUTS
         moved = _move_constants(graph, with_bodies=with_bodies)
         if not moved:
             return StepResult(model, False)

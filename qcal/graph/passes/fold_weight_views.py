@@ -18,14 +18,18 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, default_opset
+from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
+from qcal.graph.structure import (
+    COMPUTE_OPS,
+    DEFAULT_DOMAINS,
+    FLOAT_TYPES,
+    UseIndex,
+    default_opset,
+)
 
 __all__ = ["FoldWeightViews"]
 
 _VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
-# Below IR version 4 every initializer must be a graph input too: such models are left alone.
-_IR_INITIALIZERS_WITHOUT_INPUTS = 4
 
 
 class FoldWeightViews:
@@ -37,7 +41,7 @@ class FoldWeightViews:
     name: ClassVar[str] = "fold-weight-views"
 
     def __call__(self, model: onnx.ModelProto) -> StepResult:
-        if model.ir_version < _IR_INITIALIZERS_WITHOUT_INPUTS:
+        if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
             return StepResult(model, False)
         graph = model.graph
         opset = default_opset(model) or 1
@@ -74,16 +78,13 @@ class FoldWeightViews:
 def _read_as_weights(graph: onnx.GraphProto) -> set[str]:
     """Values a compute node reads as an operand, and the values views of them are made from
     (walked back from the readers, so chains of views count)."""
-    wanted = {v for n in graph.node if n.op_type in _COMPUTE_OPS and n.domain in DEFAULT_DOMAINS
+    wanted = {v for n in graph.node if n.op_type in COMPUTE_OPS and n.domain in DEFAULT_DOMAINS
               for v in n.input[:2] if v}
     for node in reversed(graph.node):  # readers come after their views
         if (node.op_type in _VIEW_OPS and node.domain in DEFAULT_DOMAINS and node.input
                 and any(o in wanted for o in node.output)):
             wanted.add(node.input[0])
     return wanted
-
-
-_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 
 
 def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
@@ -94,28 +95,29 @@ def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
             or any(v and v not in constants for v in node.input)):
         return None
     first = constants[node.input[0]]
-    to = _attribute(node, "to")
+    attributes: dict[str, Any] = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    to = attributes.get("to")
     if (to if node.op_type == "Cast" else first.data_type) not in FLOAT_TYPES:
         return None
     x = tensor_array(first)
     extra = [tensor_array(constants[v]) if v else None for v in node.input[1:]]
     if node.op_type == "Transpose":
-        perm = _attribute(node, "perm")
+        perm = attributes.get("perm")
         return np.ascontiguousarray(np.transpose(x, perm))
     if node.op_type == "Cast":
-        return x.astype(helper.tensor_dtype_to_np_dtype(int(to)))
+        return x.astype(helper.tensor_dtype_to_np_dtype(int(attributes["to"])))
     if node.op_type == "Flatten":
-        axis = int(_attribute(node, "axis", 1))
+        axis = int(attributes.get("axis", 1))
         axis = axis + x.ndim if axis < 0 else axis
         return x.reshape(math.prod(x.shape[:axis]), -1)
     if node.op_type == "Reshape":
         if not extra or extra[0] is None:
             return None
         shape = [int(d) for d in extra[0]]
-        if not _attribute(node, "allowzero", 0):
+        if not attributes.get("allowzero", 0):
             shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
         return x.reshape(shape)
-    axes = _attribute(node, "axes") if opset < 13 else (
+    axes = attributes.get("axes") if opset < 13 else (
         [int(a) for a in extra[0]] if extra and extra[0] is not None else None)
     if node.op_type == "Unsqueeze":
         if axes is None:
@@ -128,10 +130,3 @@ def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
     if axes is None:
         return np.squeeze(x)
     return np.squeeze(x, axis=tuple(a + x.ndim if a < 0 else a for a in axes))
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
