@@ -34,6 +34,7 @@ from _common import (
     ORT_METHODS,
     QCAL_METHODS,
     ChildResult,
+    compile_qcal_bytecode,
     default_max_rss_mib,
     machine_info,
     median,
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchmarkSetupError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    compile_qcal_bytecode()
     sizes = [int(s) for s in _names(args.samples)]
     cells = []
     for model in models:

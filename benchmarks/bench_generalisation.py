@@ -46,6 +46,7 @@ import numpy as np
 from _common import (
     QCAL_CLI,
     OutputAgreement,
+    compile_qcal_bytecode,
     default_max_rss_mib,
     machine_info,
     ort_job,
@@ -630,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({machine_info().get('qcal')})."
             )
 
+    compile_qcal_bytecode()
     results: dict[str, Any] = {}
     rows: list[list[Any]] = []
     threads = [t.strip() for t in args.threads.split(",")]

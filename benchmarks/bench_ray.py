@@ -31,7 +31,14 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine_info, print_table, run_child, work_dir, write_results
+from _common import (
+    compile_qcal_bytecode,
+    machine_info,
+    print_table,
+    run_child,
+    work_dir,
+    write_results,
+)
 from models import ensure_packages, ppocr_model_path
 
 
@@ -56,6 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.samples, args.repeats = 200, 1
+    compile_qcal_bytecode()
     ensure_packages()
     folder = work_dir("bench_ray")
     model = fixed_model(args.side, folder)
