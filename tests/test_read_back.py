@@ -127,3 +127,34 @@ def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: P
         got = _outputs(result.model, {**feeds, "flag": np.array(flag)})
         want = _outputs(model, {**feeds, "flag": np.array(flag)})
         assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_a_node_keeps_what_calibration_said_when_another_is_kept_float(tmp_path: Path) -> None:
+    """Two paths: a ConvTranspose, which onnxruntime's CPU provider runs in float on its
+    dequantized weight (so the read-back keeps it float and plans again), and a MatMul whose
+    input is a million times below the preset's smallest step (left float after calibration).
+    Planning again for the first must not drop what calibration said of the second: its
+    decision still names its float input, as coverage (which does not count it) implies."""
+    rng = np.random.default_rng(23)
+    nodes = [
+        helper.make_node("ConvTranspose", ["x", "wt"], ["y1"], name="deconv"),
+        helper.make_node("Mul", ["v", "tiny_factor"], ["tiny"], name="shrink"),
+        helper.make_node("MatMul", ["tiny", "w"], ["m"], name="mm"),
+        helper.make_node("Relu", ["m"], ["y2"], name="relu"),
+    ]
+    weights = {
+        "wt": (rng.standard_normal((3, 4, 3, 3)) * 0.3).astype(np.float32),
+        "tiny_factor": np.array(1e-9, dtype=np.float32),
+        "w": (rng.standard_normal((16, 8)) * 0.3).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8]), float_input("v", ["N", 16])],
+                        ["y1", "y2"], weights)
+    feeds = {"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+             "v": rng.standard_normal((8, 16)).astype(np.float32)}
+    result = _calibrate(model, tmp_path, feeds)
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert not decisions["deconv"]["quantized"]
+    assert "onnxruntime runs it in float" in decisions["deconv"]["reason"]
+    assert "input 'tiny' left float" in decisions["mm"]["reason"], decisions["mm"]
+    assert "smallest scale the preset allows" in decisions["mm"]["reason"]
+    assert result.report["coverage"]["quantized_compute_nodes"] == 0

@@ -168,7 +168,8 @@ def _float_anchors(optimized: onnx.ModelProto, plan: QuantPlan) -> dict[str, str
 def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> QuantPlan:
     """`replanned` (the plan made again with the `floated` nodes left float) within what `plan`
     quantizes: a target `plan` had dropped (no statistics, ...) stays dropped, a node it kept
-    float keeps its reason, and the `floated` nodes get theirs."""
+    float keeps its reason, a node both quantize keeps `plan`'s reason (which says what
+    calibration left float around it), and the `floated` nodes get theirs."""
     activations = {a.tensor for a in plan.activations}
     weights = {(w.tensor, w.node) for w in plan.weights}
     biases = {(b.tensor, b.node) for b in plan.biases}
@@ -178,7 +179,7 @@ def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> Q
         old = before.get(decision.node)
         if decision.node in floated:
             decision = NodeDecision(decision.node, decision.op_type, False, _FLOAT_REASON)
-        elif old is not None and not old.quantized:
+        elif old is not None and (not old.quantized or decision.quantized):
             decision = old
         decisions.append(decision)
     return QuantPlan(
