@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qcal.accuracy.gates import GateResult
+from qcal.accuracy.gates import GateResult, shown_down
 from qcal.report import gate_warning
 
 __all__ = ["Verdict", "other_warnings", "quality_verdict"]
@@ -41,12 +41,13 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     sqnrs = [o["sqnr_db"] for o in outputs if o["top1_agreement"] is None]
     figures = []
     if agreements:
-        figures.append(f"{min(agreements):.2%} of the decisions agree with the float model")
+        figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
+                       "float model")
     if sqnrs:
         worst = min((s for s in sqnrs if s is not None), default=None)
         figures.append("outputs identical to the float model's" if worst is None else
-                       f"worst SQNR {worst:.1f} dB (error energy {100 * 10 ** (-worst / 10):.2g} % of "
-                       "the signal's)")
+                       f"worst SQNR {shown_down(worst, 1)} dB (error energy "
+                       f"{100 * 10 ** (-worst / 10):.2g} % of the signal's)")
     said = "; ".join(figures)
     floor = next((g for g in report["gates"] if g["option"] == "accuracy-floor"), None)
     config = report["config"]

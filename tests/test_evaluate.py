@@ -489,3 +489,19 @@ def test_an_output_named_as_a_value_holds_no_decisions(name: str, decisions: boo
     data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
     out = compare_models(model, model, (({"x": d}, 2) for d in data)).outputs[0]
     assert (out.top1_agreement == 1.0) if decisions else (out.top1_agreement is None)
+
+
+@pytest.mark.parametrize(("value", "decimals", "shown"), [
+    (9.956, 1, "9.9"),  # under the 10 dB floor: never "10.0"
+    (98.996, 2, "98.99"),  # under the 99 % floor: never "99.00"
+    (100 * 0.29, 2, "29.00"),  # 28.999999999999996 in binary: still 29.00
+    (41.25, 1, "41.2"),
+    (-3.21, 1, "-3.3"),  # down, not toward zero
+    (100.0, 2, "100.00"),
+])
+def test_a_figure_just_under_a_floor_never_shows_as_the_floor(
+    value: float, decimals: int, shown: str
+) -> None:
+    from qcal.accuracy.gates import shown_down
+
+    assert shown_down(value, decimals) == shown

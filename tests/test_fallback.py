@@ -567,6 +567,11 @@ def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
     assert report["gates"] == []
 
 
+def _down(percent: float) -> str:
+    """A percentage as the messages show it: two decimals, never rounded up to a floor."""
+    return f"{int(percent * 100 + 1e-9) / 100:.2f}"
+
+
 def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path: Path) -> None:
     """Everything quantized and the traps armed: no choice above the coverage floor gets top-1
     agreement to 99 %. The model and report are written and the run exits 7 with the reason."""
@@ -582,7 +587,7 @@ def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path
     assert [g["option"] for g in report["gates"]] == ["accuracy-floor"]
     assert out.is_file()
     agreement = report["evaluation"]["outputs"][0]["top1_agreement"]  # the one line names it
-    assert f"{100 * agreement:.2f} % of the decisions agree" in result.stderr
+    assert f"{_down(100 * agreement)} % of the decisions agree" in result.stderr
 
 
 def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
@@ -597,14 +602,14 @@ def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
     agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
     said = " ".join(below.stdout.split())  # rich wraps lines
     assert f"quality: below the accuracy floor (99 % of decisions, 10 dB elsewhere): " \
-           f"{agreement:.2%} of the decisions agree" in said
+           f"{_down(100 * agreement)}% of the decisions agree" in said
     assert "--min-coverage lower than 70" in said and "--no-fallback accepts" in said
     within = CliRunner().invoke(main, ["calibrate", str(SAMPLE_MODELS / "digits_cnn.onnx"),
                                        "--limit", "32", "-o", str(out), "--report", str(rep),
                                        "--force"])
     assert within.exit_code == 0
     agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
-    assert (f"quality: within the accuracy floor: {agreement:.2%} of the decisions agree"
+    assert (f"quality: within the accuracy floor: {_down(100 * agreement)}% of the decisions agree"
             in " ".join(within.stdout.split()))
 
 

@@ -7,6 +7,7 @@ then raises AccuracyGateError naming the gates that failed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,15 +150,23 @@ def check_gates(
     return results
 
 
+def shown_down(value: float, decimals: int) -> str:
+    """`value` to `decimals` decimals, rounded down: a figure just under a floor (9.96 dB under
+    10 dB, 98.996 % under 99 %) never shows as the floor itself."""
+    steps = 10**decimals
+    # the tiny margin keeps 29.0 (stored as 28.999999999999996) from showing as 28.99
+    return f"{math.floor(value * steps + 1e-9) / steps:.{decimals}f}"
+
+
 def _figures(comparison: Comparison) -> str:
     """The measured quality in a few words: the worst agreement, the worst other SQNR."""
     said = []
     agreement = worst_agreement(comparison)
     if agreement is not None:
-        said.append(f"{100 * agreement:.2f} % of the decisions agree")
+        said.append(f"{shown_down(100 * agreement, 2)} % of the decisions agree")
     sqnr = comparison.worst_finite_sqnr_db(classifiers=False)
     if sqnr is not None:
-        said.append(f"worst SQNR {sqnr:.1f} dB")
+        said.append(f"worst SQNR {shown_down(sqnr, 1)} dB")
     return ", ".join(said) or "outputs identical"
 
 
