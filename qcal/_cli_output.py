@@ -23,6 +23,7 @@ from rich.table import Table
 from qcal._verdict import other_warnings, quality_verdict
 from qcal.accuracy.gates import GateResult
 from qcal.drift import Drift
+from qcal.report import reasons_by_kind
 
 
 def _console(*, stderr: bool) -> Console:
@@ -66,10 +67,11 @@ _MAX_REASONS = 12
 
 
 def _float_reasons(by_reason: dict[str, int]) -> list[tuple[int, str]]:
-    """The report's reasons for float nodes, most frequent first; the fallback's per-tensor
-    reasons as one line, and the rarest folded into one when there are many."""
+    """The report's reasons for float nodes, most frequent first, those differing only in the
+    names they quote as one; the fallback's per-tensor reasons as one line, and the rarest
+    folded into one when there are many."""
     fallback = sum(n for reason, n in by_reason.items() if _FALLBACK_REASON in reason)
-    rows = sorted(((n, reason) for reason, n in by_reason.items()
+    rows = sorted(((n, reason) for reason, n in reasons_by_kind(by_reason).items()
                    if _FALLBACK_REASON not in reason), key=lambda row: (-row[0], row[1]))
     if fallback:
         why = (f"kept float {_FALLBACK_REASON} (each tensor's reason: the report's "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -165,6 +166,20 @@ def _coverage(plan: QuantPlan) -> dict[str, Any]:
         "skipped": len(plan.nodes) - len(quantized),
         "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
     }
+
+
+_QUOTED_NAME = re.compile(r"'[^']*'")
+
+
+def reasons_by_kind(by_reason: Mapping[str, int]) -> dict[str, int]:
+    """`coverage.skipped_by_reason` with the reasons that differ only in the names they quote
+    (of nodes, tensors) counted as one, the names elided: four LayerNorm statistics kept float
+    are one line, not four. A reason alone of its kind keeps its names."""
+    kinds: dict[str, dict[str, int]] = {}
+    for reason, count in by_reason.items():
+        kinds.setdefault(_QUOTED_NAME.sub("'…'", reason), {})[reason] = count
+    return {next(iter(same)) if len(same) == 1 else kind: sum(same.values())
+            for kind, same in kinds.items()}
 
 
 def build_report(

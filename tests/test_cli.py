@@ -435,6 +435,22 @@ def test_the_summary_folds_the_fallback_reasons_and_the_rarest_ones() -> None:
     assert "5 other reasons" in rows[-1][1]
 
 
+def test_the_summary_counts_reasons_that_differ_only_in_names_as_one() -> None:
+    """Four statistics kept float for the same reason, each naming its own node, are one line
+    (names elided); a reason alone of its kind keeps its name."""
+    from qcal._cli_output import _float_reasons
+
+    reasons = {f"computes a normalization statistic (ReduceMean 'mean.{i}'); default "
+               "exclusion": 1 for i in range(4)}
+    reasons["embedding lookup in 'table'"] = 1
+    reasons["no quantization rule for op Sqrt"] = 3
+    assert _float_reasons(reasons) == [
+        (4, "computes a normalization statistic (ReduceMean '…'); default exclusion"),
+        (3, "no quantization rule for op Sqrt"),
+        (1, "embedding lookup in 'table'"),
+    ]
+
+
 def test_a_missed_accuracy_floor_reads_as_a_verdict() -> None:
     from qcal.accuracy.gates import GateResult
 

@@ -11,6 +11,7 @@ from typing import Any
 from qcal._verdict import other_warnings, quality_verdict
 from qcal.html_report._plots import fallback_svg, histogram_svg, sensitivity_svg
 from qcal.html_report._tensors import TensorView, tensor_views
+from qcal.report import reasons_by_kind
 
 __all__ = ["MAX_HISTOGRAM_PLOTS", "MAX_SENSITIVITY_BARS", "page"]
 
@@ -81,9 +82,10 @@ def _row(cells: Sequence[str], *, header: bool = False) -> str:
 
 
 def _float_reasons(by_reason: Mapping[str, int]) -> dict[str, int]:
-    """The fallback's per-tensor reasons folded into one (the Fallback section lists them)."""
+    """The fallback's per-tensor reasons folded into one (the Fallback section lists them),
+    and those differing only in the names they quote."""
     folded: dict[str, int] = {}
-    for reason, count in by_reason.items():
+    for reason, count in reasons_by_kind(by_reason).items():
         if "by the accuracy fallback" in reason:
             reason = "kept float by the accuracy fallback (see Fallback)"
         folded[reason] = folded.get(reason, 0) + count
