@@ -262,3 +262,55 @@ def test_a_loop_body_quantizes_only_anchors_with_a_constant_weight(weight_as_sta
     _, decisions, activations = _plan(_scan_model(weight_as_state), "auto")
     assert decisions["body_matmul"] is (not weight_as_state)
     assert ("W_in" in activations) is False
+
+
+@pytest.mark.parametrize(("per_group_in", "per_group_out", "then", "quantized"), [
+    (1, 1, "Resize", True),  # depthwise: onnxruntime has an integer kernel of its own for it
+    (1, 2, "Resize", False),  # a depth multiplier of 2 (Keras DepthwiseConv2D): 6-11x float
+    (4, 4, "Resize", False),  # ResNeXt's narrowest groups: 2-3x
+    (8, 8, "Resize", True),  # about as fast as float: its neighbours' integers pay
+    # Straight (through a Relu or a MaxPool) into a quantized Conv: onnxruntime would quantize
+    # its weight itself (per tensor) and run the same slow kernel, so qcal quantizes it (per
+    # channel) instead.
+    (1, 2, "Relu", True),
+    (1, 2, "MaxPool", True),
+])
+def test_auto_keeps_float_a_grouped_convolution_whose_groups_are_narrow(
+    per_group_in: int, per_group_out: int, then: str, quantized: bool
+) -> None:
+    """onnxruntime's QLinearConv computes a grouped (not depthwise) Conv as one matrix product
+    per group; with a few channels per group those cost more than its float kernel, so under
+    "auto" such a Conv stays float (and says why) while the Convs around it are quantized."""
+    rng = np.random.default_rng(4)
+    groups = 4
+    channels, out = groups * per_group_in, groups * per_group_out
+    after = {
+        "MaxPool": helper.make_node("MaxPool", ["g1"], ["m1"], name="pool", kernel_shape=[2, 2]),
+        "Relu": helper.make_node("Relu", ["g1"], ["m1"], name="relu2"),
+        "Resize": helper.make_node("Resize", ["g1", "", "scales"], ["m1"], name="upsample",
+                                   mode="linear"),
+    }[then]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "wg"], ["g1"], name="grouped", group=groups,
+                         pads=[1, 1, 1, 1]),
+        after,
+        helper.make_node("Conv", ["m1", "w2"], ["y"], name="pointwise"),
+    ]
+    inits = {"w1": rng.standard_normal((channels, 3, 3, 3)).astype(np.float32),
+             "wg": rng.standard_normal((out, per_group_in, 3, 3)).astype(np.float32),
+             "w2": rng.standard_normal((4, out, 1, 1)).astype(np.float32),
+             "scales": np.array([1, 1, 2, 2], dtype=np.float32)}
+    model = build_model(nodes, [float_input("x", [1, 3, 8, 8])], ["y"], inits)
+    prepared, _ = prepare_model(model)
+    plan = plan_quantization(prepared, SelectionRules(placement="auto"))
+    decisions = {d.node: d for d in plan.nodes}
+    assert decisions["conv1"].quantized and decisions["pointwise"].quantized
+    assert decisions["grouped"].quantized is quantized
+    if not quantized:
+        assert decisions["grouped"].reason.startswith(
+            f"placement auto: a grouped convolution with {per_group_in} input and "
+            f"{per_group_out} output channels per group")
+    _, everything, _ = _plan(model, "all")  # emulation quantizes it all the same
+    assert everything["grouped"]

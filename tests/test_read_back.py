@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from _onnx_testing import build_model, float_input
 from onnx import TensorProto, helper
 
@@ -158,3 +159,47 @@ def test_a_node_keeps_what_calibration_said_when_another_is_kept_float(tmp_path:
     assert "input 'tiny' left float" in decisions["mm"]["reason"], decisions["mm"]
     assert "smallest scale the preset allows" in decisions["mm"]["reason"]
     assert result.report["coverage"]["quantized_compute_nodes"] == 0
+
+
+@pytest.mark.parametrize(("then", "integer"), [("Resize", 2), ("Relu", 3), ("MaxPool", 3)])
+def test_a_narrow_grouped_convolution_runs_in_float_between_integer_ones(
+    tmp_path: Path, then: str, integer: int
+) -> None:
+    """A depth multiplier of 2 (one input, two output channels per group) between two Convs.
+    Upsampled by a Resize before the next Conv it stays float: onnxruntime runs the other two
+    as QLinearConv. Read by the next Conv through a Relu or a MaxPool, onnxruntime would
+    quantize its weight itself (per tensor) and run it as QLinearConv all the same: qcal
+    quantizes it, per channel. Either way the report
+    counts what onnxruntime runs in integers, and the outputs stay close to the float model's."""
+    rng = np.random.default_rng(24)
+    after = {
+        "MaxPool": helper.make_node("MaxPool", ["g1"], ["r2"], name="pool", kernel_shape=[1, 1]),
+        "Relu": helper.make_node("Relu", ["g1"], ["r2"], name="relu2"),
+        "Resize": helper.make_node("Resize", ["g1", "", "scales"], ["r2"], name="upsample",
+                                   mode="linear"),
+    }[then]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "wg"], ["g1"], name="multiplier", group=8,
+                         pads=[1, 1, 1, 1]),
+        after,
+        helper.make_node("Conv", ["r2", "w2"], ["c3"], name="pointwise"),
+        helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="average"),
+    ]
+    weights = {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+               "wg": (rng.standard_normal((16, 1, 3, 3)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((4, 16, 1, 1)) * 0.3).astype(np.float32),
+               "scales": np.array([1, 1, 2, 2], dtype=np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], weights)
+    data = rng.standard_normal((16, 3, 12, 12)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decision = next(n for n in result.report["nodes"] if n["name"] == "multiplier")
+    assert decision["quantized"] is (integer == 3)
+    if integer == 2:
+        assert "grouped convolution with 1 input and 2 output channels" in decision["reason"]
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["QLinearConv"] == integer == result.report["coverage"]["quantized_compute_nodes"]
+    onnx.checker.check_model(result.model, full_check=True)
+    got, want = _outputs(result.model, {"x": data[:4]}), _outputs(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99

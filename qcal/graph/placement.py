@@ -22,6 +22,10 @@ softmax, GELU, recurrent state). So under "auto":
   but keeping them float costs more elsewhere (layout changes between the integer and float
   convolutions, a Quantize and a Dequantize each): PP-OCRv4 det ran 0.59x float with them
   quantized and 0.88x without, rec 0.59x and 0.77x; only cls gained (1.35x -> 1.22x);
+* a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
+  onnxruntime's integer kernel computes one narrow matrix product per group, several times its
+  float kernel (_MIN_CHANNELS_PER_GROUP). Unless its output runs straight into a quantized node:
+  onnxruntime then quantizes its weight itself (per tensor) and runs that kernel anyway;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits
   *between* anchors: every float input
@@ -187,6 +191,33 @@ def place(
                     "placement auto: inside a Loop/Scan body its weight is not a constant, "
                     "so it would be quantized again at every iteration")
         nodes = [n for n in nodes if n.name not in placement.nodes]
+    slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
+    quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
+    # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
+    # dequantized and its output runs straight (through a Relu/Clip) into a QuantizeLinear:
+    # such a grouped Conv would run in the slow integer kernel anyway, with coarser weights.
+    sandwiched = {name for name in slow if _between_quantized(
+        next(n for n in nodes if n.name == name), index, quantized_inputs, quantized, tensors)}
+    if sandwiched:
+        slow = {name: why for name, why in slow.items() if name not in sandwiched}
+        quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
+    placement.nodes.update(slow)
+    for node in nodes:
+        if node.name not in quantized and node.name not in slow:
+            placement.nodes[node.name] = "placement auto: not between quantized anchors"
+    placement.tensors.update(tensors)
+    return placement
+
+
+def _place_among(
+    nodes: list[onnx.NodeProto],
+    index: UseIndex,
+    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    floated: frozenset[str],
+) -> tuple[set[str], dict[str, str]]:
+    """The nodes quantized under "auto" among `nodes` (`floated` left out), and the anchors'
+    outputs no quantized node reads (tensor -> why it stays float)."""
+    nodes = [n for n in nodes if n.name not in floated]
     by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
     fused = _fused_activations(nodes, anchors, index)
@@ -216,11 +247,7 @@ def place(
         ):
             serving.add(node.name)
     quantized = in_group | serving
-
-    for node in nodes:
-        if node.name in quantized:
-            continue
-        placement.nodes[node.name] = "placement auto: not between quantized anchors"
+    tensors: dict[str, str] = {}
     for anchor in sorted(anchors):
         node = by_name[anchor]
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
@@ -228,8 +255,72 @@ def place(
         tail = fused.get(anchor)
         output = by_name[tail].output[0] if tail else node.output[0]
         if not any(r.name in quantized for r in index.readers(output)):
-            placement.tensors[output] = "placement auto: no quantized node reads it"
-    return placement
+            tensors[output] = "placement auto: no quantized node reads it"
+    return quantized, tensors
+
+
+def _between_quantized(
+    node: onnx.NodeProto,
+    index: UseIndex,
+    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    quantized: set[str],
+    float_outputs: Mapping[str, str],
+) -> bool:
+    """Whether float `node` reads a quantized tensor and its output runs, one reader at a time
+    (_QUANTIZE_SEES_THROUGH), into a tensor a quantized node reads: the form onnxruntime
+    quantizes itself."""
+    data = node.input[0] if node.input else ""
+    producer = index.producer.get(data)
+    written_quantized = (producer is not None and producer.name in quantized
+                         and data not in float_outputs)
+    if not written_quantized and not any(
+        r.name in quantized and data in quantized_inputs(r) for r in index.readers(data)
+    ):
+        return False
+    value = node.output[0] if node.output else ""
+    while value and value not in index.graph_outputs:
+        readers = index.readers(value)
+        if len(readers) != 1:
+            return False
+        reader = readers[0]
+        if reader.name in quantized and value in quantized_inputs(reader):
+            return value not in float_outputs
+        if reader.op_type not in _QUANTIZE_SEES_THROUGH or not reader.output:
+            return False
+        value = reader.output[0]
+    return False
+
+
+# What onnxruntime looks through from a float Conv to the QuantizeLinear whose pattern makes it
+# quantize the Conv's weight: a fused Relu/Clip, and the operators it moves a QuantizeLinear
+# up through (its QDQ propagation).
+_QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
+    "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
+
+
+# Channels per group below which a grouped (not depthwise) Conv stays float: onnxruntime's
+# integer kernel runs one matrix product per group, and products this narrow cost 2-11x its
+# float kernel (one Conv with its Q/DQ, one thread: 1 input and 2 output channels per group
+# 6-11x, 2 and 2 5.5x, 4 and 4 2.3-3.1x, 8 and 8 0.8-1.4x).
+_MIN_CHANNELS_PER_GROUP = 8
+
+
+def _slow_grouped_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
+    """Why a grouped Conv stays float under "auto", or None: a depthwise Conv (one input and
+    one output channel per group) has an integer kernel of its own; other grouped Convs with
+    few channels per group do not pay (_MIN_CHANNELS_PER_GROUP)."""
+    if node.op_type != "Conv" or len(node.input) < 2:
+        return None
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    weight = index.constant(node.input[1])
+    if group <= 1 or weight is None or len(weight.dims) < 3 or weight.dims[0] % group:
+        return None
+    inputs, outputs = weight.dims[1], weight.dims[0] // group
+    if (inputs, outputs) == (1, 1) or min(inputs, outputs) >= _MIN_CHANNELS_PER_GROUP:
+        return None
+    return (f"placement auto: a grouped convolution with {inputs} input and {outputs} output "
+            f"channels per group, which onnxruntime's integer kernel computes as {group} "
+            "narrow matrix products: slower than its float kernel")
 
 
 def _passes_quantized(node: onnx.NodeProto, read_by_anchors: set[str]) -> bool:
