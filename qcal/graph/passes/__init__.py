@@ -10,6 +10,7 @@ from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
 from qcal.graph.passes.fold_weight_views import FoldWeightViews
 from qcal.graph.passes.infer_shapes import InferShapes
+from qcal.graph.passes.lower_einsum import LowerEinsum
 from qcal.graph.passes.name_nodes import NameNodes
 from qcal.graph.passes.unshare_biases import UnshareBiases
 from qcal.graph.passes.upgrade_opset import UpgradeOpset
@@ -21,6 +22,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldWeightViews",
     "InferShapes",
+    "LowerEinsum",
     "NameNodes",
     "PrepPass",
     "StepResult",

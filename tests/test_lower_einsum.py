@@ -1,0 +1,121 @@
+"""Einsums that are matrix products become MatMuls (lower-einsum), computing the same values.
+
+Each case builds a one-Einsum model, prepares it, and compares the prepared model's outputs
+with numpy's einsum of the same inputs (float64): the lowering is exact to float32 precision.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from _onnx_testing import build_model, float_input
+from onnx import helper
+
+from qcal.config import CalibrationConfig
+from qcal.graph.model import prepare_model
+from qcal.pipeline import calibrate
+
+# equation, operand shapes, which operand is a constant (None: both are inputs)
+LOWERED = [
+    ("bhqd,bhkd->bhqk", [(2, 4, 5, 8), (2, 4, 6, 8)], None),  # attention scores
+    ("bhqk,bhkd->bhqd", [(2, 4, 5, 6), (2, 4, 6, 8)], None),  # attention applied
+    ("bqhd,bkhd->bhqk", [(2, 5, 4, 8), (2, 6, 4, 8)], None),  # heads in the middle
+    ("btd,df->btf", [(2, 5, 8), (8, 12)], 1),  # a projection
+    ("btd,dhe->bhte", [(2, 5, 8), (8, 4, 3)], 1),  # into heads, output transposed
+    ("bhqe,hed->bqd", [(2, 4, 5, 3), (4, 3, 8)], 1),  # out of heads: two indices summed
+    ("df,btd->btf", [(8, 12), (2, 5, 8)], 0),  # the constant written first
+    ("ecd,edf->ecf", [(4, 5, 8), (4, 8, 6)], 1),  # experts: a batch of weights
+]
+
+KEPT = [
+    ("...d,df->...f", [(2, 5, 8), (8, 12)]),  # ellipsis
+    ("bij,bjk", [(2, 3, 4), (2, 4, 5)]),  # implicit output
+    ("bii,bij->bj", [(2, 3, 3), (2, 3, 4)]),  # a diagonal
+    ("bij,bk->bi", [(2, 3, 4), (2, 5)]),  # an index summed within one operand
+]
+
+
+def _model(equation: str, shapes: list[tuple[int, ...]], constant: int | None,
+           rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, np.ndarray],
+                                              list[np.ndarray]]:
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    names = ["a", "b"]
+    inputs = [float_input(n, list(s)) for i, (n, s) in enumerate(zip(names, shapes))
+              if i != constant]
+    inits = {names[constant]: arrays[constant]} if constant is not None else {}
+    node = helper.make_node("Einsum", names, ["y"], name="einsum", equation=equation)
+    feeds = {n: a for i, (n, a) in enumerate(zip(names, arrays)) if i != constant}
+    return build_model([node], inputs, ["y"], inits), feeds, arrays
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, feeds)[0])
+
+
+@pytest.mark.parametrize(("equation", "shapes", "constant"), LOWERED)
+def test_a_matrix_product_einsum_becomes_a_matmul_of_the_same_values(
+    equation: str, shapes: list[tuple[int, ...]], constant: int | None
+) -> None:
+    model, feeds, arrays = _model(equation, shapes, constant, np.random.default_rng(31))
+    prepared, steps = prepare_model(model)
+    ops = Counter(n.op_type for n in prepared.graph.node)
+    assert ops["Einsum"] == 0 and ops["MatMul"] == 1, ops
+    assert ("lower-einsum", "wrote 1 Einsum as MatMul") in [(s.name, s.detail) for s in steps]
+    # the MatMul keeps the Einsum's name: node globs and reports still find it
+    assert next(n.name for n in prepared.graph.node if n.op_type == "MatMul") == "einsum"
+    onnx.checker.check_model(prepared, full_check=True)
+    expected = np.einsum(equation, *[a.astype(np.float64) for a in arrays])
+    got = _run(prepared, feeds)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("equation", "shapes"), KEPT)
+def test_other_einsums_stay_as_they_are(equation: str, shapes: list[tuple[int, ...]]) -> None:
+    model, feeds, arrays = _model(equation, shapes, None, np.random.default_rng(32))
+    prepared, steps = prepare_model(model)
+    assert [n.op_type for n in prepared.graph.node] == ["Einsum"]
+    assert "lower-einsum" not in [s.name for s in steps]
+    np.testing.assert_allclose(_run(prepared, feeds),
+                               np.einsum(equation, *[a.astype(np.float64) for a in arrays]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_an_einsum_transformer_block_runs_its_products_in_integers(tmp_path: Path) -> None:
+    """A projection, attention scores and the weighted sum, all written as einsum: each becomes
+    a MatMul that onnxruntime runs on integers, and the output stays close to float."""
+    rng = np.random.default_rng(33)
+    nodes = [
+        helper.make_node("Einsum", ["x", "wq"], ["q"], name="query", equation="btd,dhe->bhte"),
+        helper.make_node("Einsum", ["x", "wk"], ["k"], name="key", equation="btd,dhe->bhte"),
+        helper.make_node("Einsum", ["q", "k"], ["s"], name="scores",
+                         equation="bhqe,bhke->bhqk"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("Einsum", ["p", "k"], ["o"], name="mix", equation="bhqk,bhke->bhqe"),
+        helper.make_node("Einsum", ["o", "wo"], ["y"], name="out", equation="bhqe,hed->bqd"),
+    ]
+    weights = {name: (rng.standard_normal(shape) * 0.3).astype(np.float32)
+               for name, shape in (("wq", (16, 4, 4)), ("wk", (16, 4, 4)), ("wo", (4, 4, 16)))}
+    model = build_model(nodes, [float_input("x", ["N", 6, 16])], ["y"], weights)
+    data = rng.standard_normal((16, 6, 16)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=data)
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"),
+                       enforce_gates=False)
+    coverage = result.report["coverage"]
+    assert coverage["compute_nodes"] == 5 and coverage["macs_quantized_fraction"] > 0.5
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(result.model.SerializeToString(), options,
+                         providers=["CPUExecutionProvider"])
+    ran = Counter(n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node)
+    assert ran["MatMulIntegerToFloat"] + ran["QLinearMatMul"] >= 3, ran
+    assert ran["Einsum"] == 0
+    got, want = _run(result.model, {"x": data[:4]}), _run(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
