@@ -630,3 +630,36 @@ def test_the_search_checks_the_coverage_limit_before_searching_below_it(
 
     assert _smallest_passing(check, limit) == found  # type: ignore[arg-type]
     assert len(set(checked)) <= most_checks
+
+
+def test_the_error_of_a_conv_whose_relu_is_fused_is_localised_at_that_conv() -> None:
+    """Conv -> Relu three times: the Convs' outputs are not quantized (onnxruntime fuses each
+    Relu), only the Relus' are. An error put into the second Conv's weight jumps there: that
+    weight and its input take the jump, the Convs before and after take none."""
+    from qcal.accuracy.localise import localise_error
+
+    rng = np.random.default_rng(41)
+    nodes, weights, previous = [], {}, "x"
+    for i in (1, 2, 3):
+        nodes += [helper.make_node("Conv", [previous, f"w{i}"], [f"c{i}"], name=f"conv{i}",
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        weights[f"w{i}"] = (rng.standard_normal((4, 3 if i == 1 else 4, 3, 3)) * 0.3).astype(
+            np.float32)
+        previous = f"r{i}"
+    nodes.append(helper.make_node("GlobalAveragePool", ["r3"], ["y"], name="pool"))
+    model, _ = prepare_model(build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"],
+                                         weights))
+    plan = plan_quantization(model, SelectionRules())
+    assert {"r1", "r2"} <= {a.tensor for a in plan.activations}
+    assert "c2" not in {a.tensor for a in plan.activations}  # fused: not quantized
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    for tensor in broken.graph.initializer:
+        if tensor.name == "w2":  # as if its quantization had gone badly wrong
+            values = numpy_helper.to_array(tensor) * 1.5
+            tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32), "w2"))
+    feed = {"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}
+    harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [(feed, 4)]).tensors}
+    assert harm["w2"] > 0.01 and harm["r1"] == harm["w2"]
+    assert harm.get("w1", 0.0) == 0.0 and harm.get("w3", 0.0) < 0.01 * harm["w2"]

@@ -22,6 +22,7 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
+from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.structure import exposing
 
 __all__ = ["localise_error"]
@@ -56,8 +57,11 @@ def localise_error(
             reads.setdefault(consumer, set()).add(target.tensor)
     for weight in plan.weights:
         reads.setdefault(weight.node, set()).add(weight.tensor)
+    # A Conv whose Relu/Clip onnxruntime fuses writes a float tensor, not watched: its error
+    # is read where that activation writes (the activation adds none of its own).
+    through = _through_fused_activations(float_model.graph, set(ratios))
     for node in quantized:
-        after = max((ratios.get(v, 0.0) for v in outputs_of[node]), default=0.0)
+        after = max((ratios.get(through.get(v, v), 0.0) for v in outputs_of[node]), default=0.0)
         before = max((ratios.get(v, 0.0) for v in inputs_of[node]), default=0.0)
         jump = max(0.0, after - before)
         for tensor in reads.get(node, ()):
@@ -71,6 +75,27 @@ def localise_error(
     ]
     found.sort(key=lambda s: (-s.harm, s.tensor))
     return SensitivityResult(samples, tuple(found), method="error-jump")
+
+
+def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dict[str, str]:
+    """Unwatched tensor -> the watched output of the Relu/Clip that alone reads it (through a
+    chain of them)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    found: dict[str, str] = {}
+    for node in graph.node:
+        for value in node.output:
+            end = value
+            while end and end not in watched and len(readers.get(end, ())) == 1:
+                reader = readers[end][0]
+                if reader.op_type not in FUSED_ACTIVATIONS or not reader.output:
+                    break
+                end = reader.output[0]
+            if value and end != value and end in watched:
+                found[value] = end
+    return found
 
 
 def _error_ratios(
