@@ -119,3 +119,29 @@ def test_an_einsum_transformer_block_runs_its_products_in_integers(tmp_path: Pat
     assert ran["Einsum"] == 0
     got, want = _run(result.model, {"x": data[:4]}), _run(model, {"x": data[:4]})
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
+def test_a_constant_operand_read_elsewhere_stays() -> None:
+    """The weight of a lowered projection is stored as its matrix; the original stays while
+    another node (here inside an If branch) still reads it."""
+    rng = np.random.default_rng(34)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    branch = helper.make_graph(
+        [helper.make_node("ReduceSum", ["w"], ["total"], name="total", keepdims=0)], "branch",
+        [], [helper.make_tensor_value_info("total", onnx.TensorProto.FLOAT, None)])
+    nodes = [
+        helper.make_node("Einsum", ["x", "w"], ["y"], name="project", equation="btd,df->btf"),
+        helper.make_node("If", ["flag"], ["z"], name="choose", then_branch=branch,
+                         else_branch=branch),
+    ]
+    flag = helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, [])
+    model = build_model(nodes, [float_input("x", [2, 5, 8]), flag], ["y", "z"], {"w": w})
+    prepared, _ = prepare_model(model)
+    assert "w" in {t.name for t in prepared.graph.initializer}
+    onnx.checker.check_model(prepared, full_check=True)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    session = ort.InferenceSession(prepared.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    y, z = session.run(None, {"x": x, "flag": np.array(True)})
+    np.testing.assert_allclose(y, np.einsum("btd,df->btf", x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(z, w.sum(), rtol=1e-5)
