@@ -23,7 +23,7 @@ from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import FUSED_ACTIVATIONS
-from qcal.graph.structure import exposing
+from qcal.graph.structure import UseIndex, exposing
 
 __all__ = ["localise_error"]
 
@@ -80,16 +80,13 @@ def localise_error(
 def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dict[str, str]:
     """Unwatched tensor -> the watched output of the Relu/Clip that alone reads it (through a
     chain of them)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for value in node.input:
-            readers.setdefault(value, []).append(node)
+    index = UseIndex.build(graph)
     found: dict[str, str] = {}
     for node in graph.node:
         for value in node.output:
             end = value
-            while end and end not in watched and len(readers.get(end, ())) == 1:
-                reader = readers[end][0]
+            while end and end not in watched and len(index.readers(end)) == 1:
+                reader = index.readers(end)[0]
                 if reader.op_type not in FUSED_ACTIVATIONS or not reader.output:
                     break
                 end = reader.output[0]

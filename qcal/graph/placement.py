@@ -194,10 +194,12 @@ def place(
     slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
     quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
-    # dequantized and its output runs straight (through a Relu/Clip) into a QuantizeLinear:
-    # such a grouped Conv would run in the slow integer kernel anyway, with coarser weights.
+    # dequantized and its output runs straight (through a Relu/Clip, or what it moves a
+    # QuantizeLinear up through) into a QuantizeLinear: such a grouped Conv would run in the
+    # slow integer kernel anyway, with coarser weights.
+    by_name = {n.name: n for n in nodes}
     sandwiched = {name for name in slow if _between_quantized(
-        next(n for n in nodes if n.name == name), index, quantized_inputs, quantized, tensors)}
+        by_name[name], index, quantized_inputs, quantized, tensors)}
     if sandwiched:
         slow = {name: why for name, why in slow.items() if name not in sandwiched}
         quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
