@@ -25,8 +25,10 @@ def _gemm_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
 
 
 def _matmul_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
-    # B is (..., K, N): the output channel is the last axis; a vector B has no channel.
-    return rank - 1 if rank >= 2 else None
+    # B is (K, N): the output channel is the last axis; a vector B has no channel. A stack of
+    # matrices (..., K, N) goes per tensor: onnxruntime's integer MatMul takes per-column
+    # scales for a 2-D B only, and fails at run time on a stack quantized per column.
+    return rank - 1 if rank == 2 else None
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,9 @@ OP_RULES: Mapping[str, OpRule] = {
         fuses_activation=True,
     ),
     "MatMul": OpRule(
-        "inputs A and B and output Y; a constant B per channel on its last axis, a constant A "
-        "per tensor; two activations (attention) are both quantized; the constant of an Add "
-        "reading its output alone as an int32 bias",
+        "inputs A and B and output Y; a constant 2-D B per channel on its last axis (a stack "
+        "of matrices per tensor), a constant A per tensor; two activations (attention) are "
+        "both quantized; the constant of an Add reading its output alone as an int32 bias",
         inputs=(0, 1),
         weight=1,
         weight_axis=_matmul_weight_axis,
