@@ -30,10 +30,15 @@ LOWERED = [
     ("bhqe,hed->bqd", [(2, 4, 5, 3), (4, 3, 8)], 1),  # out of heads: two indices summed
     ("df,btd->btf", [(8, 12), (2, 5, 8)], 0),  # the constant written first
     ("ecd,edf->ecf", [(4, 5, 8), (4, 8, 6)], 1),  # experts: a batch of weights
+    ("...d,df->...f", [(2, 5, 8), (8, 12)], 1),  # leading axes behind an ellipsis
+    ("...id,fd->...if", [(2, 3, 5, 8), (12, 8)], 1),  # ... and a weight to transpose
+    ("df,...d->...f", [(8, 12), (2, 5, 8)], 0),  # the ellipsis second
+    ("...d,df->...f", [(2, 5, 8), (8, 12)], None),  # a 2-D second operand that is an input
 ]
 
 KEPT = [
-    ("...d,df->...f", [(2, 5, 8), (8, 12)]),  # ellipsis
+    ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),  # an ellipsis in both operands
+    ("...di,df->...if", [(2, 8, 3), (8, 12)]),  # axes after the ellipsis out of product order
     ("bij,bjk", [(2, 3, 4), (2, 4, 5)]),  # implicit output
     ("bii,bij->bj", [(2, 3, 3), (2, 3, 4)]),  # a diagonal
     ("bij,bk->bi", [(2, 3, 4), (2, 5)]),  # an index summed within one operand

@@ -7,8 +7,9 @@ said nothing). Written as MatMul, each is an anchor like any other, its constant
 weight quantized per channel. The float model computes the same products (in another order of
 additions, to float32 precision).
 
-An equation is lowered when it has two operands and an explicit output, no ellipsis, no index
-repeated within an operand and none summed within one operand alone. Its indices then fall in
+An equation is lowered when it has two operands and an explicit output, no index repeated
+within an operand and none summed within one operand alone, and no ellipsis but one leading an
+operand and the output (``...d,df->...f``: its axes lead the product's). Its indices then fall in
 four groups: batch (both operands and the output), contracted (both operands only), left (the
 first operand and the output) and right (the second operand and the output). With batch indices
 (attention: ``bhqd,bhkd->bhqk``) the other groups must hold one index each; without them
@@ -102,9 +103,9 @@ def _lower(
     terms = _terms(equation.decode() if isinstance(equation, bytes) else str(equation))
     if terms is None or len(node.input) != 2 or len(node.output) != 1:
         return None
-    (a, b), out = terms
+    (a, b), out, leading = terms
     first, second = node.input
-    if first in constants and second not in constants:
+    if leading == 1 or (leading is None and first in constants and second not in constants):
         (a, b), (first, second) = (b, a), (second, first)
     if first in constants:
         return None  # both constant: onnxruntime folds it; nothing to quantize
@@ -112,6 +113,8 @@ def _lower(
     if groups is None:
         return None
     weight = constants.get(second)
+    if leading is not None:
+        return _lower_leading(node, first, second, weight, (a, b, out), groups, names, graph)
     if groups.batch:
         if not (len(groups.left) == len(groups.contract) == len(groups.right) == 1):
             return None
@@ -150,16 +153,50 @@ def _lower(
     return built.nodes
 
 
-def _terms(equation: str) -> tuple[tuple[str, str], str] | None:
-    """(first operand, second operand), output of an explicit two-operand equation."""
+def _lower_leading(
+    node: onnx.NodeProto, first: str, second: str, weight: onnx.TensorProto | None,
+    terms: tuple[str, str, str], groups: _Groups, names: NameAllocator, graph: onnx.GraphProto,
+) -> list[onnx.NodeProto] | None:
+    """`...ld,dr->...lr` (the first operand's axes after the ellipsis already in the order of
+    a product, one index contracted and one kept from a 2-D second operand): one MatMul, whose
+    leading axes carry the ellipsis. None for any other form."""
+    a, b, out = terms
+    if (groups.batch or len(groups.contract) != 1 or len(groups.right) != 1
+            or a != groups.left + groups.contract or out != groups.left + groups.right):
+        return None
+    rhs = second
+    if weight is not None:
+        if len(weight.dims) != 2:
+            return None
+        values = np.transpose(tensor_array(weight), [b.index(groups.contract),
+                                                     b.index(groups.right)])
+        rhs = names.allocate(f"{second}_matrix")
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(values), rhs))
+    elif b != groups.contract + groups.right:
+        return None
+    return [helper.make_node("MatMul", [first, rhs], [node.output[0]], name=node.name)]
+
+
+def _terms(equation: str) -> tuple[tuple[str, str], str, int | None] | None:
+    """(first operand, second operand), output of an explicit two-operand equation, and which
+    operand leads with an ellipsis that leads the output too (stripped from both), if one does."""
     text = equation.replace(" ", "")
-    if "->" not in text or "." in text:
+    if "->" not in text:
         return None
     operands, out = text.split("->")
     parts = operands.split(",")
-    if len(parts) != 2 or not all(p.isalpha() for p in (*parts, out) if p):
+    if len(parts) != 2:
         return None
-    return (parts[0], parts[1]), out
+    leading = None
+    if "." in text:  # only `...` leading one operand and the output: leading axes of a product
+        dotted = [i for i, p in enumerate(parts) if "." in p]
+        if len(dotted) != 1 or not out.startswith("...") or not parts[dotted[0]].startswith("..."):
+            return None
+        leading = dotted[0]
+        parts[leading], out = parts[leading][3:], out[3:]
+    if not all(p.isalpha() for p in (*parts, out) if p):
+        return None
+    return (parts[0], parts[1]), out, leading
 
 
 def _groups(a: str, b: str, out: str) -> _Groups | None:
