@@ -59,7 +59,7 @@ from qcal.accuracy.coverage import measure_coverage
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models, numeric_outputs
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
 from qcal.accuracy.latency import time_side_by_side
-from qcal.accuracy.runnable import make_runnable
+from qcal.accuracy.runnable import make_runnable, noted_as_integer, quantized_by_onnxruntime
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
@@ -293,7 +293,13 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     reference.release()
-    coverage = measure_coverage(prepared, plan, macs)
+    # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
+    integer_anyway = quantized_by_onnxruntime(quant_model) \
+        if tuple(config.providers) == ("CPUExecutionProvider",) else []
+    plan, warning = noted_as_integer(plan, integer_anyway)
+    if warning is not None:
+        exactness_notes = [*exactness_notes, warning]
+    coverage = measure_coverage(prepared, plan, macs, integer_anyway)
     latency_ratio = None
     # A large model is timed only for the gate: two more sessions would double memory.
     if weight_file is None or config.fail_if_slower is not None:

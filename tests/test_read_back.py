@@ -235,3 +235,41 @@ def test_a_stack_of_weight_matrices_is_quantized_per_tensor_and_runs_in_integers
     feed = {"x": data[:4]}
     got, want = _outputs(result.model, feed), _outputs(model, feed)
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
+def test_a_conv_kept_float_between_quantized_neighbours_is_reported_as_integer(
+    tmp_path: Path,
+) -> None:
+    """A Conv excluded by name between two quantized Convs: onnxruntime quantizes its weight
+    itself (per tensor) when it loads the model, and runs it as QLinearConv. The report says
+    so in its decision and a warning, and counts it as integer compute, as onnxruntime runs it;
+    excluding its input tensor too keeps it float indeed."""
+    rng = np.random.default_rng(26)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="middle", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
+        helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="pool"),
+    ]
+    weights = {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
+               "w3": (rng.standard_normal((4, 8, 1, 1)) * 0.3).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], weights)
+    data = rng.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=data)
+    for exclude_tensors, integer in (((), 3), (("r1",), 2)):
+        config = CalibrationConfig(data=tmp_path / "calib.npz", exclude_nodes=("middle",),
+                                   exclude_tensors=exclude_tensors)
+        result = calibrate(tmp_path / "m.onnx", config, enforce_gates=False)
+        middle = next(n for n in result.report["nodes"] if n["name"] == "middle")
+        assert not middle["quantized"]
+        said = "onnxruntime quantizes its weight itself" in middle["reason"]
+        warned = any("onnxruntime quantizes 1 Conv/Gemm node that qcal keeps float ('middle')"
+                     in w for w in result.report["warnings"])
+        assert said is warned is (integer == 3), (middle, result.report["warnings"])
+        ran = _ops_run(result.model, tmp_path)
+        assert ran["QLinearConv"] == integer == \
+            result.report["coverage"]["quantized_compute_nodes"], ran

@@ -167,10 +167,12 @@ def quantized_compute(model: onnx.ModelProto, plan: QuantPlan) -> set[str]:
 
 
 def measure_coverage(
-    model: onnx.ModelProto, plan: QuantPlan, macs: Mapping[str, int | None]
+    model: onnx.ModelProto, plan: QuantPlan, macs: Mapping[str, int | None],
+    integer_anyway: Iterable[str] = (),
 ) -> Coverage:
-    """The share of `macs` (from `compute_macs`) that `plan` leaves quantized."""
-    quantized = quantized_compute(model, plan)
+    """The share of `macs` (from `compute_macs`) that `plan` leaves quantized, or that
+    onnxruntime runs in integers anyway (`integer_anyway`: `runnable.quantized_by_onnxruntime`)."""
+    quantized = quantized_compute(model, plan) | set(integer_anyway)
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
     bodies = "; ".join(n for n in (_bodies_note(model, plan), _recurrent_note(model)) if n) \

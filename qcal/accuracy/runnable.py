@@ -18,6 +18,8 @@ node: what qcal reports as quantized is what runs in integers.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -32,10 +34,10 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
-from qcal.graph.structure import all_graphs
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError
 
-__all__ = ["Runnable", "make_runnable"]
+__all__ = ["Runnable", "make_runnable", "noted_as_integer", "quantized_by_onnxruntime"]
 
 _MAX_REPAIRS = 8  # nodes kept float one at a time; more means the cause is not one node
 _MAX_READ_BACKS = 3  # each keeps every node found float at once: more rounds find nothing new
@@ -163,6 +165,74 @@ def _float_anchors(optimized: onnx.ModelProto, plan: QuantPlan) -> dict[str, str
                 weight = codes[source.input[0]]
                 found[weight.tensor] = weight.node
     return found
+
+
+def quantized_by_onnxruntime(model: onnx.ModelProto) -> list[str]:
+    """The float Conv and Gemm nodes of `model`'s main graph that onnxruntime quantizes itself
+    when it loads the model (its WeightBiasQuantization): the weight a float initializer, the
+    input from a per-tensor DequantizeLinear, the output going, one reader at a time through
+    Relu/Clip, to a QuantizeLinear, a bias (if any) a 1-D initializer. Their weights are
+    quantized per tensor and they run as integer kernels, whatever the plan says: a node kept
+    float between quantized neighbours is not float. (It quantizes a ConvTranspose's weight
+    too, but the CPU provider has no integer kernel to run it: that one stays float.)"""
+    graph = model.graph
+    index = UseIndex.build(graph)
+    floats = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    found = []
+    for node in graph.node:
+        if (node.op_type not in ("Conv", "Gemm")
+                or node.domain not in DEFAULT_DOMAINS or len(node.input) < 2
+                or node.input[1] not in floats):
+            continue
+        source = index.producer.get(node.input[0])
+        if source is None or source.op_type != "DequantizeLinear" or len(source.input) < 2:
+            continue
+        scale = index.constant(source.input[1])
+        if scale is None or math.prod(scale.dims) != 1:
+            continue
+        if len(node.input) > 2 and node.input[2]:
+            bias = index.constant(node.input[2])
+            if bias is None or len(bias.dims) != 1:
+                continue
+        if _runs_into_quantize(node, index):
+            found.append(node.name)
+    return found
+
+
+_SELF_QUANTIZED = ("onnxruntime quantizes its weight itself when it loads the model (per "
+                   "tensor: its input arrives dequantized and its output goes straight to a "
+                   "QuantizeLinear), so it runs as an integer kernel")
+
+
+def noted_as_integer(plan: QuantPlan, nodes: Iterable[str]) -> tuple[QuantPlan, str | None]:
+    """`plan` with the decisions of `nodes` (from `quantized_by_onnxruntime`) saying so, and
+    the warning for the report (None without such nodes)."""
+    names = sorted(set(nodes))
+    if not names:
+        return plan, None
+    decisions = tuple(
+        NodeDecision(d.node, d.op_type, d.quantized, f"{d.reason}; {_SELF_QUANTIZED}")
+        if d.node in names else d for d in plan.nodes)
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    warning = (f"onnxruntime quantizes {len(names)} Conv/Gemm node{'s' * (len(names) != 1)} "
+               f"that qcal keeps float ({shown}) itself when it loads the model, weights per "
+               "tensor: each reads a dequantized input and writes straight to a QuantizeLinear; "
+               "keeping its input or output tensor float (--exclude-tensors) keeps it float")
+    return dataclasses.replace(plan, nodes=decisions), warning
+
+
+def _runs_into_quantize(node: onnx.NodeProto, index: UseIndex) -> bool:
+    value = node.output[0] if len(node.output) == 1 else ""
+    while value:
+        readers = index.readers(value)
+        if len(readers) != 1 or value in index.graph_outputs:
+            return False
+        if readers[0].op_type == "QuantizeLinear":
+            return True
+        if readers[0].op_type not in ("Relu", "Clip") or len(readers[0].output) != 1:
+            return False
+        value = readers[0].output[0]
+    return False
 
 
 def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> QuantPlan:
