@@ -199,6 +199,12 @@ class CalibrationConfig:
         return self.placement_mode == "auto" and not self.op_types
 
     @property
+    def cpu_provider_only(self) -> bool:
+        """Whether onnxruntime runs the model with its CPU provider alone: the graph it runs
+        (its fusions, what it quantizes itself) is then the one qcal reads back."""
+        return tuple(self.providers) == ("CPUExecutionProvider",)
+
+    @property
     def placement_mode(self) -> str:
         """Where Q/DQ goes (`qcal.graph.placement`): as asked, else "all" for presets that
         emulate an accelerator's integer arithmetic end to end, else "auto"."""

@@ -294,8 +294,7 @@ def calibrate(
             comparison = evaluate(quant_model)
     reference.release()
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
-    integer_anyway = quantized_by_onnxruntime(quant_model) \
-        if tuple(config.providers) == ("CPUExecutionProvider",) else []
+    integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)
     if warning is not None:
         exactness_notes = [*exactness_notes, warning]
@@ -366,7 +365,7 @@ def _replan(
     integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
     --op-types) instead of serving onnxruntime's integer kernels, and for providers other than
     the CPU provider alone."""
-    if not config.places_for_speed or tuple(config.providers) != ("CPUExecutionProvider",):
+    if not config.places_for_speed or not config.cpu_provider_only:
         # Other providers compile the graph their own way (and some cannot write it out).
         return None
 

@@ -82,16 +82,10 @@ def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dic
     chain of them)."""
     index = UseIndex.build(graph)
     found: dict[str, str] = {}
-    for node in graph.node:
-        for value in node.output:
-            end = value
-            while end and end not in watched and len(index.readers(end)) == 1:
-                reader = index.readers(end)[0]
-                if reader.op_type not in FUSED_ACTIVATIONS or not reader.output:
-                    break
-                end = reader.output[0]
-            if value and end != value and end in watched:
-                found[value] = end
+    for value in (v for node in graph.node for v in node.output if v and v not in watched):
+        end, _ = index.follow(value, FUSED_ACTIVATIONS, until=watched)
+        if end in watched:
+            found[value] = end
     return found
 
 

@@ -34,6 +34,7 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
+from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError
 
@@ -222,17 +223,10 @@ def noted_as_integer(plan: QuantPlan, nodes: Iterable[str]) -> tuple[QuantPlan, 
 
 
 def _runs_into_quantize(node: onnx.NodeProto, index: UseIndex) -> bool:
-    value = node.output[0] if len(node.output) == 1 else ""
-    while value:
-        readers = index.readers(value)
-        if len(readers) != 1 or value in index.graph_outputs:
-            return False
-        if readers[0].op_type == "QuantizeLinear":
-            return True
-        if readers[0].op_type not in ("Relu", "Clip") or len(readers[0].output) != 1:
-            return False
-        value = readers[0].output[0]
-    return False
+    if len(node.output) != 1 or not node.output[0]:
+        return False
+    _, reader = index.follow(node.output[0], FUSED_ACTIVATIONS)
+    return reader is not None and reader.op_type == "QuantizeLinear"
 
 
 def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> QuantPlan:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import onnx
 import onnx.defs
 
-from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex, int_attribute
 
 __all__ = [
     "ANCHOR_OPS",
@@ -313,7 +313,7 @@ def _slow_grouped_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
     few channels per group do not pay (_MIN_CHANNELS_PER_GROUP)."""
     if node.op_type != "Conv" or len(node.input) < 2:
         return None
-    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    group = int_attribute(node, "group", 1)
     weight = index.constant(node.input[1])
     if group <= 1 or weight is None or len(weight.dims) < 3 or weight.dims[0] % group:
         return None

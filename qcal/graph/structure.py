@@ -7,7 +7,7 @@ y" and never a scan of ``graph.node`` by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ __all__ = [
     "exposing",
     "graph_element_types",
     "insert_after",
+    "int_attribute",
     "static_shapes",
     "subgraph_reads",
 ]
@@ -105,6 +106,21 @@ class UseIndex:
             return None
         return self.initializers.get(value)
 
+    def follow(
+        self, value: str, through: frozenset[str], until: Container[str] = frozenset()
+    ) -> tuple[str, onnx.NodeProto | None]:
+        """Where `value` leads through a chain of `through` operators, each its input's only
+        reader: the value reached (`value` itself, a graph output or one in `until` at the
+        latest) and its only reader past the chain (None: none, several, or it stopped)."""
+        while value not in until and value not in self.graph_outputs:
+            readers = self.readers(value)
+            if len(readers) != 1:
+                return value, None
+            if readers[0].op_type not in through or len(readers[0].output) != 1:
+                return value, readers[0]
+            value = readers[0].output[0]
+        return value, None
+
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of `old` (subgraphs included) read `new` instead."""
         for use in self.uses.pop(old, []):
@@ -114,6 +130,14 @@ class UseIndex:
             else:
                 use.node.input[use.slot] = new
             self.uses.setdefault(new, []).append(use)
+
+
+def int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    """`node`'s integer attribute `name`, or `default` when it has none."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return int(attribute.i)
+    return default
 
 
 def attribute_graphs(attribute: onnx.AttributeProto) -> Iterator[onnx.GraphProto]:

@@ -35,7 +35,7 @@ from onnx import numpy_helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
 
 __all__ = ["EqualizeLayers", "EqualizedPair"]
 
@@ -112,8 +112,9 @@ class EqualizeLayers:
         for _ in range(_MAX_SWEEPS):
             moved = 0.0
             for pair in pairs:
+                groups = int_attribute(pair.second, "group", 1)
                 step = _scales(_output_ranges(weights[pair.first.input[1]]),
-                               _input_ranges(weights[pair.second.input[1]], _groups(pair.second)))
+                               _input_ranges(weights[pair.second.input[1]], groups))
                 _apply(weights, pair, step)
                 pair.scale *= step
                 moved = max(moved, float(np.max(np.abs(step - 1.0), initial=0.0)))
@@ -155,7 +156,7 @@ def _pair_from(first: onnx.NodeProto, index: UseIndex) -> _Pair | None:
     assert first_weight is not None and second_weight is not None
     if len(second_weight.dims) < 2:
         return None
-    if first_weight.dims[0] != second_weight.dims[1] * _groups(reader):
+    if first_weight.dims[0] != second_weight.dims[1] * int_attribute(reader, "group", 1):
         return None  # A's output channels are not B's input channels
     return _Pair(first, reader, through, np.ones(first_weight.dims[0], dtype=np.float64))
 
@@ -197,13 +198,6 @@ def _own_float_parameters(conv: onnx.NodeProto, index: UseIndex, *, with_bias: b
     return True
 
 
-def _groups(conv: onnx.NodeProto) -> int:
-    for attribute in conv.attribute:
-        if attribute.name == "group":
-            return int(attribute.i)
-    return 1
-
-
 def _output_ranges(weight: np.ndarray) -> np.ndarray:
     """Largest magnitude of each output channel (axis 0)."""
     ranges: np.ndarray = np.max(np.abs(weight.reshape(weight.shape[0], -1)), axis=1)
@@ -241,7 +235,7 @@ def _apply(weights: dict[str, np.ndarray], pair: _Pair, scale: np.ndarray) -> No
     if len(pair.first.input) > 2 and pair.first.input[2]:
         weights[pair.first.input[2]] /= scale.reshape(weights[pair.first.input[2]].shape)
     second = weights[pair.second.input[1]]
-    groups = _groups(pair.second)
+    groups = int_attribute(pair.second, "group", 1)
     shaped = second.reshape(groups, second.shape[0] // groups, second.shape[1], -1)
     shaped *= scale.reshape(groups, 1, second.shape[1], 1)
 

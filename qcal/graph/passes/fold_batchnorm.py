@@ -21,7 +21,7 @@ from onnx import numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
 
 __all__ = ["FoldBatchNorm"]
 
@@ -76,16 +76,16 @@ class FoldBatchNorm:
 def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None:
     if bn.op_type != "BatchNormalization" or bn.domain not in DEFAULT_DOMAINS:
         return None
-    if len(bn.input) != 5 or any(bn.output[1:]) or _int_attribute(bn, "training_mode", 0):
+    if len(bn.input) != 5 or any(bn.output[1:]) or int_attribute(bn, "training_mode", 0):
         return None
-    if not _int_attribute(bn, "spatial", 1):  # opset < 9: per-activation statistics
+    if not int_attribute(bn, "spatial", 1):  # opset < 9: per-activation statistics
         return None
     conv = index.producer.get(bn.input[0])
     if conv is None or conv.op_type not in ("Conv", "Gemm") or conv.domain not in DEFAULT_DOMAINS:
         return None
     if conv.op_type == "Gemm" and (
         _float_attribute(conv, "alpha", 1.0) != 1.0 or _float_attribute(conv, "beta", 1.0) != 1.0
-        or _int_attribute(conv, "transA", 0)
+        or int_attribute(conv, "transA", 0)
     ):
         return None
     conv_output = conv.output[0]
@@ -154,7 +154,7 @@ def _fold(
 def _output_axis(node: onnx.NodeProto) -> int:
     """The weight axis of the output channels: 0 for a Conv, by transB for a Gemm."""
     if node.op_type == "Gemm":
-        return 0 if _int_attribute(node, "transB", 0) else 1
+        return 0 if int_attribute(node, "transB", 0) else 1
     return 0
 
 
@@ -190,13 +190,6 @@ def _drop_unread_initializers(graph: onnx.GraphProto, candidates: set[str]) -> N
     ]
     for tensor in unread:
         graph.initializer.remove(tensor)
-
-
-def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return int(attribute.i)
-    return default
 
 
 def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:

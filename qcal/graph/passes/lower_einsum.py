@@ -130,14 +130,8 @@ def _lower(
         lhs = built.reshape(lhs, [0] * len(groups.left) + [-1])
     product_axes = groups.batch + groups.left + groups.right
     if weight is not None:
-        values = tensor_array(weight)
-        order = [b.index(c) for c in groups.batch + groups.contract + groups.right]
-        values = np.transpose(values, order)
-        if not groups.batch:
-            contract = math.prod(values.shape[: len(groups.contract)])
-            values = values.reshape(contract, -1)
-        rhs = names.allocate(f"{second}_matrix")
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(values), rhs))
+        rhs = _store_matrix(weight, b, groups.batch + groups.contract + groups.right,
+                            len(groups.contract) if not groups.batch else None, names, graph)
         right_sizes = [int(weight.dims[b.index(c)]) for c in groups.right]
     else:
         rhs = built.transpose(second, b, groups.batch + groups.contract + groups.right)
@@ -168,13 +162,24 @@ def _lower_leading(
     if weight is not None:
         if len(weight.dims) != 2:
             return None
-        values = np.transpose(tensor_array(weight), [b.index(groups.contract),
-                                                     b.index(groups.right)])
-        rhs = names.allocate(f"{second}_matrix")
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(values), rhs))
+        rhs = _store_matrix(weight, b, groups.contract + groups.right, None, names, graph)
     elif b != groups.contract + groups.right:
         return None
     return [helper.make_node("MatMul", [first, rhs], [node.output[0]], name=node.name)]
+
+
+def _store_matrix(
+    weight: onnx.TensorProto, axes: str, order: str, merge: int | None,
+    names: NameAllocator, graph: onnx.GraphProto,
+) -> str:
+    """A new initializer holding constant operand `weight` (indices `axes`) with its axes in
+    `order`, the first `merge` of them merged into one and the rest into another; its name."""
+    values = np.transpose(tensor_array(weight), [axes.index(c) for c in order])
+    if merge is not None:
+        values = values.reshape(math.prod(values.shape[:merge]), -1)
+    name = names.allocate(f"{weight.name}_matrix")
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(values), name))
+    return name
 
 
 def _terms(equation: str) -> tuple[tuple[str, str], str, int | None] | None:

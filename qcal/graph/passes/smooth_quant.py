@@ -30,7 +30,7 @@ import onnx
 from onnx import numpy_helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
 
 __all__ = ["SmoothTarget", "apply_smoothing", "find_smooth_targets"]
 
@@ -129,9 +129,9 @@ def _layer_weight(node: onnx.NodeProto, index: UseIndex) -> tuple[str, bool, int
         return None
     transposed = False
     if node.op_type == "Gemm":
-        if _int_attribute(node, "transA", 0):
+        if int_attribute(node, "transA", 0):
             return None
-        transposed = bool(_int_attribute(node, "transB", 0))
+        transposed = bool(int_attribute(node, "transB", 0))
     return node.input[1], transposed, int(weight.dims[1] if transposed else weight.dims[0])
 
 
@@ -140,7 +140,7 @@ def _divided_by(activation: str, channels: int, index: UseIndex) -> tuple[str, .
     producer = index.producer.get(activation)
     if producer is not None and producer.op_type == "LayerNormalization" \
             and producer.domain in DEFAULT_DOMAINS:
-        if _int_attribute(producer, "axis", -1) != -1 or any(producer.output[1:]):
+        if int_attribute(producer, "axis", -1) != -1 or any(producer.output[1:]):
             return None
         names = [n for n in producer.input[1:3] if n]
         if not all(_channel_constant(n, channels, index, exact=True) for n in names):
@@ -183,8 +183,3 @@ def _own_float(name: str, index: UseIndex) -> bool:
             and len(index.uses.get(name, ())) == 1)
 
 
-def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return int(attribute.i)
-    return default

@@ -12,11 +12,7 @@ import onnx.defs
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, parameter_tensors, place
-from qcal.graph.plan._rules import (
-    OpRule,
-    _float_attribute,
-    _int_attribute,
-)
+from qcal.graph.plan._rules import OpRule, _float_attribute
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (
     _Found,
@@ -40,6 +36,7 @@ from qcal.graph.structure import (
     attribute_graphs,
     default_opset,
     graph_element_types,
+    int_attribute,
 )
 from qcal.graph.traps import Traps, find_traps
 
@@ -366,7 +363,7 @@ class _Planner(_Selection):
                 or _float_attribute(node, "beta", 1.0) != 1.0
             ):
                 return "alpha or beta is not 1"
-            channels = weight_constant.dims[0 if _int_attribute(node, "transB", 0) else -1]
+            channels = weight_constant.dims[0 if int_attribute(node, "transB", 0) else -1]
         else:
             channels = weight_constant.dims[0]
         if list(constant.dims) != [channels]:

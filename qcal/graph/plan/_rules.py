@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from qcal.graph.structure import int_attribute
+
 
 def _conv_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
     return 0
@@ -21,7 +23,7 @@ def _conv_transpose_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
 
 def _gemm_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
     # B is (N, K) with transB=1, else (K, N): the output channel N is axis 0 or 1.
-    return 0 if _int_attribute(node, "transB", 0) else 1
+    return 0 if int_attribute(node, "transB", 0) else 1
 
 
 def _matmul_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
@@ -185,13 +187,6 @@ def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
     for attribute in node.attribute:
         if attribute.name == name:
             return str(attribute.s.decode())
-    return default
-
-
-def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return int(attribute.i)
     return default
 
 
