@@ -237,19 +237,22 @@ def test_a_stack_of_weight_matrices_is_quantized_per_tensor_and_runs_in_integers
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
 
 
+@pytest.mark.parametrize("between", ["Relu", "MaxPool"])
 def test_a_conv_kept_float_between_quantized_neighbours_is_reported_as_integer(
-    tmp_path: Path,
+    tmp_path: Path, between: str,
 ) -> None:
-    """A Conv excluded by name between two quantized Convs: onnxruntime quantizes its weight
-    itself (per tensor) when it loads the model, and runs it as QLinearConv. The report says
-    so in its decision and a warning, and counts it as integer compute, as onnxruntime runs it;
-    excluding its input tensor too keeps it float indeed."""
+    """A Conv excluded by name between two quantized Convs (through a Relu, or a MaxPool that
+    onnxruntime moves the QuantizeLinear up through): onnxruntime quantizes its weight itself
+    (per tensor) when it loads the model, and runs it as QLinearConv. The report says so in its
+    decision and a warning, and counts it as integer compute, as onnxruntime runs it; excluding
+    its input tensor too keeps it float indeed."""
     rng = np.random.default_rng(26)
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
         helper.make_node("Conv", ["r1", "w2"], ["c2"], name="middle", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2") if between == "Relu" else
+        helper.make_node("MaxPool", ["c2"], ["r2"], name="max", kernel_shape=[1, 1]),
         helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
         helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="pool"),
     ]

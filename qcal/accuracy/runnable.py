@@ -34,7 +34,7 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
-from qcal.graph.placement import FUSED_ACTIVATIONS
+from qcal.graph.placement import QUANTIZE_SEES_THROUGH
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError
 
@@ -172,7 +172,8 @@ def quantized_by_onnxruntime(model: onnx.ModelProto) -> list[str]:
     """The float Conv and Gemm nodes of `model`'s main graph that onnxruntime quantizes itself
     when it loads the model (its WeightBiasQuantization): the weight a float initializer, the
     input from a per-tensor DequantizeLinear, the output going, one reader at a time through
-    Relu/Clip, to a QuantizeLinear, a bias (if any) a 1-D initializer. Their weights are
+    Relu/Clip or what onnxruntime moves a QuantizeLinear up through (`QUANTIZE_SEES_THROUGH`,
+    as placement predicts it), to a QuantizeLinear, a bias (if any) a 1-D initializer. Their weights are
     quantized per tensor and they run as integer kernels, whatever the plan says: a node kept
     float between quantized neighbours is not float. (It quantizes a ConvTranspose's weight
     too, but the CPU provider has no integer kernel to run it: that one stays float.)"""
@@ -225,7 +226,7 @@ def noted_as_integer(plan: QuantPlan, nodes: Iterable[str]) -> tuple[QuantPlan, 
 def _runs_into_quantize(node: onnx.NodeProto, index: UseIndex) -> bool:
     if len(node.output) != 1 or not node.output[0]:
         return False
-    _, reader = index.follow(node.output[0], FUSED_ACTIVATIONS)
+    _, reader = index.follow(node.output[0], QUANTIZE_SEES_THROUGH)
     return reader is not None and reader.op_type == "QuantizeLinear"
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "ANCHOR_OPS",
     "FUSED_ACTIVATIONS",
     "PLACEMENTS",
+    "QUANTIZE_SEES_THROUGH",
     "Placement",
     "parameter_slots",
     "parameter_tensors",
@@ -269,7 +270,7 @@ def _between_quantized(
     float_outputs: Mapping[str, str],
 ) -> bool:
     """Whether float `node` reads a quantized tensor and its output runs, one reader at a time
-    (_QUANTIZE_SEES_THROUGH), into a tensor a quantized node reads: the form onnxruntime
+    (QUANTIZE_SEES_THROUGH), into a tensor a quantized node reads: the form onnxruntime
     quantizes itself."""
     data = node.input[0] if node.input else ""
     producer = index.producer.get(data)
@@ -287,7 +288,7 @@ def _between_quantized(
         reader = readers[0]
         if reader.name in quantized and value in quantized_inputs(reader):
             return value not in float_outputs
-        if reader.op_type not in _QUANTIZE_SEES_THROUGH or not reader.output:
+        if reader.op_type not in QUANTIZE_SEES_THROUGH or not reader.output:
             return False
         value = reader.output[0]
     return False
@@ -296,7 +297,7 @@ def _between_quantized(
 # What onnxruntime looks through from a float Conv to the QuantizeLinear whose pattern makes it
 # quantize the Conv's weight: a fused Relu/Clip, and the operators it moves a QuantizeLinear
 # up through (its QDQ propagation).
-_QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
+QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
     "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
 
 
