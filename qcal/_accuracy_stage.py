@@ -44,6 +44,7 @@ def _improve_accuracy(
     act_params: Mapping[str, OnnxQParams], weights: Mapping[str, QuantizedWeight], *,
     config: CalibrationConfig, inputs: Any, source: Any, macs: Mapping[str, int | None],
     evaluate: Callable[..., Comparison], timings: _Timings, progress: Progress | None,
+    declared_shapes: frozenset[str],
 ) -> _Accuracy:
     """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
     or, by default, the accuracy floor. The floor is checked on the full model first; only when
@@ -83,7 +84,8 @@ def _improve_accuracy(
         fallback = search_fallback(
             model=model, plan=plan, candidates=rank_candidates(model, plan, sensitivity, macs),
             macs=macs, target=target, floor=floor,
-            write=lambda restricted: InsertQDQ(restricted, act_params, weights)(model).model,
+            write=lambda restricted: InsertQDQ(
+                restricted, act_params, weights, declared_shapes=declared_shapes)(model).model,
             evaluate=lambda quantized: evaluate(quantized, "fallback"),
         )
     return _Accuracy(sensitivity, fallback)

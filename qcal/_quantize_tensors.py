@@ -352,8 +352,11 @@ def _planned_records(
 def build_quantized(
     prepared: onnx.ModelProto, act_params: Mapping[str, OnnxQParams],
     weights: Mapping[str, QuantizedWeight], weight_file: WeightFile | None, plan: QuantPlan,
+    *, declared_shapes: frozenset[str],
 ) -> onnx.ModelProto:
-    built = InsertQDQ(plan, act_params, weights)(prepared).model
+    """The model as written: `prepared` with the plan's Q/DQ, stating the shapes the user's
+    model states (`declared_shapes`, see `qcal.graph.structure.keep_declared_shapes`)."""
+    built = InsertQDQ(plan, act_params, weights, declared_shapes=declared_shapes)(prepared).model
     if weight_file is not None:  # its weight codes go to a file too
         built = weight_file.offload(built)
     return built

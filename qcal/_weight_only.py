@@ -24,6 +24,7 @@ from qcal.calibration.hessians import LayerInputs, collect_hessians, hessian_tar
 from qcal.config import CalibrationConfig
 from qcal.graph.files.large import tensor_array
 from qcal.graph.model import NodeDecision, QuantPlan
+from qcal.graph.structure import keep_declared_shapes
 from qcal.graph.weight_only import WeightOnlyTarget, weight_only_targets, write_weight_only
 from qcal.numerics.blockwise import BITS, BlockQuant, quantize_rtn
 from qcal.numerics.errors import ConfigError, EmptyStatisticsError
@@ -110,9 +111,11 @@ def _model_bytes(model: onnx.ModelProto) -> int:
 def quantize_weight_only(
     model: onnx.ModelProto, config: CalibrationConfig, batches: Batches, *,
     progress: Progress | None = None, samples: int | None = None,
+    declared_shapes: frozenset[str] = frozenset(),
 ) -> WeightOnlyResult:
-    """`model` with its qualifying MatMul/Gemm weights at 4 bits, per `config`; `batches()`
-    gives the calibration data (`samples` of them, when known), read by GPTQ alone."""
+    """`model` with its qualifying MatMul/Gemm weights at 4 bits, per `config`, stating the
+    shapes the user's model states (`declared_shapes`); `batches()` gives the calibration data
+    (`samples` of them, when known), read by GPTQ alone."""
     targets = weight_only_targets(model, op_types=config.op_types,
                                   exclude_op_types=config.exclude_op_types,
                                   exclude_nodes=config.exclude_nodes)
@@ -145,6 +148,7 @@ def quantize_weight_only(
             quants[target.node] = quantize_rtn(rows, config.block_size)
         entries.append(entry)
     written = write_weight_only(model, targets, quants, config.weight_only_format)
+    keep_declared_shapes(written.graph, declared_shapes)
     errors = [(e["output_error_nearest"], e["output_error"]) for e in entries
               if "output_error" in e]
     section: dict[str, Any] = {

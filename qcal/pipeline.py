@@ -83,6 +83,7 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
+from qcal.graph.structure import keep_declared_shapes
 from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
@@ -245,7 +246,8 @@ def calibrate(
             records.update(weight_records)
 
         with timings.stage("qdq"):
-            build = partial(build_quantized, prepared, act_params, weights, weight_file)
+            build = partial(build_quantized, prepared, act_params, weights, weight_file,
+                            declared_shapes=loaded.declared_shapes)
             # Its session (COMPARE_THREADS threads) is the first evaluation's.
             runnable = make_runnable(prepared, plan, build, first_feed, providers=config.providers,
                                      replan=_replan(prepared, rules, config))
@@ -262,7 +264,8 @@ def calibrate(
         with timings.stage("weight-only"):
             weight_only = quantize_weight_only(
                 prepared, config, calib_batches,
-                progress=progress, samples=calib.num_samples())
+                progress=progress, samples=calib.num_samples(),
+                declared_shapes=loaded.declared_shapes)
         quant_model, plan = weight_only.model, weight_only_plan(plan, weight_only.section)
         summary = weight_only.summary or CollectionSummary(0, 0, 0.0)
         records, act_params, weights, checked = {}, {}, {}, []
@@ -281,6 +284,7 @@ def calibrate(
     accuracy = _Accuracy(None, None) if weight_only is not None else _improve_accuracy(
         prepared, plan, quant_model, act_params, weights, config=config, inputs=inputs,
         source=source, macs=macs, evaluate=evaluate, timings=timings, progress=progress,
+        declared_shapes=loaded.declared_shapes,
     )
     del weights  # the codes live on in the quantized model
     if accuracy.fallback is not None:
@@ -303,10 +307,15 @@ def calibrate(
     # A large model is timed only for the gate: two more sessions would double memory.
     if weight_file is None or config.fail_if_slower is not None:
         with timings.stage("latency"):
+            # The float model as timed states the shapes the quantized one does.
+            baseline = onnx.ModelProto()
+            baseline.CopyFrom(prepared)
+            keep_declared_shapes(baseline.graph, loaded.declared_shapes)
             figures, latency_ratio = time_side_by_side(
-                prepared, quant_model, first_feed, providers=config.providers,
+                baseline, quant_model, first_feed, providers=config.providers,
                 threads=(1, 2),
                 for_gate=config.fail_if_slower is not None)
+            del baseline
         timings.seconds.update(figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,

@@ -20,6 +20,7 @@ __all__ = [
     "COMPUTE_OPS",
     "DEFAULT_DOMAINS",
     "FLOAT_TYPES",
+    "SHAPE_READERS",
     "SUBGRAPH_SLOT",
     "Use",
     "UseIndex",
@@ -32,6 +33,7 @@ __all__ = [
     "graph_element_types",
     "insert_after",
     "int_attribute",
+    "keep_declared_shapes",
     "static_shapes",
     "subgraph_reads",
 ]
@@ -39,6 +41,9 @@ __all__ = [
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # The operators that hold a model's multiply-accumulates (its weights, its coverage).
 COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+# Operators that read only their input's shape (and element count), never its values.
+SHAPE_READERS = frozenset({"Shape", "Size"})
+_SAME_SHAPE_QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
 SUBGRAPH_SLOT = -1  # input slot recorded when a node reads a value inside one of its subgraphs
 # Element types qcal quantizes (observed in float32). double is left alone: QuantizeLinear
 # does not accept it.
@@ -154,6 +159,35 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     for node in graph.node:
         for subgraph in _node_subgraphs(node):
             yield from all_graphs(subgraph)
+
+
+def keep_declared_shapes(graph: onnx.GraphProto, declared: Container[str]) -> None:
+    """Drop the value_info of `graph` and its subgraphs that the user's model did not declare
+    (`declared`), but for the values a Shape or Size node reads (and, when it reads codes, the
+    float tensor they quantize).
+
+    onnxruntime's graph optimizations depend on the shapes a model states. With every shape
+    that onnx shape inference finds (the planner needs them), it fuses an Add before a
+    LayerNormalization into SkipLayerNormalization, whose CPU kernel is 3-7x slower than the
+    pair: a BERT-like encoder ran 1.3x slower than as exported, the float model too. A value
+    whose shape a Shape node reads keeps it: onnxruntime folds the shape arithmetic with it
+    (in the exported model it matches the Shape with the Reshape reading the same value, which
+    a Q/DQ pair between the two hides).
+    """
+    for g in all_graphs(graph):
+        producer = {v: node for node in g.node for v in node.output}
+        shape_read = set()
+        for node in g.node:
+            if node.op_type in SHAPE_READERS and node.domain in DEFAULT_DOMAINS and node.input:
+                value = node.input[0]
+                shape_read.add(value)
+                while value in producer and producer[value].op_type in _SAME_SHAPE_QDQ:
+                    value = producer[value].input[0]  # codes: the float tensor's shape
+                    shape_read.add(value)
+        kept = [v for v in g.value_info if v.name in declared or v.name in shape_read]
+        if len(kept) != len(g.value_info):
+            del g.value_info[:]
+            g.value_info.extend(kept)
 
 
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -15,7 +15,7 @@ import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from qcal.graph.files import large as _large
-from qcal.graph.structure import attribute_graphs
+from qcal.graph.structure import all_graphs, attribute_graphs
 from qcal.numerics.errors import ModelError
 
 __all__ = ["LoadedModel", "load_model"]
@@ -32,12 +32,16 @@ class LoadedModel:
             (see `qcal.graph.files.large`); the rest is loaded into memory.
         sha256: hex digest of the .onnx file's bytes.
         external_files: the external-data files the weights were read from (resolved, sorted).
+        declared_shapes: the values whose shape or type the file states (value_info of any
+            graph): the quantized model states those and no more (see
+            `qcal.graph.structure.keep_declared_shapes`).
     """
 
     path: Path
     model: onnx.ModelProto
     sha256: str
     external_files: tuple[Path, ...] = ()
+    declared_shapes: frozenset[str] = frozenset()
 
 
 def load_model(path: Path | str) -> LoadedModel:
@@ -58,10 +62,11 @@ def load_model(path: Path | str) -> LoadedModel:
     data = _read_file(path)
     digest = hashlib.sha256(data).hexdigest()
     model = _parse(path, data)
+    declared = frozenset(v.name for graph in all_graphs(model.graph) for v in graph.value_info)
     external = list(_external_tensors(model))
     if not external:
         _run_checker(path, data)
-        return LoadedModel(path=path, model=model, sha256=digest)
+        return LoadedModel(path=path, model=model, sha256=digest, declared_shapes=declared)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
     folder = path.parent.resolve()
     files = sorted({_check_external_reference(path, folder, t)[0] for t in external})
@@ -87,7 +92,8 @@ def load_model(path: Path | str) -> LoadedModel:
         )
     for tensor, span in kept:
         _large.refer_to_file(tensor, *span)
-    return LoadedModel(path=path, model=model, sha256=digest, external_files=tuple(files))
+    return LoadedModel(path=path, model=model, sha256=digest, external_files=tuple(files),
+                       declared_shapes=declared)
 
 
 def _read_file(path: Path) -> bytes:

@@ -13,7 +13,7 @@ import onnx
 from qcal.graph.placement import ANCHOR_OPS, FUSED_ACTIVATIONS
 from qcal.graph.qdq._base import _Writer
 from qcal.graph.qdq._codes import _same_qparams
-from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, Use
+from qcal.graph.structure import DEFAULT_DOMAINS, SHAPE_READERS, SUBGRAPH_SLOT, Use
 
 if TYPE_CHECKING:
     from qcal.graph.plan import ActivationTarget
@@ -75,7 +75,7 @@ class _ActivationWriter(_Writer):
             ]
         bodies = [r for r in scopes.rewrites if r is not owner]
         uses += self._float_reads_of_integer_output(owner, tensor, uses, bodies)
-        if not uses:
+        if all(_reads_shape_only(use) for use in uses):
             # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
             logger.debug("activation %r has no quantized consumer; left in float", tensor)
             return
@@ -206,8 +206,22 @@ class _ActivationWriter(_Writer):
         dequantized = rewrite.add_node(
             "DequantizeLinear", tensor, [quantized, scale, zero_point], qparams.axis, after=tensor
         )
-        rewrite.redirect(uses, dequantized)
+        self._read_pair(rewrite, uses, quantized, dequantized)
         self._pairs[tensor] = (quantized, dequantized)
+
+    @staticmethod
+    def _read_pair(rewrite: _Rewrite, uses: Sequence[Use], codes: str, dequantized: str) -> None:
+        """Make `uses` read a pair: a Shape or Size node its codes, which have the same shape
+        (a DequantizeLinear only for it would compute a whole tensor to give its shape), every
+        other reader its DequantizeLinear."""
+        shape_only = [u for u in uses if _reads_shape_only(u)]
+        rewrite.redirect(shape_only, codes)
+        rewrite.redirect([u for u in uses if not _reads_shape_only(u)], dequantized)
+
+
+def _reads_shape_only(use: Use) -> bool:
+    return (use.slot == 0 and use.node.op_type in SHAPE_READERS
+            and use.node.domain in DEFAULT_DOMAINS)
 
 
 def _string_attribute(node: onnx.NodeProto, name: str) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.qdq._activations import _ActivationWriter
+from qcal.graph.qdq._activations import _ActivationWriter, _reads_shape_only
 from qcal.graph.qdq._codes import _FLOAT_TYPES, _divided_qparams
 from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT
 
@@ -95,7 +95,7 @@ class _DivisionFolder(_ActivationWriter):
         ]
         if not keeps_division:
             uses = everything
-        if not uses:
+        if all(_reads_shape_only(use) for use in uses):
             return
         qparams = self._activation_qparams[tensor]
         float_type = self._float_type(rewrite, tensor, "activation")
@@ -104,7 +104,7 @@ class _DivisionFolder(_ActivationWriter):
         dequantized = rewrite.add_node(
             "DequantizeLinear", tensor, [codes, scale, zero_point], qparams.axis, after=source
         )
-        rewrite.redirect(uses, dequantized)
+        self._read_pair(rewrite, uses, codes, dequantized)
         self._pairs[tensor] = (codes, dequantized)
         if keeps_division:
             return

@@ -32,7 +32,13 @@ from qcal.graph.qdq._codes import (
 from qcal.graph.qdq._emit import _Scopes
 from qcal.graph.qdq._fold import _DivisionFolder
 from qcal.graph.qdq._weights import _group_by_tensor, _WeightWriter
-from qcal.graph.structure import all_graphs, check_wiring, default_opset, graph_element_types
+from qcal.graph.structure import (
+    all_graphs,
+    check_wiring,
+    default_opset,
+    graph_element_types,
+    keep_declared_shapes,
+)
 
 if TYPE_CHECKING:
     from qcal.graph.plan import QuantPlan
@@ -70,6 +76,8 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         plan: QuantPlan,
         activations: Mapping[str, OnnxQParams],
         weights: Mapping[str, QuantizedWeight],
+        *,
+        declared_shapes: frozenset[str] | None = None,
     ) -> None:
         """Bind the plan and its parameters.
 
@@ -78,7 +86,11 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
             activations: ONNX parameters per activation tensor; every planned activation needs
                 one, other entries are ignored.
             weights: codes and parameters per weight initializer; every planned weight needs one.
+            declared_shapes: the values whose value_info the user's model has: the written
+                model keeps those (and the shapes Shape nodes read) and drops the rest that
+                shape inference added (`keep_declared_shapes`). None keeps every value_info.
         """
+        self._declared_shapes = declared_shapes
         self._activations = tuple(sorted(plan.activations, key=lambda t: t.tensor))
         self._weights = tuple(sorted(plan.weights, key=lambda t: (t.tensor, t.node)))
         self._biases = tuple(sorted(plan.biases, key=lambda t: (t.tensor, t.node)))
@@ -161,6 +173,8 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         for bias in self._biases:
             self._quantize_bias(scopes, bias)
         scopes.finish()
+        if self._declared_shapes is not None:
+            keep_declared_shapes(out.graph, self._declared_shapes)
         for tensor in out.graph.initializer:
             if tensor.name in self._originals:
                 tensor.raw_data = self._originals[tensor.name].raw_data
