@@ -135,7 +135,7 @@ class PrepStep:
 
     Attributes:
         name: the pass: "upgrade-opset", "name-nodes", "constants-to-initializers",
-            "eliminate-identity", "fold-batchnorm", "infer-shapes".
+            "eliminate-identity", "fold-batchnorm", "fold-pad", "infer-shapes", ...
         detail: a human sentence: "opset 11 -> 13", "folded 3 BatchNormalizations into Conv".
     """
 
@@ -150,8 +150,9 @@ def prepare_model(
 
     Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
     int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    widen-half, lower-einsum, fold-weight-views, fold-batchnorm, fold-pad, unshare-biases, infer-shapes. Each step that did something (or could not complete, as
-    shape inference may) is reported. `model` itself is never changed, unless `in_place`
+    widen-half, lower-einsum, fold-weight-views, fold-batchnorm, fold-pad, unshare-biases,
+    infer-shapes. Each step that did something (or could not complete, as shape inference may)
+    is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
     A model with float16 or bfloat16 tensors is computed in float32 inside (widen-half, after

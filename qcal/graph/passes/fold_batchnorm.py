@@ -40,6 +40,8 @@ class FoldBatchNorm:
     parameters have one value per Conv output channel. A Gemm folds when alpha and beta are 1,
     A is not transposed and its bias C (if any) holds one value per output channel. A weight or
     bias that other nodes also read is copied under a new name rather than changed in place.
+    Then a BatchNormalization spelled as a Mul and an Add by per-channel constants folds the
+    same way (`_fold_channel_affines`).
     """
 
     name: ClassVar[str] = "fold-batchnorm"
