@@ -438,14 +438,15 @@ def test_coverage_of_an_empty_model_is_complete() -> None:
 
 
 def _scaled_net() -> onnx.ModelProto:
-    """x -> MatMul -> h -> Mul(2.5) -> s -> MatMul -> y: s is h on a grid 2.5 times as wide."""
+    """x -> MatMul -> Relu -> h -> Mul(2.5) -> s -> MatMul -> y: s is h on a grid 2.5 times as
+    wide (the Relu keeps preparation from folding the Mul into the first weight)."""
     rng = np.random.default_rng(11)
     inits = {"w1": rng.standard_normal((8, 16)).astype(np.float32),
              "c": np.array(2.5, np.float32),
              "w2": (rng.standard_normal((16, 4)) / 4).astype(np.float32)}
     n = helper.make_node
-    nodes = [n("MatMul", ["x", "w1"], ["h"], name="fc1"), n("Mul", ["h", "c"], ["s"], name="scale"),
-             n("MatMul", ["s", "w2"], ["y"], name="fc2")]
+    nodes = [n("MatMul", ["x", "w1"], ["m"], name="fc1"), n("Relu", ["m"], ["h"], name="relu"),
+             n("Mul", ["h", "c"], ["s"], name="scale"), n("MatMul", ["s", "w2"], ["y"], name="fc2")]
     return build_model(nodes, [float_input("x", ["N", 8])], ["y"], inits)
 
 

@@ -1,5 +1,5 @@
-"""A Mul or Add by one constant per output channel after a Conv or Gemm (Keras' spelling of a
-BatchNormalization after a Conv1D or a Dense) is folded into its weight and bias by
+"""A Mul or Add by one constant per output channel after a Conv, Gemm or MatMul (Keras' spelling
+of a BatchNormalization after a Conv1D or a Dense) is folded into its weight and bias by
 fold-batchnorm: the prepared model computes the same values without the Mul/Add."""
 
 from __future__ import annotations
@@ -112,3 +112,57 @@ def test_a_dense_layer_with_a_batchnorm_spelled_out_folds_into_the_gemm() -> Non
     assert _ops(prepared) == Counter({"Gemm": 1})
     assert [o.name for o in prepared.graph.output] == ["y"]
     _assert_same(model, prepared, (5, 6))
+
+
+def _dense_bn(*, bias: bool = True, tied: bool = False, rank3: bool = False) -> onnx.ModelProto:
+    """x -> MatMul(W) [-> Add(b)] -> Mul(scale) -> Add(shift) -> Relu -> y: a Keras Dense
+    followed by BatchNormalization as tf2onnx writes them. With `tied`, another MatMul reads W
+    too (it must keep the unscaled weight)."""
+    rng = np.random.default_rng(3)
+    inits = {
+        "w": rng.standard_normal((6, CHANNELS)).astype(np.float32),
+        "scale": rng.uniform(0.5, 2.0, CHANNELS).astype(np.float32),
+        "shift": rng.standard_normal((1, CHANNELS)).astype(np.float32),
+    }
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="dense")]
+    source = "m"
+    if bias:
+        inits["b"] = rng.standard_normal(CHANNELS).astype(np.float32)
+        nodes.append(helper.make_node("Add", ["m", "b"], ["mb"], name="bias"))
+        source = "mb"
+    nodes += [
+        helper.make_node("Mul", [source, "scale"], ["scaled"], name="bn_mul"),
+        helper.make_node("Add", ["scaled", "shift"], ["shifted"], name="bn_add"),
+        helper.make_node("Relu", ["shifted"], ["y"], name="relu"),
+    ]
+    outputs = ["y"]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["x", "w"], ["z"], name="tied"))
+        outputs.append("z")
+    shape = ["N", 5, 6] if rank3 else ["N", 6]
+    return build_model(nodes, [float_input("x", shape)], outputs, inits)
+
+
+@pytest.mark.parametrize(("tied", "rank3"), [(False, False), (True, False), (False, True)],
+                         ids=["dense", "shared weight", "sequence"])
+def test_a_batchnorm_after_a_dense_layer_folds_into_its_matmul_and_bias(
+        tied: bool, rank3: bool) -> None:
+    model = _dense_bn(tied=tied, rank3=rank3)
+    prepared, _ = prepare_model(model)
+    assert _ops(prepared)["Mul"] == 0
+    assert _ops(prepared)["Add"] == 1  # the bias, holding the shift now
+    if tied:  # the other reader keeps the weight as it was
+        tied_node = next(n for n in prepared.graph.node if n.name == "tied")
+        weights = {t.name: t for t in prepared.graph.initializer}
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(weights[tied_node.input[1]]),
+                                      onnx.numpy_helper.to_array(weights["w"]))
+    _assert_same(model, prepared, (4, 5, 6) if rank3 else (4, 6))
+
+
+def test_without_a_bias_only_the_scale_folds_into_the_matmul() -> None:
+    model = _dense_bn(bias=False)
+    prepared, _ = prepare_model(model)
+    # The Mul goes into the weight; the Add right after the MatMul is then its bias, and stays.
+    assert _ops(prepared)["Mul"] == 0
+    assert _ops(prepared)["Add"] == 1
+    _assert_same(model, prepared, (4, 6))

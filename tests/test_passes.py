@@ -280,7 +280,7 @@ def test_weights_in_constant_nodes_become_initializers() -> None:
         helper.make_node("Constant", [], ["k"], value_float=0.5),
         helper.make_node("Reshape", ["x", "shape"], ["r"]),
         helper.make_node("MatMul", ["r", "W"], ["m"]),
-        helper.make_node("Mul", ["m", "k"], ["y"]),
+        helper.make_node("Add", ["m", "k"], ["y"]),  # a bias: kept (a Mul would fold into W)
     ]
     model = build_model(nodes, [float_input("x", [4, 2])], ["y"])
     prepared, steps = prepare_model(model)

@@ -12,6 +12,7 @@ deployed model sees; quantizing before folding would misplace the BN scale.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -75,7 +76,7 @@ class FoldBatchNorm:
             details.append(f"folded {count} BatchNormalization{'s' * (count != 1)} into Conv"
                            + ("/Gemm" if gemms else ""))
         if affines:
-            details.append(f"folded {affines} per-channel Mul/Add into Conv/Gemm")
+            details.append(f"folded {affines} per-channel Mul/Add into Conv/Gemm/MatMul")
         return StepResult(model, True, "; ".join(details))
 
 
@@ -88,7 +89,7 @@ def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None
         return None
     conv = index.producer.get(bn.input[0])
     channels = _output_channels(conv, index)
-    if conv is None or channels is None:
+    if conv is None or channels is None or conv.op_type == "MatMul":
         return None
     for value in bn.input[1:]:
         parameter = index.constant(value)
@@ -100,9 +101,11 @@ def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None
 
 
 def _output_channels(conv: onnx.NodeProto | None, index: UseIndex) -> int | None:
-    """The output channels of a Conv or Gemm whose output only one node reads and whose
-    weight and bias can take a per-channel scale and shift; None for any other node."""
-    if conv is None or conv.op_type not in ("Conv", "Gemm") or conv.domain not in DEFAULT_DOMAINS:
+    """The output channels of a Conv, Gemm or MatMul (by a constant matrix) whose output only
+    one node reads and whose weight and bias can take a per-channel scale and shift; None for
+    any other node."""
+    if (conv is None or conv.op_type not in ("Conv", "Gemm", "MatMul")
+            or conv.domain not in DEFAULT_DOMAINS):
         return None
     if conv.op_type == "Gemm" and (
         _float_attribute(conv, "alpha", 1.0) != 1.0 or _float_attribute(conv, "beta", 1.0) != 1.0
@@ -115,6 +118,8 @@ def _output_channels(conv: onnx.NodeProto | None, index: UseIndex) -> int | None
     weight = index.constant(conv.input[1]) if len(conv.input) > 1 else None
     if weight is None or weight.data_type not in _FOLDABLE_TYPES or not weight.dims:
         return None
+    if conv.op_type == "MatMul" and len(weight.dims) != 2:
+        return None  # a stack of matrices, or a vector
     channels = int(weight.dims[_output_axis(conv)]) if len(weight.dims) > 1 else -1
     has_bias = len(conv.input) > 2 and bool(conv.input[2])
     if has_bias:
@@ -124,11 +129,24 @@ def _output_channels(conv: onnx.NodeProto | None, index: UseIndex) -> int | None
     return channels
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """What a per-channel Mul/Add folds into: `node` (Conv, Gemm or MatMul, its weight at input
+    1), its output channels, the rank of the value read (None: the channels are its last axis,
+    a MatMul's) and where its bias is (None: a Conv's or Gemm's input 2; a MatMul's bias Add)."""
+
+    node: onnx.NodeProto
+    channels: int
+    rank: int | None
+    bias_at: tuple[onnx.NodeProto, int] | None = None
+
+
 def _fold_channel_affines(graph: onnx.GraphProto, names: NameAllocator) -> tuple[int, set[str]]:
     """Fold every Mul or Add by one constant per output channel (or one for all) that reads a
-    Conv's or Gemm's output, directly or through a Squeeze of spatial axes: Keras writes a
-    BatchNormalization after a Conv1D (a Conv between Unsqueeze and Squeeze in ONNX) or a
-    Dense as a Mul and an Add. Returns the count and the constants they read."""
+    Conv's or Gemm's output, directly or through a Squeeze of spatial axes, or a MatMul's by a
+    constant matrix (a Mul, or an Add after its bias Add): Keras writes a BatchNormalization
+    after a Conv1D (a Conv between Unsqueeze and Squeeze in ONNX) or a Dense as a Mul and an
+    Add. Returns the count and the constants they read."""
     count, constants = 0, set[str]()
     while True:
         index = UseIndex.build(graph)
@@ -136,12 +154,14 @@ def _fold_channel_affines(graph: onnx.GraphProto, names: NameAllocator) -> tuple
                       if (hit := _channel_affine(node, index)) is not None), None)
         if found is None:
             return count, constants
-        node, (conv, source, values) = found
+        node, (layer, source, values) = found
         constants.update(v for v in node.input if v != source)
         if node.op_type == "Mul":
-            _scale_and_shift(graph, index, names, conv, values, np.zeros_like(values))
+            _scale_and_shift(graph, index, names, layer.node, values, np.zeros_like(values),
+                             bias_at=layer.bias_at)
         else:
-            _scale_and_shift(graph, index, names, conv, np.ones_like(values), values)
+            _scale_and_shift(graph, index, names, layer.node, np.ones_like(values), values,
+                             bias_at=layer.bias_at)
         _rename_output(graph, index.producer[source], node.output[0])
         graph.node.remove(node)
         count += 1
@@ -149,9 +169,9 @@ def _fold_channel_affines(graph: onnx.GraphProto, names: NameAllocator) -> tuple
 
 def _channel_affine(
     node: onnx.NodeProto, index: UseIndex
-) -> tuple[onnx.NodeProto, str, np.ndarray] | None:
-    """For a Mul/Add that `_fold_channel_affines` folds: the Conv/Gemm, the value the node
-    reads from it, and the node's constant per output channel (float64)."""
+) -> tuple[_Layer, str, np.ndarray] | None:
+    """For a Mul/Add that `_fold_channel_affines` folds: the layer, the value the node reads
+    from it, and the node's constant per output channel (float64)."""
     if (node.op_type not in ("Mul", "Add") or node.domain not in DEFAULT_DOMAINS
             or len(node.input) != 2 or len(node.output) != 1):
         return None
@@ -161,45 +181,78 @@ def _channel_affine(
             continue
         if source in index.graph_outputs or len(index.uses.get(source, ())) != 1:
             continue
-        behind = _conv_behind(source, index)
-        if behind is None:
-            continue
-        conv, rank, channels = behind
-        dims = [1] * (rank - len(constant.dims)) + [int(d) for d in constant.dims]
-        if len(dims) != rank or any(d != 1 for axis, d in enumerate(dims) if axis != 1):
-            continue
-        if dims[1] not in (1, channels):
-            continue
-        values = tensor_array(constant).astype(np.float64).reshape(-1)
-        return conv, source, np.broadcast_to(values, (channels,)).copy()
+        layer = _layer_behind(source, index)
+        if layer is None or (node.op_type == "Add" and layer.node.op_type == "MatMul"
+                             and layer.bias_at is None):
+            continue  # an Add right after a MatMul is its bias: nothing to fold it into
+        values = _per_channel(constant, layer)
+        if values is not None:
+            return layer, source, values
     return None
 
 
-def _conv_behind(source: str, index: UseIndex) -> tuple[onnx.NodeProto, int, int] | None:
-    """The Conv/Gemm writing `source` (or a Squeeze of only its spatial axes that does), the
-    rank of `source` and the output channels."""
-    producer = index.producer.get(source)
-    if producer is None:
+def _per_channel(constant: onnx.TensorProto, layer: _Layer) -> np.ndarray | None:
+    """The constant's value per output channel (float64), if it holds one per channel or one
+    for all, along the layer's channel axis."""
+    dims = [int(d) for d in constant.dims]
+    if layer.rank is None:  # the last axis; no more axes than a matrix, or it would broadcast
+        if len(dims) > 2 or any(d != 1 for d in dims[:-1]):
+            return None
+        along = dims[-1] if dims else 1
+    else:
+        dims = [1] * (layer.rank - len(dims)) + dims
+        if len(dims) != layer.rank or any(d != 1 for axis, d in enumerate(dims) if axis != 1):
+            return None
+        along = dims[1]
+    if along not in (1, layer.channels):
         return None
-    if producer.op_type == "Squeeze" and producer.domain in DEFAULT_DOMAINS:
+    values = tensor_array(constant).astype(np.float64).reshape(-1)
+    per_channel: np.ndarray = np.broadcast_to(values, (layer.channels,)).copy()
+    return per_channel
+
+
+def _layer_behind(source: str, index: UseIndex) -> _Layer | None:
+    """The layer writing `source`: a Conv or Gemm, a Squeeze of only a Conv's spatial axes,
+    a MatMul by a constant matrix, or the bias Add after such a MatMul."""
+    producer = index.producer.get(source)
+    if producer is None or producer.domain not in DEFAULT_DOMAINS:
+        return None
+    if producer.op_type == "Squeeze":
         axes = index.constant(producer.input[1]) if len(producer.input) == 2 else None
         conv = index.producer.get(producer.input[0])
         channels = _output_channels(conv, index)
         if axes is None or conv is None or conv.op_type != "Conv" or channels is None:
             return None
-        weight = index.constant(conv.input[1])
-        assert weight is not None
-        rank = len(weight.dims)
+        rank = len(_weight(conv, index).dims)
         squeezed = {int(a) % rank for a in tensor_array(axes).reshape(-1)}
         if not squeezed or min(squeezed) < 2:
             return None
-        return conv, rank - len(squeezed), channels
+        return _Layer(conv, channels, rank - len(squeezed))
+    if producer.op_type == "Add" and len(producer.input) == 2:
+        for slot in (0, 1):
+            matmul = index.producer.get(producer.input[1 - slot])
+            bias = index.constant(producer.input[slot])
+            channels = _output_channels(matmul, index)
+            if (matmul is None or matmul.op_type != "MatMul" or channels is None
+                    or bias is None or bias.data_type not in _FOLDABLE_TYPES):
+                continue
+            layer = _Layer(matmul, channels, None, (producer, slot))
+            if _per_channel(bias, layer) is not None and list(bias.dims)[-1:] == [channels]:
+                return layer  # a bias with one value per channel, stored as the Add's constant
+        return None
     channels = _output_channels(producer, index)
     if channels is None:
         return None
-    weight = index.constant(producer.input[1])
-    assert weight is not None
-    return producer, len(weight.dims) if producer.op_type == "Conv" else 2, channels
+    if producer.op_type == "MatMul":
+        return _Layer(producer, channels, None)
+    return _Layer(producer, channels, len(_weight(producer, index).dims)
+                  if producer.op_type == "Conv" else 2)
+
+
+def _weight(node: onnx.NodeProto, index: UseIndex) -> onnx.TensorProto:
+    weight = index.constant(node.input[1])
+    assert weight is not None  # checked by _output_channels
+    return weight
 
 
 def _fold(
@@ -223,10 +276,13 @@ def _fold(
 def _scale_and_shift(
     graph: onnx.GraphProto, index: UseIndex, names: NameAllocator, conv: onnx.NodeProto,
     factor: np.ndarray, shift: np.ndarray, *, before: np.ndarray | None = None,
+    bias_at: tuple[onnx.NodeProto, int] | None = None,
 ) -> None:
-    """Make the Conv (Gemm) compute (its output + `before`) x `factor` + `shift` per output
-    channel: weight and bias scaled in float64 and rounded once to their type (a bias written
-    when the node had none and the new one is not zero)."""
+    """Make the Conv (Gemm, MatMul) compute (its output + `before`) x `factor` + `shift` per
+    output channel: weight and bias scaled in float64 and rounded once to their type (a bias
+    written when the node had none and the new one is not zero). The bias is `bias_at` (node,
+    input) when given (a MatMul's bias Add), the node's input 2 otherwise."""
+    bias_node, bias_slot = bias_at or (conv, 2)
     weight_tensor = index.constant(conv.input[1])
     assert weight_tensor is not None
     weight = tensor_array(weight_tensor)
@@ -234,20 +290,24 @@ def _scale_and_shift(
     channel_shape = [1] * weight.ndim
     channel_shape[_output_axis(conv)] = -1
     new_weight = (weight.astype(np.float64) * factor.reshape(channel_shape)).astype(dtype)
-    has_bias = len(conv.input) > 2 and bool(conv.input[2])
-    bias = np.zeros_like(factor)
+    has_bias = len(bias_node.input) > bias_slot and bool(bias_node.input[bias_slot])
+    bias, bias_shape = np.zeros_like(factor), [-1]
     if has_bias:
-        bias_tensor = index.constant(conv.input[2])
+        bias_tensor = index.constant(bias_node.input[bias_slot])
         assert bias_tensor is not None
-        bias = tensor_array(bias_tensor).astype(np.float64).reshape(-1)
+        bias_shape = [int(d) for d in bias_tensor.dims]
+        bias = np.broadcast_to(tensor_array(bias_tensor).astype(np.float64).reshape(-1),
+                               factor.shape)
     if before is not None:
         bias = bias + before
     new_bias = (bias * factor + shift).astype(dtype)
 
     _store(graph, index, names, conv, 1, new_weight, base=f"{conv.input[1]}_folded")
     if has_bias:
-        _store(graph, index, names, conv, 2, new_bias, base=f"{conv.input[2]}_folded")
+        _store(graph, index, names, bias_node, bias_slot, new_bias.reshape(bias_shape),
+               base=f"{bias_node.input[bias_slot]}_folded")
     elif np.any(new_bias != 0):
+        assert bias_node is conv  # a MatMul's Add is folded only into its bias
         name = names.allocate(f"{conv.name or 'conv'}_bias")
         graph.initializer.append(numpy_helper.from_array(new_bias, name))
         while len(conv.input) < 2:
@@ -265,10 +325,11 @@ def _rename_output(graph: onnx.GraphProto, node: onnx.NodeProto, name: str) -> N
 
 
 def _output_axis(node: onnx.NodeProto) -> int:
-    """The weight axis of the output channels: 0 for a Conv, by transB for a Gemm."""
+    """The weight axis of the output channels: 0 for a Conv, by transB for a Gemm, 1 for a
+    MatMul's matrix."""
     if node.op_type == "Gemm":
         return 0 if int_attribute(node, "transB", 0) else 1
-    return 0
+    return 1 if node.op_type == "MatMul" else 0
 
 
 def _store(
