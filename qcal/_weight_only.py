@@ -110,8 +110,7 @@ def _model_bytes(model: onnx.ModelProto) -> int:
 
 def quantize_weight_only(
     model: onnx.ModelProto, config: CalibrationConfig, batches: Batches, *,
-    progress: Progress | None = None, samples: int | None = None,
-    declared_shapes: frozenset[str] = frozenset(),
+    declared_shapes: frozenset[str], progress: Progress | None = None, samples: int | None = None,
 ) -> WeightOnlyResult:
     """`model` with its qualifying MatMul/Gemm weights at 4 bits, per `config`, stating the
     shapes the user's model states (`declared_shapes`); `batches()` gives the calibration data

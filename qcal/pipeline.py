@@ -307,15 +307,13 @@ def calibrate(
     # A large model is timed only for the gate: two more sessions would double memory.
     if weight_file is None or config.fail_if_slower is not None:
         with timings.stage("latency"):
-            # The float model as timed states the shapes the quantized one does.
-            baseline = onnx.ModelProto()
-            baseline.CopyFrom(prepared)
-            keep_declared_shapes(baseline.graph, loaded.declared_shapes)
+            # The float model as timed states the shapes the quantized one does (in place: the
+            # prepared model's last use, and a copy would hold its weights twice).
+            keep_declared_shapes(prepared.graph, loaded.declared_shapes)
             figures, latency_ratio = time_side_by_side(
-                baseline, quant_model, first_feed, providers=config.providers,
+                prepared, quant_model, first_feed, providers=config.providers,
                 threads=(1, 2),
                 for_gate=config.fail_if_slower is not None)
-            del baseline
         timings.seconds.update(figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,

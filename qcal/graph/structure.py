@@ -28,6 +28,8 @@ __all__ = [
     "attribute_graphs",
     "check_wiring",
     "default_opset",
+    "drop_unread_initializers",
+    "drop_value_info",
     "element_types",
     "exposing",
     "graph_element_types",
@@ -188,6 +190,25 @@ def keep_declared_shapes(graph: onnx.GraphProto, declared: Container[str]) -> No
         if len(kept) != len(g.value_info):
             del g.value_info[:]
             g.value_info.extend(kept)
+
+
+def drop_value_info(graph: onnx.GraphProto, names: Container[str]) -> None:
+    """Remove the value_info of `graph` (not of its subgraphs) for `names`: values a pass
+    removed or renamed, whose recorded shape and type no longer hold."""
+    stale = [v for v in graph.value_info if v.name in names]
+    for value_info in stale:
+        graph.value_info.remove(value_info)
+
+
+def drop_unread_initializers(graph: onnx.GraphProto, candidates: Container[str]) -> None:
+    """Remove the initializers among `candidates` that nothing reads any more (a subgraph
+    included) and that are neither graph inputs nor outputs; other initializers stay."""
+    index = UseIndex.build(graph)
+    kept = index.graph_inputs | index.graph_outputs
+    unread = [t for t in graph.initializer
+              if t.name in candidates and t.name not in index.uses and t.name not in kept]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
 
 
 def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -8,7 +8,7 @@ from typing import ClassVar
 import onnx
 
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, drop_value_info
 
 __all__ = ["EliminateIdentity"]
 
@@ -45,12 +45,6 @@ class EliminateIdentity:
         dropped = {graph.node[p].output[0] for p in removed}
         del graph.node[:]
         graph.node.extend(kept)
-        _drop_value_info(graph, dropped)
+        drop_value_info(graph, dropped)
         count = len(removed)
         return StepResult(model, True, f"removed {count} Identity node{'s' * (count != 1)}")
-
-
-def _drop_value_info(graph: onnx.GraphProto, names: set[str]) -> None:
-    stale = [v for v in graph.value_info if v.name in names]
-    for value_info in stale:
-        graph.value_info.remove(value_info)

@@ -22,7 +22,13 @@ from onnx import numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    UseIndex,
+    drop_unread_initializers,
+    drop_value_info,
+    int_attribute,
+)
 
 __all__ = ["FoldBatchNorm"]
 
@@ -69,7 +75,7 @@ class FoldBatchNorm:
         affines, constants = _fold_channel_affines(graph, names)
         if not folded and not affines:
             return StepResult(model, False)
-        _drop_unread_initializers(graph, maybe_unread | constants)
+        drop_unread_initializers(graph, maybe_unread | constants)
         details = []
         if folded:
             count = len(folded)
@@ -236,9 +242,10 @@ def _layer_behind(source: str, index: UseIndex) -> _Layer | None:
             if (matmul is None or matmul.op_type != "MatMul" or channels is None
                     or bias is None or bias.data_type not in _FOLDABLE_TYPES):
                 continue
-            layer = _Layer(matmul, channels, None, (producer, slot))
-            if _per_channel(bias, layer) is not None and list(bias.dims)[-1:] == [channels]:
-                return layer  # a bias with one value per channel, stored as the Add's constant
+            dims = [int(d) for d in bias.dims]
+            if len(dims) <= 2 and dims[-1:] == [channels] and all(d == 1 for d in dims[:-1]):
+                # a bias with one value per channel, stored as the Add's constant
+                return _Layer(matmul, channels, None, (producer, slot))
         return None
     channels = _output_channels(producer, index)
     if channels is None:
@@ -319,9 +326,7 @@ def _rename_output(graph: onnx.GraphProto, node: onnx.NodeProto, name: str) -> N
     """`node` writes `name` (the value of the node folded into it) instead of its output."""
     old_output = node.output[0]
     node.output[0] = name
-    stale = [v for v in graph.value_info if v.name == old_output]
-    for value_info in stale:
-        graph.value_info.remove(value_info)
+    drop_value_info(graph, {old_output})
 
 
 def _output_axis(node: onnx.NodeProto) -> int:
@@ -352,18 +357,6 @@ def _store(
     name = names.allocate(base)
     graph.initializer.append(numpy_helper.from_array(array, name))
     conv.input[slot] = name
-
-
-def _drop_unread_initializers(graph: onnx.GraphProto, candidates: set[str]) -> None:
-    """Remove the `candidates` nothing reads any more (other initializers are never touched)."""
-    index = UseIndex.build(graph)
-    unread = [
-        t
-        for t in graph.initializer
-        if t.name in candidates and t.name not in index.uses and t.name not in index.graph_outputs
-    ]
-    for tensor in unread:
-        graph.initializer.remove(tensor)
 
 
 def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:

@@ -19,7 +19,12 @@ from onnx import helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    UseIndex,
+    drop_unread_initializers,
+    drop_value_info,
+)
 
 __all__ = ["FoldPad"]
 
@@ -60,12 +65,8 @@ class FoldPad:
         kept = [n for p, n in enumerate(graph.node) if p not in removed]
         del graph.node[:]
         graph.node.extend(kept)
-        stale = [v for v in graph.value_info if v.name in dropped]
-        for value_info in stale:
-            graph.value_info.remove(value_info)
-        read = UseIndex.build(graph).uses
-        for tensor in [t for t in graph.initializer if t.name in constants - read.keys()]:
-            graph.initializer.remove(tensor)  # the pads nothing else reads
+        drop_value_info(graph, dropped)
+        drop_unread_initializers(graph, constants)  # the pads nothing else reads
         count = len(removed)
         return StepResult(model, True, f"folded {count} Pad{'s' * (count != 1)} into Conv")
 

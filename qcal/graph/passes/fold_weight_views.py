@@ -23,8 +23,8 @@ from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
-    UseIndex,
     default_opset,
+    drop_unread_initializers,
 )
 
 __all__ = ["FoldWeightViews"]
@@ -66,10 +66,7 @@ class FoldWeightViews:
         del graph.node[:]
         graph.node.extend(kept)
         graph.initializer.extend(folded)
-        read = UseIndex.build(graph).uses.keys() | outputs
-        unread = [t for t in graph.initializer if t.name not in read and t.name not in inputs]
-        for tensor in unread:
-            graph.initializer.remove(tensor)
+        drop_unread_initializers(graph, {t.name for t in graph.initializer})
         count = len(folded)
         return StepResult(model, True, f"stored {count} view{'s' * (count != 1)} of constant "
                                        "weights as initializers")

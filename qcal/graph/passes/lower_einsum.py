@@ -33,7 +33,11 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, element_types
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    drop_unread_initializers,
+    element_types,
+)
 
 __all__ = ["LowerEinsum"]
 
@@ -82,11 +86,7 @@ class LowerEinsum:
         graph.node.extend(rewritten)
         # A constant operand now stored as its matrix goes, unless something else reads it
         # (a subgraph included).
-        read = UseIndex.build(graph).uses.keys() | {v.name for v in graph.output}
-        operands = {v for n in einsums if n.name in lowered for v in n.input}
-        for tensor in [t for t in graph.initializer if t.name in operands
-                       and t.name not in read and t.name not in inputs]:
-            graph.initializer.remove(tensor)
+        drop_unread_initializers(graph, {v for n in einsums if n.name in lowered for v in n.input})
         count = len(lowered)
         return StepResult(model, True, f"wrote {count} Einsum{'s' * (count != 1)} as MatMul")
 

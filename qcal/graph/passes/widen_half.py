@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs, drop_value_info
 
 __all__ = ["HALF_TYPES", "WidenHalf", "half_precision_types"]
 
@@ -57,9 +57,8 @@ class WidenHalf:
         entry = _cast_inputs(graph, names, parameters)
         exit_ = _cast_outputs(graph, names)
         edges = {c.input[0] for c in entry} | {c.output[0] for c in exit_}
-        stale = [v for v in graph.value_info if v.name in edges]
-        for value in stale:  # their types are the interface's, set by the graph's inputs/outputs
-            graph.value_info.remove(value)
+        # their types are the interface's, set by the graph's inputs/outputs
+        drop_value_info(graph, edges)
         nodes = [*entry, *graph.node, *exit_]
         del graph.node[:]
         graph.node.extend(nodes)
