@@ -380,6 +380,44 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("rows", [None, 6])
+def test_a_bias_add_between_two_dense_layers_stays_a_bias(
+    tmp_path: Path, rows: int | None
+) -> None:
+    """MatMul -> Add(row) -> Relu -> MatMul -> Add(row), as tf2onnx writes two Dense layers: the
+    first Add sits between quantized anchors, yet it is not quantized itself (an integer Add of
+    the product and an 8-bit copy of the bias, one requantization more): it stays float and its
+    row goes in as the first MatMul's int32 bias, so onnxruntime runs each layer as one integer
+    kernel. Also with a rank-3 input (`rows`), where onnxruntime keeps MatMul and Add apart."""
+    rng = np.random.default_rng(21)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["m1"], name="dense1"),
+        helper.make_node("Add", ["m1", "b1"], ["a1"], name="dense1_bias"),
+        helper.make_node("Relu", ["a1"], ["r1"], name="relu1"),
+        helper.make_node("MatMul", ["r1", "w2"], ["m2"], name="dense2"),
+        helper.make_node("Add", ["m2", "b2"], ["y"], name="dense2_bias"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((32, 64)).astype(np.float32) * 0.2,
+        "b1": rng.standard_normal(64).astype(np.float32),
+        "w2": rng.standard_normal((64, 10)).astype(np.float32) * 0.1,
+        "b2": rng.standard_normal((1, 10)).astype(np.float32),
+    }
+    shape: list[str | int] = ["N", 32] if rows is None else ["N", rows, 32]
+    model = build_model(nodes, [float_input("x", shape)], ["y"], inits)
+    x = rng.standard_normal((16, 32) if rows is None else (16, rows, 32)).astype(np.float32)
+    result = _run(model, tmp_path, x, fallback=False, bias_correction=False)
+    records = {t["name"]: t for t in result.report["tensors"]}
+    assert records["b1"]["role"] == "bias" and records["b1"]["consumers"] == ["dense1_bias"]
+    decisions = {d["name"]: d for d in result.report["nodes"]}
+    assert not decisions["dense1_bias"]["quantized"]
+    assert "int32 bias" in decisions["dense1_bias"]["reason"]
+    ops = _optimized_ops(result.model, tmp_path)
+    assert not {"QLinearAdd", "QLinearMatMul", "Gemm", "MatMul"} & set(ops), ops
+    expected, actual = _outputs(model, x), _outputs(result.model, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
 @pytest.mark.parametrize("preset", ["pytorch", "pytorch-symmetric", "tensorflow"])
 def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
     tmp_path: Path, preset: str

@@ -52,7 +52,14 @@ from dataclasses import dataclass, field
 import onnx
 import onnx.defs
 
-from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex, int_attribute
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    FLOAT_TYPES,
+    SUBGRAPH_SLOT,
+    UseIndex,
+    all_graphs,
+    int_attribute,
+)
 
 __all__ = [
     "ANCHOR_OPS",
@@ -60,6 +67,8 @@ __all__ = [
     "PLACEMENTS",
     "QUANTIZE_SEES_THROUGH",
     "Placement",
+    "added_bias_of",
+    "integer_output_writers",
     "parameter_slots",
     "parameter_tensors",
     "place",
@@ -167,6 +176,7 @@ def place(
     index: UseIndex,
     selected: Mapping[str, object],
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    constant: Callable[[str], onnx.TensorProto | None],
     *,
     loop_body: bool = False,
 ) -> Placement:
@@ -179,6 +189,8 @@ def place(
             be quantized (values unused).
         quantized_inputs: the float activations (not constants) a node would read quantized
             under its rule.
+        constant: the constant a value holds in this graph's scope (outer scopes included),
+            or None.
         loop_body: `graph` is the body of a Loop or Scan. There an anchor whose weight is not a
             constant (tf2onnx passes a scan's weights in as loop state) would quantize it anew
             at every iteration: such anchors stay float (a tf.scan model ran 3.2x slower).
@@ -193,7 +205,7 @@ def place(
                     "so it would be quantized again at every iteration")
         nodes = [n for n in nodes if n.name not in placement.nodes]
     slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
-    quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
+    quantized, tensors = _place_among(nodes, index, quantized_inputs, constant, frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
     # dequantized and its output runs straight (through a Relu/Clip, or what it moves a
     # QuantizeLinear up through) into a QuantizeLinear: such a grouped Conv would run in the
@@ -203,11 +215,16 @@ def place(
         by_name[name], index, quantized_inputs, quantized, tensors)}
     if sandwiched:
         slow = {name: why for name, why in slow.items() if name not in sandwiched}
-        quantized, tensors = _place_among(nodes, index, quantized_inputs, frozenset(slow))
+        quantized, tensors = _place_among(nodes, index, quantized_inputs, constant, frozenset(slow))
     placement.nodes.update(slow)
     for node in nodes:
-        if node.name not in quantized and node.name not in slow:
-            placement.nodes[node.name] = "placement auto: not between quantized anchors"
+        if node.name in quantized or node.name in slow:
+            continue
+        anchor = added_bias_of(node, index, constant) if node.op_type == "Add" else None
+        placement.nodes[node.name] = (
+            f"placement auto: it adds a constant row to MatMul {anchor!r}, which takes it as "
+            "an int32 bias" if anchor is not None and anchor in quantized
+            else "placement auto: not between quantized anchors")
     placement.tensors.update(tensors)
     return placement
 
@@ -216,6 +233,7 @@ def _place_among(
     nodes: list[onnx.NodeProto],
     index: UseIndex,
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    constant: Callable[[str], onnx.TensorProto | None],
     floated: frozenset[str],
 ) -> tuple[set[str], dict[str, str]]:
     """The nodes quantized under "auto" among `nodes` (`floated` left out), and the anchors'
@@ -223,6 +241,8 @@ def _place_among(
     nodes = [n for n in nodes if n.name not in floated]
     by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
+    biases = {n.name for n in nodes
+              if n.op_type == "Add" and added_bias_of(n, index, constant) in anchors}
     fused = _fused_activations(nodes, anchors, index)
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
@@ -233,7 +253,7 @@ def _place_among(
     # quantized anyway for an anchor (a residual Add beside the Conv reading a MaxPool's output).
     forward: set[str] = set()
     for node in nodes:
-        if node.name in in_group or node.op_type not in _SERVING_OPS:
+        if node.name in in_group or node.name in biases or node.op_type not in _SERVING_OPS:
             continue
         inputs = quantized_inputs(node)
         if inputs and all(_quantized_source(t, index, in_group | forward, read_by_anchors)
@@ -324,6 +344,52 @@ def _slow_grouped_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
     return (f"placement auto: a grouped convolution with {inputs} input and {outputs} output "
             f"channels per group, which onnxruntime's integer kernel computes as {group} "
             "narrow matrix products: slower than its float kernel")
+
+
+def added_bias_of(
+    node: onnx.NodeProto, index: UseIndex, constant: Callable[[str], onnx.TensorProto | None]
+) -> str | None:
+    """The MatMul whose output this Add only adds a constant row to (a bias the exporter wrote
+    apart), or None. The MatMul then takes the row as an int32 bias (`qcal.graph.plan`), as a
+    Gemm does, and the Add stays float: quantized itself, it would cost an integer Add and a
+    requantization of the product, and hold the bias in 8 bits."""
+    if node.op_type != "Add" or node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
+        return None
+    for product, bias in (node.input, reversed(node.input)):
+        matmul = index.producer.get(product)
+        if matmul is None or matmul.op_type != "MatMul" or matmul.domain not in DEFAULT_DOMAINS:
+            continue
+        if (len(matmul.input) < 2 or product in index.graph_outputs
+                or len(index.uses.get(product, ())) != 1):
+            return None
+        weight, row = constant(matmul.input[1]), constant(bias)
+        if (weight is None or len(weight.dims) != 2 or row is None or not row.dims
+                or row.data_type not in FLOAT_TYPES or row.dims[-1] != weight.dims[1]
+                or any(d != 1 for d in row.dims[:-1]) or len(index.readers(bias)) != 1):
+            return None
+        return matmul.name
+    return None
+
+
+def integer_output_writers(graph: onnx.GraphProto) -> dict[str, str]:
+    """Tensor -> the Conv/ConvTranspose whose integer kernel writes it, in `graph` and its
+    bodies: the anchor's output, or that of the Relu/Clip that is its only reader (fused).
+    onnxruntime has an integer kernel for these only with a QuantizeLinear on that tensor."""
+    writers: dict[str, str] = {}
+    for scope in all_graphs(graph):
+        index = UseIndex.build(scope)
+        for node in scope.node:
+            if (node.op_type not in _INTEGER_OUTPUT_ANCHORS or node.domain not in DEFAULT_DOMAINS
+                    or not node.output or not node.output[0]):
+                continue
+            output = node.output[0]
+            writers[output] = node.name
+            readers = index.readers(output)
+            if (len(readers) == 1 and readers[0].op_type in FUSED_ACTIVATIONS
+                    and readers[0].domain in DEFAULT_DOMAINS and readers[0].output
+                    and output not in index.graph_outputs):
+                writers[readers[0].output[0]] = node.name
+    return writers
 
 
 def _passes_quantized(node: onnx.NodeProto, read_by_anchors: set[str]) -> bool:

@@ -11,7 +11,13 @@ import onnx
 import onnx.defs
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, parameter_tensors, place
+from qcal.graph.placement import (
+    FUSED_ACTIVATIONS,
+    Placement,
+    added_bias_of,
+    parameter_tensors,
+    place,
+)
 from qcal.graph.plan._rules import OpRule, _float_attribute
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (
@@ -100,7 +106,7 @@ class _Planner(_Selection):
         self._placed = Placement()
         if rules.placement == "auto" and rules.op_types is None:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
-                                 loop_body=loop_body)
+                                 self._constant, loop_body=loop_body)
             for name, reason in self._placed.nodes.items():
                 del self._selected[name]
                 self._skips[name] = reason
@@ -320,27 +326,16 @@ class _Planner(_Selection):
         bias dequantized from int32 codes it runs as one integer kernel (QGemm)."""
         if len(node.input) < 2 or len(node.output) != 1 or node.output[0] in targets.outputs:
             return None
-        source, weight, product = node.input[0], node.input[1], node.output[0]
-        readers = self._index.readers(product)
-        if (product in self._index.graph_outputs or len(readers) != 1
-                or len(self._index.uses.get(product, ())) != 1):
+        readers = self._index.readers(node.output[0])
+        if len(readers) != 1 or added_bias_of(readers[0], self._index, self._constant) != node.name:
             return None
         (add,) = readers
-        if add.op_type != "Add" or add.domain not in DEFAULT_DOMAINS or add.name in self._selected:
+        if add.name in self._selected:
             return None  # an Add that is quantized itself takes the MatMul's output quantized
-        bias = add.input[1] if add.input[0] == product else add.input[0]
-        weight_constant = self._constant(weight)
-        constant = self._constant(bias)
-        if (
-            source not in targets.inputs
-            or weight not in {t for t, _ in targets.weights}
-            or weight_constant is None or len(weight_constant.dims) != 2
-            or constant is None or constant.data_type not in FLOAT_TYPES
-            or not constant.dims or constant.dims[-1] != weight_constant.dims[1]
-            or any(d != 1 for d in constant.dims[:-1])  # a row: [N], [1, N], ...
-            or len(self._index.readers(bias)) != 1
-            or bias in self._rules.exclude_tensors
-        ):
+        source, weight = node.input[0], node.input[1]
+        bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+        if (source not in targets.inputs or weight not in {t for t, _ in targets.weights}
+                or bias in self._rules.exclude_tensors):
             return None
         targets.notes.append(f"the Add {add.name!r} after it adds {bias!r} as an int32 bias")
         return BiasTarget(tensor=bias, node=add.name, input_tensor=source, weight_tensor=weight,
