@@ -32,6 +32,7 @@ from qcal.calibration.runtime import create_session
 from qcal.cli import main
 from qcal.config import CalibrationConfig
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
+from qcal.graph.placement import integer_output_writers
 from qcal.numerics.errors import AccuracyGateError, ConfigError
 from qcal.pipeline import calibrate
 from qcal.report import report_schema
@@ -422,12 +423,13 @@ def test_restrict_plan_drops_dependent_biases_and_says_why() -> None:
     model, _ = prepare_model(onnx.load(SAMPLE_MODELS / "digits_cnn.onnx"))
     plan = plan_quantization(model, SelectionRules())
     bias = plan.biases[0]
-    restricted = restrict_plan(plan, {bias.input_tensor: "kept float by a test"})
+    writers = integer_output_writers(model.graph)
+    restricted = restrict_plan(plan, {bias.input_tensor: "kept float by a test"}, writers)
     assert bias.input_tensor not in {a.tensor for a in restricted.activations}
     assert all(b.input_tensor != bias.input_tensor for b in restricted.biases)
     reasons = {d.node: d.reason for d in restricted.nodes}
     assert "kept float by a test" in reasons[bias.node]
-    assert restrict_plan(plan, {}) is plan
+    assert restrict_plan(plan, {}, writers) is plan
 
 
 def test_coverage_of_an_empty_model_is_complete() -> None:
@@ -506,12 +508,73 @@ def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: P
     input_only = dataclasses.replace(
         plan, activations=tuple(a for a in plan.activations if a.tensor != "s"))
     assert "MatMulNBits" in optimized_ops(input_only)
-    restricted = restrict_plan(plan, {"s": "test"})
+    restricted = restrict_plan(plan, {"s": "test"}, integer_output_writers(model.graph))
     assert "w2" not in {w.tensor for w in restricted.weights}
     assert "w1" in {w.tensor for w in restricted.weights}
     fc2 = next(d for d in restricted.nodes if d.node == "fc2")
     assert not fc2.quantized and "MatMulNBits" in fc2.reason
     assert "MatMulNBits" not in optimized_ops(restricted)
+
+
+def test_a_conv_whose_output_is_kept_float_goes_float_whole(tmp_path: Path) -> None:
+    """conv1 -> Relu -> conv2 -> Relu -> conv3 with conv2's output kept float: with no
+    QuantizeLinear after it, onnxruntime has no integer kernel for conv2 and ran it in float on
+    a weight dequantized at every run, while the report called it quantized. Its weight goes
+    float with its output; conv1's output stays quantized (its integer kernel writes codes) and
+    conv2 reads it through the DequantizeLinear."""
+    import onnxruntime as ort
+
+    from qcal.graph.qdq import InsertQDQ
+
+    rng = np.random.default_rng(5)
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             n("Relu", ["c1"], ["r1"], name="relu1"),
+             n("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             n("Relu", ["c2"], ["r2"], name="relu2"),
+             n("Conv", ["r2", "w3", "b3"], ["y"], name="conv3")]
+    inits = {}
+    for name, shape in (("1", (8, 3, 3, 3)), ("2", (8, 8, 3, 3)), ("3", (4, 8, 1, 1))):
+        inits[f"w{name}"] = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        inits[f"b{name}"] = rng.standard_normal(shape[0]).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    onnx.save(model, tmp_path / "convs.onnx")
+    np.savez(tmp_path / "convs.calib.npz",
+             x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    captured = calibrate_capturing_sensitivity(tmp_path / "convs.onnx",
+                                               CalibrationConfig(sensitivity=True))
+    prepared, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
+    assert {"w2", "r2"} <= {t.tensor for t in (*plan.weights, *plan.activations)}
+
+    restricted = restrict_plan(plan, {"r2": "test"}, integer_output_writers(prepared.graph))
+    assert {w.tensor for w in restricted.weights} == {w.tensor for w in plan.weights} - {"w2"}
+    assert "w1" in {w.tensor for w in restricted.weights}
+    r1 = next(a for a in restricted.activations if a.tensor == "r1")
+    assert "conv2" not in r1.consumers
+    conv2 = next(d for d in restricted.nodes if d.node == "conv2")
+    assert not conv2.quantized and "integer kernel" in conv2.reason
+
+    def optimized(p: Any) -> onnx.ModelProto:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(InsertQDQ(p, acts, weights)(prepared).model.SerializeToString(),
+                             options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+
+    # Why: with only the output left float, conv2's weight is dequantized at every run.
+    output_only = dataclasses.replace(
+        plan, activations=tuple(a for a in plan.activations if a.tensor != "r2"))
+    before = optimized(output_only)
+    dequantized = {v for node in before.graph.node if node.op_type == "DequantizeLinear"
+                   for v in node.output}
+    assert any(node.op_type in ("Conv", "FusedConv") and node.input[1] in dequantized
+               for node in before.graph.node)
+    after = optimized(restricted)
+    dequantized = {v for node in after.graph.node if node.op_type == "DequantizeLinear"
+                   for v in node.output}
+    assert not any(node.op_type in ("Conv", "FusedConv") and node.input[1] in dequantized
+                   for node in after.graph.node)
+    assert sum(node.op_type == "QLinearConv" for node in after.graph.node) == 1  # conv1
 
 
 # ---------------------------------------------------------------- the default accuracy floor

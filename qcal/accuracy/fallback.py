@@ -28,6 +28,7 @@ from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.graph.model import QuantPlan
+from qcal.graph.placement import integer_output_writers
 
 __all__ = [
     "AccuracyTarget",
@@ -185,6 +186,7 @@ def rank_candidates(
     its most harmful member.
     """
     full = measure_coverage(model, plan, macs).fraction
+    writers = integer_output_writers(model.graph)
     harmful = [s for s in sensitivity.tensors if s.harm > 0.0]
     groups = same_error_groups(model, harmful)
     found = []
@@ -193,7 +195,7 @@ def rank_candidates(
         if members[0] != s.tensor:
             continue  # a group is listed once, under its first (most harmful) member
         keep = dict.fromkeys(members, "-")
-        without = measure_coverage(model, restrict_plan(plan, keep), macs).fraction
+        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
         found.append(Candidate(s, max(0.0, full - without), tuple(members[1:])))
     found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
     return found
@@ -273,8 +275,11 @@ def search_fallback(
     checked: dict[int, FallbackStep] = {}
     models: dict[int, tuple[QuantPlan, onnx.ModelProto]] = {}
 
+    writers = integer_output_writers(model.graph)
+
     def plan_for(k: int) -> QuantPlan:
-        return restrict_plan(plan, {t: c.reason(t) for c in candidates[:k] for t in c.tensors})
+        keep = {t: c.reason(t) for c in candidates[:k] for t in c.tensors}
+        return restrict_plan(plan, keep, writers)
 
     def check(k: int) -> FallbackStep:
         if k not in checked:

@@ -15,8 +15,18 @@ from qcal.graph.model import NodeDecision, QuantPlan
 __all__ = ["restrict_plan"]
 
 
-def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
+def restrict_plan(
+    plan: QuantPlan, keep_float: Mapping[str, str], writers: Mapping[str, str]
+) -> QuantPlan:
     """`plan` without the tensors in `keep_float` (name -> reason), and what depends on them.
+
+    `writers` maps a tensor to the Conv/ConvTranspose whose integer kernel writes it
+    (`qcal.graph.placement.integer_output_writers`). Such a node whose output is kept float has
+    no integer kernel in onnxruntime: given dequantized inputs and no QuantizeLinear after it,
+    it runs in float on a weight dequantized at every run. So it goes float whole: its weight
+    is kept float, and it reads its input through the DequantizeLinear only where another node
+    quantizes that input anyway (with no QuantizeLinear after it, onnxruntime leaves a float
+    weight float).
 
     A weight kept float takes the activations its node reads with it: given a quantized input
     and a float weight, onnxruntime quantizes the weight itself (its WeightBiasQuantization
@@ -37,8 +47,22 @@ def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
     for w in plan.weights:
         if ops.get(w.node) == "MatMul":
             matmul_weights.setdefault(w.node, []).append(w.tensor)
+    weights_of: dict[str, list[str]] = {}
+    for w in plan.weights:
+        weights_of.setdefault(w.node, []).append(w.tensor)
+    float_output: set[str] = set()  # Convs whose output is kept float: float whole
     while True:  # each rule may feed the other (a weight's input read by another MatMul)
         before = len(keep)
+        for tensor in list(keep):
+            node = writers.get(tensor)
+            if node is None or node in float_output:
+                continue
+            float_output.add(node)
+            for weight in weights_of.get(node, ()):
+                keep.setdefault(weight, f"kept float with output {tensor!r} of {node!r} (without "
+                                        "a QuantizeLinear after it, onnxruntime has no integer "
+                                        "kernel for it and would dequantize the weight at "
+                                        "every run)")
         for a in plan.activations:
             if a.tensor not in keep:
                 continue
@@ -49,12 +73,22 @@ def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
                                             "on the fly by onnxruntime's MatMulNBits)")
         float_nodes = {w.node: w.tensor for w in plan.weights if w.tensor in keep}
         for a in plan.activations:
-            node = next((c for c in a.consumers if c in float_nodes), None)
+            node = next((c for c in a.consumers
+                         if c in float_nodes and c not in float_output), None)
             if node is not None and a.tensor not in keep:
                 keep[a.tensor] = f"kept float with weight {float_nodes[node]!r} of {node!r}"
         if len(keep) == before:
             break
-    activations = tuple(a for a in plan.activations if a.tensor not in keep)
+    activations = []
+    for a in plan.activations:
+        consumers = tuple(c for c in a.consumers if c not in float_output)
+        if a.tensor in keep:
+            continue
+        if a.consumers and not consumers and a.tensor not in writers:
+            # read quantized only by a Conv now float, and no integer kernel writes it
+            keep[a.tensor] = f"kept float with {a.consumers[0]!r}, its only quantized reader"
+            continue
+        activations.append(dataclasses.replace(a, consumers=consumers))
     weights = tuple(w for w in plan.weights if w.tensor not in keep and w.node not in float_nodes)
     reads = {(a.tensor, c) for a in activations for c in a.consumers}
     quantized_weights = {(w.tensor, w.node) for w in weights}
@@ -83,4 +117,4 @@ def restrict_plan(plan: QuantPlan, keep_float: Mapping[str, str]) -> QuantPlan:
             nodes.append(dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
         else:
             nodes.append(NodeDecision(decision.node, decision.op_type, False, why))
-    return QuantPlan(activations, weights, biases, tuple(nodes))
+    return QuantPlan(tuple(activations), weights, biases, tuple(nodes))

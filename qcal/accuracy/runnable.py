@@ -34,7 +34,7 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
-from qcal.graph.placement import QUANTIZE_SEES_THROUGH
+from qcal.graph.placement import QUANTIZE_SEES_THROUGH, integer_output_writers
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError
 
@@ -110,7 +110,8 @@ def make_runnable(
             raise ModelError(f"onnxruntime cannot run the quantized model: {failure}")
         repaired[node] = failure
         reason = f"kept float: onnxruntime cannot run it quantized ({_short(failure)})"
-        plan = restrict_plan(plan, dict.fromkeys(_tensors_of(plan, float_model, node), reason))
+        keep = dict.fromkeys(_tensors_of(plan, float_model, node), reason)
+        plan = restrict_plan(plan, keep, integer_output_writers(float_model.graph))
         model = build(plan)
     raise AssertionError("unreachable")  # pragma: no cover
 
