@@ -407,13 +407,21 @@ def test_a_bias_add_between_two_dense_layers_stays_a_bias(
     model = build_model(nodes, [float_input("x", shape)], ["y"], inits)
     x = rng.standard_normal((16, 32) if rows is None else (16, rows, 32)).astype(np.float32)
     result = _run(model, tmp_path, x, fallback=False, bias_correction=False)
-    records = {t["name"]: t for t in result.report["tensors"]}
-    assert records["b1"]["role"] == "bias" and records["b1"]["consumers"] == ["dense1_bias"]
     decisions = {d["name"]: d for d in result.report["nodes"]}
     assert not decisions["dense1_bias"]["quantized"]
-    assert "int32 bias" in decisions["dense1_bias"]["reason"]
+    assert "takes it as its bias" in decisions["dense1_bias"]["reason"]
     ops = _optimized_ops(result.model, tmp_path)
     assert not {"QLinearAdd", "QLinearMatMul", "Gemm", "MatMul"} & set(ops), ops
+    records = {t["name"]: t for t in result.report["tensors"]}
+    add = next(n for n in result.model.graph.node if n.name == "dense1_bias")
+    if rows is None:  # one integer Gemm per layer, the row as its int32 bias
+        assert records["b1"]["role"] == "bias" and records["b1"]["consumers"] == ["dense1_bias"]
+        assert ops["QGemm"] == 2, ops
+    else:
+        # MatMulIntegerToFloat takes no bias: the Add reads the float row itself, not int32
+        # codes through a DequantizeLinear that would run at every run.
+        assert "b1" not in records and add.input[1] == "b1"
+        assert ops["MatMulIntegerToFloat"] == 2 and ops["DequantizeLinear"] == 0, ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 

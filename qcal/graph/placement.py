@@ -223,7 +223,7 @@ def place(
         anchor = added_bias_of(node, index, constant) if node.op_type == "Add" else None
         placement.nodes[node.name] = (
             f"placement auto: it adds a constant row to MatMul {anchor!r}, which takes it as "
-            "an int32 bias" if anchor is not None and anchor in quantized
+            "its bias" if anchor is not None and anchor in quantized
             else "placement auto: not between quantized anchors")
     placement.tensors.update(tensors)
     return placement

@@ -337,9 +337,13 @@ class _Planner(_Selection):
         if (source not in targets.inputs or weight not in {t for t, _ in targets.weights}
                 or bias in self._rules.exclude_tensors):
             return None
-        targets.notes.append(f"the Add {add.name!r} after it adds {bias!r} as an int32 bias")
+        as_float = self._ranks.get(source) != 2
+        targets.notes.append(
+            f"the Add {add.name!r} after it adds {bias!r} in float (onnxruntime's integer "
+            "MatMul of an input not 2-D takes no bias)" if as_float
+            else f"the Add {add.name!r} after it adds {bias!r} as an int32 bias")
         return BiasTarget(tensor=bias, node=add.name, input_tensor=source, weight_tensor=weight,
-                          anchor=node.name)
+                          anchor=node.name, as_float=as_float)
 
     def _bias_problem(self, node: onnx.NodeProto, bias: str, weight: str) -> str | None:
         constant = self._constant(bias)

@@ -91,6 +91,11 @@ class BiasTarget:
         input_tensor: the quantized activation feeding the Conv/Gemm/MatMul.
         weight_tensor: its quantized weight.
         anchor: the MatMul whose output the Add reads ("": the bias is `node`'s own).
+        as_float: an Add's bias left in float (with bias correction's shift, if any), not
+            stored as int32 codes and a DequantizeLinear. onnxruntime fuses a MatMul and its
+            Add into an integer Gemm only for a 2-D input; otherwise the MatMul runs as
+            MatMulIntegerToFloat, which takes no bias, and the DequantizeLinear would run at
+            every run.
     """
 
     tensor: str
@@ -98,6 +103,7 @@ class BiasTarget:
     input_tensor: str
     weight_tensor: str
     anchor: str = ""
+    as_float: bool = False
 
     @property
     def computed_by(self) -> str:

@@ -96,6 +96,13 @@ class _WeightWriter(_Writer):
         shift = self._weight_codes[bias.weight_tensor].bias_shift
         if shift is not None and shift.size == values.size:  # bias correction ([N] or [1, N])
             values = (values.astype(np.float64) - shift.reshape(values.shape)).astype(np.float32)
+        if bias.as_float:
+            if shift is not None:
+                uses = self._uses_by(rewrite, bias.tensor, bias.node, "bias")
+                rewrite.redirect(uses, rewrite.add_constant(
+                    f"{bias.tensor}_corrected", values.astype(_numpy_float(float_type))))
+                scopes.drop_if_unused(bias.tensor)
+            return
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
         if not (np.all(np.isfinite(stored_scale)) and np.all(stored_scale > 0)):
