@@ -34,6 +34,9 @@ softmax, GELU, recurrent state). So under "auto":
   output reaches an anchor through such operators (or through a float MaxPool whose output an
   anchor reads: onnxruntime moves that QuantizeLinear up through it). Then it saves a
   Dequantize/Quantize pair instead of adding one;
+* an Add that only adds a constant row to an anchor MatMul's output is that MatMul's bias
+  (`added_bias_of`), never a serving node: quantized, it would cost an integer Add and a
+  requantization, and hold the bias in 8 bits;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
   ConvTranspose, whose integer kernel (QLinearConv) writes integers. MatMul and Gemm have integer
   kernels with a float output, so attention logits and final logits stay float;

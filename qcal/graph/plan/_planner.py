@@ -323,7 +323,8 @@ class _Planner(_Selection):
         """The constant a float Add adds to this MatMul's float output, stored as int32 like a
         Gemm's bias. onnxruntime fuses MatMul + Add into a Gemm, and a Gemm reading a float bias
         beside dequantized inputs runs in float on dequantized weights (every run); with the
-        bias dequantized from int32 codes it runs as one integer kernel (QGemm)."""
+        bias dequantized from int32 codes it runs as one integer kernel (QGemm). onnxruntime
+        fuses the two only for a 2-D input: otherwise the bias stays float (`as_float`)."""
         if len(node.input) < 2 or len(node.output) != 1 or node.output[0] in targets.outputs:
             return None
         readers = self._index.readers(node.output[0])
