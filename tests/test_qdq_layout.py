@@ -380,15 +380,16 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("rows", [None, 6])
+@pytest.mark.parametrize(("rows", "batch"), [(None, "N"), (6, "N"), (6, 1)])
 def test_a_bias_add_between_two_dense_layers_stays_a_bias(
-    tmp_path: Path, rows: int | None
+    tmp_path: Path, rows: int | None, batch: str | int
 ) -> None:
     """MatMul -> Add(row) -> Relu -> MatMul -> Add(row), as tf2onnx writes two Dense layers: the
     first Add sits between quantized anchors, yet it is not quantized itself (an integer Add of
     the product and an 8-bit copy of the bias, one requantization more): it stays float and its
     row goes in as the first MatMul's int32 bias, so onnxruntime runs each layer as one integer
-    kernel. Also with a rank-3 input (`rows`), where onnxruntime keeps MatMul and Add apart."""
+    kernel. Also with a rank-3 input (`rows`): of static shape, onnxruntime flattens it to 2-D
+    for the same integer Gemm; with a dynamic batch it keeps MatMul and Add apart."""
     rng = np.random.default_rng(21)
     nodes = [
         helper.make_node("MatMul", ["x", "w1"], ["m1"], name="dense1"),
@@ -401,9 +402,9 @@ def test_a_bias_add_between_two_dense_layers_stays_a_bias(
         "w1": rng.standard_normal((32, 64)).astype(np.float32) * 0.2,
         "b1": rng.standard_normal(64).astype(np.float32),
         "w2": rng.standard_normal((64, 10)).astype(np.float32) * 0.1,
-        "b2": rng.standard_normal((1, 10)).astype(np.float32),
+        "b2": rng.standard_normal(10).astype(np.float32),
     }
-    shape: list[str | int] = ["N", 32] if rows is None else ["N", rows, 32]
+    shape: list[str | int] = [batch, 32] if rows is None else [batch, rows, 32]
     model = build_model(nodes, [float_input("x", shape)], ["y"], inits)
     x = rng.standard_normal((16, 32) if rows is None else (16, rows, 32)).astype(np.float32)
     result = _run(model, tmp_path, x, fallback=False, bias_correction=False)
@@ -414,7 +415,7 @@ def test_a_bias_add_between_two_dense_layers_stays_a_bias(
     assert not {"QLinearAdd", "QLinearMatMul", "Gemm", "MatMul"} & set(ops), ops
     records = {t["name"]: t for t in result.report["tensors"]}
     add = next(n for n in result.model.graph.node if n.name == "dense1_bias")
-    if rows is None:  # one integer Gemm per layer, the row as its int32 bias
+    if rows is None or batch == 1:  # one integer Gemm per layer, the row as its int32 bias
         assert records["b1"]["role"] == "bias" and records["b1"]["consumers"] == ["dense1_bias"]
         assert ops["QGemm"] == 2, ops
     else:
@@ -422,7 +423,8 @@ def test_a_bias_add_between_two_dense_layers_stays_a_bias(
         # codes through a DequantizeLinear that would run at every run.
         assert "b1" not in records and add.input[1] == "b1"
         assert ops["MatMulIntegerToFloat"] == 2 and ops["DequantizeLinear"] == 0, ops
-    expected, actual = _outputs(model, x), _outputs(result.model, x)
+    sample = x[:1] if batch == 1 else x
+    expected, actual = _outputs(model, sample), _outputs(result.model, sample)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
 

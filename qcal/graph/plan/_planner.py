@@ -111,11 +111,11 @@ class _Planner(_Selection):
                 del self._selected[name]
                 self._skips[name] = reason
         self._fused = self._fused_tensors()
-        self._ranks = {
-            v.name: len(v.type.tensor_type.shape.dim)
-            for v in (*graph.input, *graph.value_info, *graph.output)
-            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
-        }
+        shaped = [v for v in (*graph.input, *graph.value_info, *graph.output)
+                  if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")]
+        self._ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in shaped}
+        self._static = {v.name for v in shaped
+                        if all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
 
     def plan(self) -> QuantPlan:
         found = _Found()
@@ -323,8 +323,8 @@ class _Planner(_Selection):
         """The constant a float Add adds to this MatMul's float output, stored as int32 like a
         Gemm's bias. onnxruntime fuses MatMul + Add into a Gemm, and a Gemm reading a float bias
         beside dequantized inputs runs in float on dequantized weights (every run); with the
-        bias dequantized from int32 codes it runs as one integer kernel (QGemm). onnxruntime
-        fuses the two only for a 2-D input: otherwise the bias stays float (`as_float`)."""
+        bias dequantized from int32 codes it runs as one integer kernel (QGemm). Where
+        onnxruntime does not fuse the two (below), the bias stays float (`as_float`)."""
         if len(node.input) < 2 or len(node.output) != 1 or node.output[0] in targets.outputs:
             return None
         readers = self._index.readers(node.output[0])
@@ -338,10 +338,17 @@ class _Planner(_Selection):
         if (source not in targets.inputs or weight not in {t for t, _ in targets.weights}
                 or bias in self._rules.exclude_tensors):
             return None
-        as_float = self._ranks.get(source) != 2
+        # onnxruntime fuses MatMul and Add into a Gemm for a 2-D input (and a row of rank 2 at
+        # most), or an input of static shape it flattens to 2-D (and a 1-D row); otherwise the
+        # MatMul runs as MatMulIntegerToFloat, which takes no bias.
+        row = self._constant(bias)
+        row_rank = len(row.dims) if row is not None else 0
+        fused = ((self._ranks.get(source) == 2 and row_rank <= 2)
+                 or (source in self._static and row_rank == 1))
+        as_float = not fused
         targets.notes.append(
             f"the Add {add.name!r} after it adds {bias!r} in float (onnxruntime's integer "
-            "MatMul of an input not 2-D takes no bias)" if as_float
+            "MatMul of this input takes no bias)" if as_float
             else f"the Add {add.name!r} after it adds {bias!r} as an int32 bias")
         return BiasTarget(tensor=bias, node=add.name, input_tensor=source, weight_tensor=weight,
                           anchor=node.name, as_float=as_float)

@@ -93,7 +93,8 @@ class BiasTarget:
         anchor: the MatMul whose output the Add reads ("": the bias is `node`'s own).
         as_float: an Add's bias left in float (with bias correction's shift, if any), not
             stored as int32 codes and a DequantizeLinear. onnxruntime fuses a MatMul and its
-            Add into an integer Gemm only for a 2-D input; otherwise the MatMul runs as
+            Add into an integer Gemm only for a 2-D input or one of static shape with a 1-D
+            bias (flattened to 2-D); otherwise the MatMul runs as
             MatMulIntegerToFloat, which takes no bias, and the DequantizeLinear would run at
             every run.
     """
