@@ -9,7 +9,7 @@ from _onnx_testing import build_model, float_input, run
 from onnx import TensorProto, helper
 
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
-from qcal.graph.placement import parameter_slots
+from qcal.graph.parameters import parameter_slots
 
 
 @pytest.mark.parametrize(

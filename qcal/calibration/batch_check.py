@@ -34,7 +34,7 @@ from qcal.calibration.collect import expose_tensors
 from qcal.calibration.data import DataSource, Feed, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
-from qcal.graph.placement import parameter_tensors
+from qcal.graph.parameters import parameter_tensors
 from qcal.graph.structure import (
     UseIndex,
     default_opset,

@@ -1,15 +1,7 @@
 """Where Q/DQ goes: on the values an operator computes with, where integer kernels pay.
 
-Two questions the planner (`qcal.graph.plan`) asks of every graph, before any data is seen.
-
-**Parameters are never quantized.** An operator's inputs are either the values it computes with or
-parameters that say how (Resize's roi/scales/sizes, Reshape's shape, Pad's pads, Slice's starts,
-TopK's k, ...). Which is which comes from the ONNX schemas, not from a list: an input after the
-first whose type constraint differs from the first output's is a parameter. The first input is
-always a value, even where the operator writes another type (Cast, ArgMax, Greater). A float tensor that flows only into
-parameters (a scale factor computed from a shape, divided and concatenated on its way to a
-Resize) is a parameter too, with everything computed only for it: quantizing it changes what
-the operator does, not how precisely (and onnxruntime may refuse the result, e.g. a cubic Resize).
+The planner (`qcal.graph.plan`) asks this of every graph, before any data is seen; which inputs
+are parameters, never quantized, is `qcal.graph.parameters`.
 
 **Placement "auto" (the default).** Q/DQ pays where onnxruntime runs the operator on integers
 after QDQ fusion: Conv, ConvTranspose, MatMul and Gemm (the *anchors*). Elsewhere a Q/DQ pair is
@@ -48,7 +40,6 @@ accelerator toolchains do); so does an explicit ``--op-types`` list.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -58,7 +49,6 @@ import onnx.defs
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
-    SUBGRAPH_SLOT,
     UseIndex,
     all_graphs,
     int_attribute,
@@ -72,8 +62,6 @@ __all__ = [
     "Placement",
     "added_bias_of",
     "integer_output_writers",
-    "parameter_slots",
-    "parameter_tensors",
     "place",
 ]
 
@@ -105,73 +93,6 @@ class Placement:
 
     nodes: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)
-
-
-def parameter_slots(node: onnx.NodeProto, opset: int) -> frozenset[int]:
-    """Input positions of `node` that are parameters by its schema (type constraint differs
-    from the first output's). Unknown operators and variadic inputs: none."""
-    if node.domain not in DEFAULT_DOMAINS:
-        return frozenset()
-    return frozenset(s for s in _schema_parameter_slots(node.op_type, opset) if s < len(node.input))
-
-
-@functools.lru_cache(maxsize=512)
-def _schema_parameter_slots(op_type: str, opset: int) -> frozenset[int]:
-    """The schema's parameter positions, looked up once per (op type, opset): planning asks
-    for every use of every tensor."""
-    try:
-        schema = onnx.defs.get_schema(op_type, opset, "")
-    except onnx.defs.SchemaError:
-        return frozenset()
-    if not schema.outputs:
-        return frozenset()
-    value_type = schema.outputs[0].type_str
-    slots = set()
-    for slot, formal in enumerate(schema.inputs):
-        if formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
-            break
-        # The first input is what the operator works on, whatever type it writes: Cast's data,
-        # ArgMax's logits, Greater's left side. (A model ending in Cast or ArgMax otherwise had
-        # every tensor "computed only for a parameter", and nothing quantized.)
-        if slot > 0 and formal.type_str != value_type:
-            slots.add(slot)
-    return frozenset(slots)
-
-
-def parameter_tensors(graph: onnx.GraphProto, index: UseIndex, opset: int) -> dict[str, str]:
-    """Tensor -> reason, for every tensor that flows only into parameters (module docstring)."""
-    roots: dict[str, str] = {}  # tensor -> the parameter input it ends in
-    for node in reversed(graph.node):  # readers before producers: graphs are sorted
-        for slot in sorted(parameter_slots(node, opset)):
-            tensor = node.input[slot]
-            if tensor and tensor not in roots and _only_parameter_uses(tensor, index, roots, opset):
-                roots[tensor] = f"a parameter of {node.op_type} node {node.name!r}"
-        outputs = [v for v in node.output if v]
-        if outputs and all(v in roots for v in outputs):
-            for tensor in node.input:
-                if tensor and tensor not in roots and _only_parameter_uses(
-                    tensor, index, roots, opset
-                ):
-                    roots[tensor] = roots[outputs[0]]
-    return {
-        tensor: f"computed only for {root}: never quantized" for tensor, root in roots.items()
-    }
-
-
-def _only_parameter_uses(
-    tensor: str, index: UseIndex, found: Mapping[str, str], opset: int
-) -> bool:
-    if tensor in index.graph_outputs:
-        return False
-    for use in index.uses.get(tensor, ()):
-        if use.slot == SUBGRAPH_SLOT:
-            return False
-        if use.slot in parameter_slots(use.node, opset):
-            continue
-        outputs = [v for v in use.node.output if v]
-        if not outputs or not all(v in found for v in outputs):
-            return False
-    return True
 
 
 def place(

@@ -11,13 +11,8 @@ import onnx
 import onnx.defs
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.placement import (
-    FUSED_ACTIVATIONS,
-    Placement,
-    added_bias_of,
-    parameter_tensors,
-    place,
-)
+from qcal.graph.parameters import parameter_tensors
+from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, added_bias_of, place
 from qcal.graph.plan._rules import OpRule, _float_attribute
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (
