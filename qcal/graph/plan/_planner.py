@@ -335,12 +335,14 @@ class _Planner(_Selection):
             return None
         # onnxruntime fuses MatMul and Add into a Gemm for a 2-D input (and a row of rank 2 at
         # most), or an input of static shape it flattens to 2-D (and a 1-D row); otherwise the
-        # MatMul runs as MatMulIntegerToFloat, which takes no bias.
+        # MatMul runs as MatMulIntegerToFloat, which takes no bias. Of unknown rank, the bias
+        # stays int32: were they fused, a float bias would make a float Gemm of them.
         row = self._constant(bias)
         row_rank = len(row.dims) if row is not None else 0
-        fused = ((self._ranks.get(source) == 2 and row_rank <= 2)
+        rank = self._ranks.get(source)
+        fused = ((rank == 2 and row_rank <= 2)
                  or (source in self._static and row_rank == 1))
-        as_float = not fused
+        as_float = rank is not None and not fused
         targets.notes.append(
             f"the Add {add.name!r} after it adds {bias!r} in float (onnxruntime's integer "
             "MatMul of this input takes no bias)" if as_float
