@@ -42,14 +42,11 @@ def restrict_plan(
     if not keep_float:
         return plan
     keep = dict(keep_float)
-    matmul_weights: dict[str, list[str]] = {}
-    ops = {d.node: d.op_type for d in plan.nodes}
-    for w in plan.weights:
-        if ops.get(w.node) == "MatMul":
-            matmul_weights.setdefault(w.node, []).append(w.tensor)
     weights_of: dict[str, list[str]] = {}
     for w in plan.weights:
         weights_of.setdefault(w.node, []).append(w.tensor)
+    ops = {d.node: d.op_type for d in plan.nodes}
+    matmul_weights = {node: ws for node, ws in weights_of.items() if ops.get(node) == "MatMul"}
     float_output: set[str] = set()  # Convs whose output is kept float: float whole
     while True:  # each rule may feed the other (a weight's input read by another MatMul)
         before = len(keep)

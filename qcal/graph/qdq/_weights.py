@@ -94,7 +94,9 @@ class _WeightWriter(_Writer):
         values = tensor_array(self._originals.get(bias.tensor, initializer))
         values = values.astype(np.float32)
         shift = self._weight_codes[bias.weight_tensor].bias_shift
-        if shift is not None and shift.size == values.size:  # bias correction ([N] or [1, N])
+        if shift is not None and shift.size != values.size:
+            shift = None  # bias correction shifts a bias of [N] or [1, N] only
+        if shift is not None:
             values = (values.astype(np.float64) - shift.reshape(values.shape)).astype(np.float32)
         if bias.as_float:
             if shift is not None:
