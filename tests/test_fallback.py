@@ -232,9 +232,13 @@ def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Pa
     out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
     args = ["calibrate", str(trap), "-o", str(out), "--report", str(rep),
             "--fail-under-sqnr", "90", "--fail-under-agreement", "50",
-            "--fail-if-coverage-below", "99"]
+            "--fail-if-coverage-below", "60"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == AccuracyGateError.exit_code == 7, result.output
+    # Quantized: the projections and the head, 3*L*W*W + W*C of the MACs; the attention
+    # products (2*L*L*W) stay float.
+    projections = 3 * LENGTH * WIDTH * WIDTH + WIDTH * CLASSES
+    share = 100 * projections / (projections + 2 * LENGTH * LENGTH * WIDTH)
     assert out.is_file() and rep.is_file()
     report = json.loads(rep.read_text())
     gates = {g["option"]: g for g in report["gates"]}
@@ -242,6 +246,7 @@ def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Pa
     assert gates["fail-under-sqnr"]["value"] == pytest.approx(sqnr, rel=1e-5)
     assert not gates["fail-under-sqnr"]["passed"]
     assert gates["fail-under-agreement"]["passed"] and gates["fail-if-coverage-below"]["passed"]
+    assert gates["fail-if-coverage-below"]["value"] == pytest.approx(share, rel=1e-6)
     assert "fail-under-sqnr" in result.stderr and "fail-under-agreement" not in result.stderr
     # The summary says it once, on the gate's own line: no warning repeats it.
     assert result.stdout.count("--fail-under-sqnr 90") == 1, result.stdout

@@ -187,7 +187,10 @@ def test_a_gate_with_an_integer_kernel_between_anchors_is_quantized() -> None:
     assert {"res", "gate", "silu", "flat"} <= activations
 
 
-def test_attention_logits_stay_float_under_auto() -> None:
+def test_products_of_two_activations_stay_float_under_auto() -> None:
+    """Attention's scores and context multiply two activations: onnxruntime would quantize both
+    at every run and multiply uint8 by uint8, slower than its float kernel. Under "auto" they
+    stay float, and so do the tensors only they read; "all" quantizes them as before."""
     nodes = [
         helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj"),
         helper.make_node("Transpose", ["x"], ["xt"], name="xt", perm=[1, 0]),
@@ -196,11 +199,18 @@ def test_attention_logits_stay_float_under_auto() -> None:
         helper.make_node("MatMul", ["p", "x"], ["y"], name="pv"),
     ]
     inits = {"wq": np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32)}
-    _, decisions, activations = _plan(
-        build_model(nodes, [float_input("x", [3, 4])], ["y"], inits), "auto")
-    assert decisions["softmax"] is False and decisions["qk"] is True
-    assert "scores" not in activations and "y" not in activations
-    assert {"q", "p", "x"} <= activations
+    model = build_model(nodes, [float_input("x", [3, 4])], ["y"], inits)
+    prepared, _ = prepare_model(model)
+    plan = plan_quantization(prepared, SelectionRules(placement="auto"))
+    decisions = {d.node: d for d in plan.nodes}
+    assert decisions["q_proj"].quantized
+    for product in ("qk", "pv"):
+        assert not decisions[product].quantized
+        assert "two activations" in decisions[product].reason
+    assert not decisions["softmax"].quantized and not decisions["xt"].quantized
+    assert {a.tensor for a in plan.activations} == {"x"}  # the projection's input alone
+    _, everything, activations = _plan(model, "all")
+    assert everything["qk"] and everything["pv"] and {"q", "xt", "p", "x"} <= activations
 
 
 def test_a_node_onnxruntime_cannot_run_quantized_is_kept_float(

@@ -14,6 +14,9 @@ softmax, GELU, recurrent state). So under "auto":
   but keeping them float costs more elsewhere (layout changes between the integer and float
   convolutions, a Quantize and a Dequantize each): PP-OCRv4 det ran 0.59x float with them
   quantized and 0.88x without, rec 0.59x and 0.77x; only cls gained (1.35x -> 1.22x);
+* a MatMul or Gemm of two activations (attention scores and context) is not an anchor:
+  onnxruntime would quantize both operands at every run and multiply uint8 by uint8, slower
+  than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
 * a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
   onnxruntime's integer kernel computes one narrow matrix product per group, several times its
   float kernel (_MIN_CHANNELS_PER_GROUP). Unless its output runs straight into a quantized node:
@@ -121,13 +124,15 @@ def place(
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
-    if loop_body:
-        for node in nodes:
-            if node.op_type in ANCHOR_OPS and len(quantized_inputs(node)) > 1:
+    for node in nodes:
+        if node.op_type in ANCHOR_OPS and len(quantized_inputs(node)) > 1:
+            if loop_body:
                 placement.nodes[node.name] = (
                     "placement auto: inside a Loop/Scan body its weight is not a constant, "
                     "so it would be quantized again at every iteration")
-        nodes = [n for n in nodes if n.name not in placement.nodes]
+            elif node.op_type in _PRODUCT_OPS:
+                placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
+    nodes = [n for n in nodes if n.name not in placement.nodes]
     slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
     quantized, tensors = _place_among(nodes, index, quantized_inputs, constant, frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
@@ -243,6 +248,18 @@ def _between_quantized(
 # up through (its QDQ propagation).
 QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
     "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
+
+
+# A MatMul or Gemm of two activations (attention scores and context) stays float: with both
+# operands quantized at every run, onnxruntime's integer kernel multiplies uint8 by uint8, and
+# on x86 that runs slower than its float kernel. An attention block (4 heads, one thread), with
+# the two products float against integer: 0.98 against 1.16x float at 64 tokens of width 64,
+# 0.62 against 0.70x at 256 tokens of width 256; larger ones come out level (512 of 512: 0.55
+# against 0.58x at one thread, 0.48 against 0.34x at two). Attention keeps float precision too.
+_PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+_PRODUCT_OF_ACTIVATIONS = (
+    "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
+    "uint8, after quantizing both at every run: slower than its float kernel")
 
 
 # Channels per group below which a grouped (not depthwise) Conv stays float: onnxruntime's
