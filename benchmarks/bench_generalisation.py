@@ -409,6 +409,7 @@ def latency(
         threads=args.threads,
         warmup=args.warmup,
         repeats=args.repeats,
+        min_seconds=args.min_seconds,
     )
     with mock.patch.object(bench_latency, "iter_samples", lambda _path, _name: iter([feed])):
         return bench_latency.time_sessions(model, variants, settings)
@@ -568,6 +569,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ppocr-calib-samples", type=int, default=32)
     parser.add_argument("--ppocr-eval-samples", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=50, help="timed runs per session")
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="time more rounds until this long (small models), at most 20x --repeats")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per session first")
     parser.add_argument("--threads", default="1,2", help="intra-op thread counts")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -645,8 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(generalisation models; at most what eval.npz holds) or {args.ppocr_eval_samples} "
         f"(PP-OCR, which calibrate on {args.ppocr_calib_samples} samples; the generalisation "
         "models on all of calib.npz); SQNR dB: of that output against the float model's on "
-        "the same samples (generalisation models). Latency: batch 1, median of "
-        f"{args.repeats} runs interleaved across the float and quantized sessions, as a ratio to "
+        "the same samples (generalisation models). Latency: batch 1, median of at least "
+        f"{args.repeats} runs (more, up to {20 * args.repeats}, until {args.min_seconds:g} s "
+        "have passed) interleaved across the float and quantized sessions, as a ratio to "
         "the float model at the same thread count. Calib s: wall time of the calibration "
         "process (interpreter start and imports included; qcal runs without --eval-data)."
     )
