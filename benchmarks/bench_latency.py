@@ -158,23 +158,28 @@ def time_sessions(
         for _ in range(args.warmup):
             session.run(None, feed)
     times: dict[str, list[float]] = {key: [] for key in sessions}
-    keys = list(sessions)
-    # At least --repeats rounds, and on a model of a fraction of a millisecond as many more as
-    # fit in --min-seconds (at most 20x): a median of 10 such runs moves by 10 %.
-    started_all = time.perf_counter()
-    most = args.repeats * 20
-    repeat = 0
-    while repeat < args.repeats or (
-        repeat < most and time.perf_counter() - started_all < getattr(args, "min_seconds", 0.0)
-    ):
-        shift = repeat % len(keys)
-        repeat += 1
-        for key in keys[shift:] + keys[:shift]:
-            started = time.perf_counter()
-            sessions[key].run(None, feed)
-            times[key].append(time.perf_counter() - started)
-            # let the previous session's worker threads stop spinning before the next one runs
-            time.sleep(0.002)
+    # One thread count at a time, the sessions in a new random order every round (seeded): a
+    # session that always ran right after a two-thread one, whose workers may still spin, was
+    # measured up to 15 % slower than another session of the same model.
+    order = np.random.default_rng(0)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        keys = [key for key in sessions if key.endswith(f"@{threads}")]
+        # At least --repeats rounds, and on a model of a fraction of a millisecond as many
+        # more as fit in --min-seconds (at most 20x): a median of 10 such runs moves by 10 %.
+        started_all = time.perf_counter()
+        repeat = 0
+        while repeat < args.repeats or (
+            repeat < args.repeats * 20
+            and time.perf_counter() - started_all < getattr(args, "min_seconds", 0.0)
+        ):
+            repeat += 1
+            for index in order.permutation(len(keys)):
+                key = keys[index]
+                started = time.perf_counter()
+                sessions[key].run(None, feed)
+                times[key].append(time.perf_counter() - started)
+                # let the previous session's worker threads stop spinning before the next runs
+                time.sleep(0.002)
     return {
         key: {
             "median_ms": 1e3 * float(np.median(t)),
