@@ -97,7 +97,8 @@ OP_RULES: Mapping[str, OpRule] = {
     "MatMul": OpRule(
         "inputs A and B and output Y; a constant 2-D B per channel on its last axis (a stack "
         "of matrices per tensor), a constant A per tensor; two activations (attention) are "
-        "both quantized; the constant of an Add reading its output alone as an int32 bias",
+        "both quantized under `--placement all` or `--op-types` (placement auto keeps such a "
+        "product float); the constant of an Add reading its output alone as an int32 bias",
         inputs=(0, 1),
         weight=1,
         weight_axis=_matmul_weight_axis,
