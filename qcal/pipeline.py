@@ -64,6 +64,7 @@ from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
+from qcal.calibration.value_types import complete_value_types
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
@@ -145,6 +146,7 @@ def calibrate(
         if weight_file is not None:
             prepared = weight_file.offload(prepared)
             loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
+        steps += _onnxruntime_types(prepared, config)
         opset = _default_opset(prepared, config.opset)
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
@@ -411,4 +413,11 @@ def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
     prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
+    steps += _onnxruntime_types(prepared, config)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
+
+
+def _onnxruntime_types(prepared: onnx.ModelProto, config: CalibrationConfig) -> list[PrepStep]:
+    """The preparation step that types, from onnxruntime, what onnx's inference could not."""
+    detail = complete_value_types(prepared, providers=config.providers)
+    return [] if detail is None else [PrepStep("onnxruntime-types", detail)]

@@ -195,9 +195,10 @@ def test_zero_size_tensors_are_skipped_and_an_always_empty_tensor_stays_float(
     assert {"none", "z"}.isdisjoint(t["name"] for t in report["tensors"])
 
 
-def test_shape_inference_that_cannot_complete_does_not_stop_calibration(tmp_path: Path) -> None:
-    """onnx cannot infer through onnxruntime's com.microsoft ops; what it cannot type stays
-    float, the rest is quantized, and the report says how far inference got."""
+def test_values_onnx_cannot_type_are_typed_by_onnxruntime(tmp_path: Path) -> None:
+    """onnx cannot infer through onnxruntime's com.microsoft ops (a model onnxruntime's
+    optimizer has fused): onnxruntime types what follows them, so the MatMul after the Gelu is
+    quantized like the one before, and the report says where the types came from."""
     rng = np.random.default_rng(5)
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
@@ -220,11 +221,16 @@ def test_shape_inference_that_cannot_complete_does_not_stop_calibration(tmp_path
     )
     model.ir_version = 8
     data = npz(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32))
-    # What cannot be typed stays float: a share under the coverage floor, not the point here.
-    report = calibrate_cli(tmp_path, model, data, "--min-coverage", "0")
-    assert "of 3 intermediate tensors" in steps(report)["infer-shapes"]
+    report = calibrate_cli(tmp_path, model, data)
+    prepared = steps(report)
+    assert "of 3 intermediate tensors" in prepared["infer-shapes"]
+    assert "com.microsoft" in prepared["onnxruntime-types"]
     decisions = {n["name"]: n for n in report["nodes"]}
-    assert decisions["mm"]["quantized"]
+    assert decisions["mm"]["quantized"] and decisions["mm_after"]["quantized"]
+    written = onnx.load(tmp_path / "q.onnx")
+    dequantized = {n.output[0] for n in written.graph.node if n.op_type == "DequantizeLinear"}
+    after = next(n for n in written.graph.node if n.name == "mm_after")
+    assert set(after.input) <= dequantized  # both its operands come in through Q/DQ
     assert worst_sqnr(report) > 20
 
 

@@ -1,0 +1,73 @@
+"""Element types and shapes that onnx's inference cannot give, from onnxruntime's own.
+
+onnx's shape inference knows the operators of the ONNX domains only. In a model that
+onnxruntime's optimizer has already fused (com.microsoft's Attention, SkipLayerNormalization,
+FastGelu, FusedMatMul, as `onnxruntime.transformers` and optimum write them), every value after
+the first such operator is left untyped, and qcal quantizes no value of unknown type: a GPT-2
+so written kept 10 of its 11 MatMul/Gemm float. onnxruntime resolves the same graph with the
+schemas of every operator it runs, so a session whose outputs are those values, created and
+never run, gives their types and shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from qcal.calibration.runtime import create_session
+from qcal.graph.structure import DEFAULT_DOMAINS, element_types
+from qcal.numerics.errors import QcalError
+
+__all__ = ["complete_value_types"]
+
+
+def complete_value_types(
+    model: onnx.ModelProto, *, providers: Sequence[str] = ("CPUExecutionProvider",)
+) -> str | None:
+    """Type, in place, the main-graph values onnx's inference left untyped behind an operator
+    of another domain, from onnxruntime's resolution of the graph. Returns what it did (a
+    preparation step's detail), or None when there was nothing to do or onnxruntime could not
+    say (the values then stay untyped, and float)."""
+    graph = model.graph
+    if all(node.domain in DEFAULT_DOMAINS for node in graph.node):
+        return None  # onnx's inference knows every operator: what it left untyped, it could not
+    known = element_types(graph)
+    missing = sorted({v for node in graph.node for v in node.output if v and v not in known})
+    if not missing:
+        return None
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    present = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=v) for v in missing if v not in present)
+    try:
+        session = create_session(probe, providers=tuple(providers), threads=1,
+                                 what="model (typing its values)", optimize=False)
+    except QcalError:
+        return None  # the run itself will say what onnxruntime cannot load
+    del probe
+    typed = 0
+    for value in session.get_outputs():
+        elem_type = _element_type(value.type)
+        if value.name not in missing or elem_type is None:
+            continue
+        shape = None if value.shape is None else [
+            d if isinstance(d, (int, str)) else None for d in value.shape]
+        graph.value_info.append(onnx.helper.make_tensor_value_info(value.name, elem_type, shape))
+        typed += 1
+    if not typed:
+        return None
+    domains = sorted({n.domain for n in graph.node if n.domain not in DEFAULT_DOMAINS})
+    return (f"element types of {typed} values after operators of {', '.join(domains)} "
+            "(unknown to onnx's shape inference) from onnxruntime")
+
+
+def _element_type(ort_type: str) -> int | None:
+    """TensorProto's element type for onnxruntime's 'tensor(float)', ...; None for others."""
+    if not ort_type.startswith("tensor(") or not ort_type.endswith(")"):
+        return None
+    name = ort_type[len("tensor("):-1].upper()
+    try:
+        return int(onnx.TensorProto.DataType.Value(name))
+    except ValueError:
+        return None
