@@ -25,13 +25,12 @@ __all__ = ["complete_value_types"]
 def complete_value_types(
     model: onnx.ModelProto, *, providers: Sequence[str] = ("CPUExecutionProvider",)
 ) -> str | None:
-    """Type, in place, the main-graph values onnx's inference left untyped behind an operator
-    of another domain, from onnxruntime's resolution of the graph. Returns what it did (a
-    preparation step's detail), or None when there was nothing to do or onnxruntime could not
-    say (the values then stay untyped, and float)."""
+    """Type, in place, the main-graph values onnx's inference left untyped (behind an operator
+    of another domain, or where its inference stopped), from onnxruntime's resolution of the
+    graph. Returns what it did (a preparation step's detail), or None when there was nothing to
+    do (a session is created only then) or onnxruntime could not say (the values then stay
+    untyped, and float)."""
     graph = model.graph
-    if all(node.domain in DEFAULT_DOMAINS for node in graph.node):
-        return None  # onnx's inference knows every operator: what it left untyped, it could not
     known = element_types(graph)
     missing = sorted({v for node in graph.node for v in node.output if v and v not in known})
     if not missing:
@@ -58,8 +57,9 @@ def complete_value_types(
     if not typed:
         return None
     domains = sorted({n.domain for n in graph.node if n.domain not in DEFAULT_DOMAINS})
-    return (f"element types of {typed} values after operators of {', '.join(domains)} "
-            "(unknown to onnx's shape inference) from onnxruntime")
+    where = f" (operators of {', '.join(domains)})" if domains else ""
+    return f"element types of {typed} values onnx's shape inference left unknown{where}, " \
+           "from onnxruntime"
 
 
 def _element_type(ort_type: str) -> int | None:
