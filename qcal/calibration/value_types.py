@@ -45,10 +45,10 @@ def complete_value_types(
     except QcalError:
         return None  # the run itself will say what onnxruntime cannot load
     del probe
-    typed = 0
+    typed, wanted = 0, set(missing)
     for value in session.get_outputs():
         elem_type = _element_type(value.type)
-        if value.name not in missing or elem_type is None:
+        if value.name not in wanted or elem_type is None:
             continue
         shape = None if value.shape is None else [
             d if isinstance(d, (int, str)) else None for d in value.shape]
