@@ -205,6 +205,8 @@ def _place_among(
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
             continue
         tail = fused.get(anchor)
+        if tail and node.op_type == _GEMM_ACTIVATION:
+            continue  # its activation's output is quantized whoever reads it
         output = by_name[tail].output[0] if tail else node.output[0]
         if not any(r.name in quantized for r in index.readers(output)):
             tensors[output] = "placement auto: no quantized node reads it"
@@ -248,6 +250,14 @@ def _between_quantized(
 # up through (its QDQ propagation).
 QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
     "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
+
+
+# A Gemm whose Relu/Clip onnxruntime fuses writes integers whoever reads the activation's
+# output. Left float, onnxruntime fuses the pair into a float FusedGemm before its QDQ fusion
+# sees them and runs it on dequantized weights (then the check against its graph keeps the Gemm
+# float, and the Gemm before it that fed it quantized: a Linear-ReLU MLP between float ops went
+# all float); quantized after the activation, the pair runs as one integer QGemm.
+_GEMM_ACTIVATION = "Gemm"
 
 
 # A MatMul or Gemm of two activations (attention scores and context) stays float: with both
