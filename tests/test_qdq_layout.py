@@ -380,6 +380,38 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
 
+def test_a_linear_relu_mlp_between_float_ops_runs_as_integer_gemms(tmp_path: Path) -> None:
+    """Gemm -> Relu -> Gemm -> Relu between float Tanhs (torch's Linear-ReLU on 2-D inputs).
+    With the last Relu's output float, onnxruntime fused each Gemm with its Relu into a float
+    FusedGemm on dequantized weights, so both were kept float: the activation's output is
+    quantized instead, and onnxruntime runs two integer QGemms."""
+    rng = np.random.default_rng(11)
+    nodes = [
+        helper.make_node("Tanh", ["x"], ["t"], name="pre"),
+        helper.make_node("Gemm", ["t", "w1", "b1"], ["g1"], name="fc1", transB=1),
+        helper.make_node("Relu", ["g1"], ["r1"], name="relu1"),
+        helper.make_node("Gemm", ["r1", "w2", "b2"], ["g2"], name="fc2", transB=1),
+        helper.make_node("Relu", ["g2"], ["r2"], name="relu2"),
+        helper.make_node("Tanh", ["r2"], ["y"], name="post"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((16, 8)).astype(np.float32) * 0.4,
+        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((12, 16)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(12).astype(np.float32) * 0.1,
+    }
+    model = build_model(nodes, [float_input("x", ["N", 8])], ["y"], inits)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    result = _run(model, tmp_path, x, fallback=False)
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["fc1"] and decisions["fc2"]
+    assert {"r1", "r2"} <= {t["name"] for t in result.report["tensors"]}
+    ops = _optimized_ops(result.model, tmp_path)
+    assert ops["QGemm"] == 2 and not {"Gemm", "FusedGemm"} & set(ops), ops
+    expected, actual = _outputs(model, x), _outputs(result.model, x)
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
 @pytest.mark.parametrize(("rows", "batch"), [(None, "N"), (6, "N"), (6, 1)])
 def test_a_bias_add_between_two_dense_layers_stays_a_bias(
     tmp_path: Path, rows: int | None, batch: str | int
