@@ -33,8 +33,9 @@ softmax, GELU, recurrent state). So under "auto":
   (`added_bias_of`), never a serving node: quantized, it would cost an integer Add and a
   requantization, and hold the bias in 8 bits;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
-  ConvTranspose, whose integer kernel (QLinearConv) writes integers. MatMul and Gemm have integer
-  kernels with a float output, so attention logits and final logits stay float;
+  ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm with a fused
+  Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels with a float
+  output, so attention logits and final logits stay float;
 * every other node stays float.
 
 Placement "all" quantizes every node that has a rule (full emulation of an integer target, as
@@ -205,7 +206,7 @@ def _place_among(
         if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
             continue
         tail = fused.get(anchor)
-        if tail and node.op_type == _GEMM_ACTIVATION:
+        if tail and node.op_type in _QUANTIZED_WITH_ACTIVATION:
             continue  # its activation's output is quantized whoever reads it
         output = by_name[tail].output[0] if tail else node.output[0]
         if not any(r.name in quantized for r in index.readers(output)):
@@ -257,7 +258,7 @@ QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
 # sees them and runs it on dequantized weights (then the check against its graph keeps the Gemm
 # float, and the Gemm before it that fed it quantized: a Linear-ReLU MLP between float ops went
 # all float); quantized after the activation, the pair runs as one integer QGemm.
-_GEMM_ACTIVATION = "Gemm"
+_QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm"})
 
 
 # A MatMul or Gemm of two activations (attention scores and context) stays float: with both
