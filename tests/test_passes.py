@@ -541,3 +541,38 @@ def test_views_of_constant_weights_are_stored_as_weights(tmp_path: Path) -> None
     assert roles["Et"] == roles["P3"] == "weight"
     quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
     assert not {"Et", "P3"} & quantize_inputs
+
+
+def test_a_kernel_reshaped_by_shape_arithmetic_on_constants_is_a_weight(tmp_path: Path) -> None:
+    """tf2onnx's Keras EinsumDense: the kernel reaches its Gemm through a Reshape whose shape
+    is computed at run time from the kernel's own shape. The shape arithmetic folds into
+    initializers, the reshaped kernel becomes the Gemm's weight (per channel, codes stored once),
+    and the prepared model computes what the original does."""
+    rng = np.random.default_rng(12)
+    kernel = rng.standard_normal((1, 8, 2, 3)).astype(np.float32)  # (1, in, heads, dim)
+    nodes = [
+        helper.make_node("Shape", ["K"], ["k_shape"], name="k_shape"),
+        helper.make_node("Gather", ["k_shape", "axes"], ["k_dims"], name="k_dims", axis=0),
+        helper.make_node("ReduceProd", ["k_dims"], ["k_cols"], name="k_cols", keepdims=1),
+        helper.make_node("Concat", ["rows", "k_cols"], ["k_2d"], name="k_2d", axis=0),
+        helper.make_node("Reshape", ["K", "k_2d"], ["W"], name="kernel_2d"),
+        helper.make_node("Gemm", ["x", "W"], ["y"], name="dense"),
+    ]
+    inits = {"K": kernel, "axes": np.array([2, 3], np.int64), "rows": np.array([8], np.int64)}
+    model = build_model(nodes, [float_input("x", ["N", 8])], ["y"], inits)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["fold-constant-shapes"] == (
+        "folded 4 shape computations on constants into initializers")
+    assert [n.op_type for n in prepared.graph.node] == ["Gemm"]
+    weight = next(t for t in prepared.graph.initializer if t.name == "W")
+    np.testing.assert_array_equal(numpy_helper.to_array(weight), kernel.reshape(8, 6))
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
+    _assert_same_outputs(model, prepared, feeds)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    roles = {t["name"]: t["role"] for t in result.report["tensors"]}
+    assert roles["W"] == "weight"
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["dense"]

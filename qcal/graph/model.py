@@ -20,6 +20,7 @@ from qcal.graph.passes import (
     ConstantsToInitializers,
     EliminateIdentity,
     FoldBatchNorm,
+    FoldConstantShapes,
     FoldPad,
     FoldWeightViews,
     InferShapes,
@@ -150,8 +151,8 @@ def prepare_model(
 
     Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
     int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    widen-half, lower-einsum, fold-weight-views, fold-batchnorm, fold-pad, unshare-biases,
-    infer-shapes. Each step that did something (or could not complete, as shape inference may)
+    widen-half, lower-einsum, fold-constant-shapes, fold-weight-views, fold-batchnorm,
+    fold-pad, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -170,6 +171,7 @@ def prepare_model(
         EliminateIdentity(),
         WidenHalf(),
         LowerEinsum(),
+        FoldConstantShapes(),
         FoldWeightViews(),
         FoldBatchNorm(),
         FoldPad(),

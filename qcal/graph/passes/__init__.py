@@ -8,6 +8,7 @@ from qcal.graph.passes._base import PrepPass, StepResult
 from qcal.graph.passes.constants_to_initializers import ConstantsToInitializers
 from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
+from qcal.graph.passes.fold_constant_shapes import FoldConstantShapes
 from qcal.graph.passes.fold_pad import FoldPad
 from qcal.graph.passes.fold_weight_views import FoldWeightViews
 from qcal.graph.passes.infer_shapes import InferShapes
@@ -21,6 +22,7 @@ __all__ = [
     "ConstantsToInitializers",
     "EliminateIdentity",
     "FoldBatchNorm",
+    "FoldConstantShapes",
     "FoldPad",
     "FoldWeightViews",
     "InferShapes",

@@ -1,0 +1,117 @@
+"""Pass: integer values computed from constants alone (shape arithmetic) become initializers.
+
+tf2onnx writes a Keras `EinsumDense` kernel as ``Reshape(kernel, Concat(c,
+ReduceProd(Gather(Shape(kernel), axes))))``: the new shape is computed at run time from the
+kernel's own shape, so the reshaped kernel reaches its Gemm as a computed value, and qcal planned
+that Gemm as a product of two activations (kept float under placement auto, quantized per tensor
+at every run under "all"). onnxruntime folds such chains when it loads the model. Folded here,
+`fold-weight-views` then stores the reshaped kernel as the weight it is. Only integer results of
+shape operators are folded: their arithmetic is exact, so the model computes what it did.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qcal.graph.files.large import tensor_array
+from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
+from qcal.graph.structure import DEFAULT_DOMAINS, default_opset, drop_unread_initializers
+
+__all__ = ["FoldConstantShapes"]
+
+# Operators of shape arithmetic. Shape and Size read only their input's dimensions.
+_SHAPE_OPS = frozenset({
+    "Shape", "Size", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast",
+    "ReduceProd", "ReduceSum", "ReduceMin", "ReduceMax", "Add", "Sub", "Mul", "Div", "Neg",
+    "Abs", "Range", "Max", "Min", "Equal", "Where", "Expand", "Tile", "ConstantOfShape",
+})
+_INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+# Shape arithmetic works on a handful of values: larger operands are left to onnxruntime.
+_MOST_VALUES = 4096
+
+
+class FoldConstantShapes:
+    """Replace each node of the main graph that computes an integer value from constants
+    alone with shape operators by an initializer of its output's name, in graph order (so
+    chains fold in one run); a constant nothing reads any more goes."""
+
+    name: ClassVar[str] = "fold-constant-shapes"
+
+    def __call__(self, model: onnx.ModelProto) -> StepResult:
+        if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
+            return StepResult(model, False)
+        graph = model.graph
+        opset = default_opset(model) or 1
+        inputs = {v.name for v in graph.input}
+        constants = {t.name: t for t in graph.initializer if t.name not in inputs}
+        outputs = {v.name for v in graph.output}
+        folded: list[onnx.TensorProto] = []
+        kept, read = [], set()
+        for node in graph.node:
+            value = None
+            if (node.op_type in _SHAPE_OPS and node.domain in DEFAULT_DOMAINS
+                    and len(node.output) == 1 and node.output[0] not in outputs):
+                value = _evaluate(node, constants, opset)
+            if value is None:
+                kept.append(node)
+                continue
+            tensor = numpy_helper.from_array(value, node.output[0])
+            constants[tensor.name] = tensor
+            folded.append(tensor)
+            read.update(node.input)
+        if not folded:
+            return StepResult(model, False)
+        del graph.node[:]
+        graph.node.extend(kept)
+        graph.initializer.extend(folded)
+        drop_unread_initializers(graph, read | {t.name for t in folded})
+        count = len(folded)
+        return StepResult(model, True, f"folded {count} shape computation{'s' * (count != 1)} "
+                                       "on constants into initializers")
+
+
+def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+              opset: int) -> np.ndarray | None:
+    """The integer value `node` computes from constants alone, or None."""
+    if not node.input or any(v and v not in constants for v in node.input):
+        return None
+    if node.op_type in ("Shape", "Size"):  # the dimensions alone: no data read
+        dims = [int(d) for d in constants[node.input[0]].dims]
+        if node.op_type == "Size":
+            return np.array(int(np.prod(dims, dtype=np.int64)), np.int64)
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        start, end = attributes.get("start", 0), attributes.get("end")
+        return np.array(dims[start:end], np.int64)
+    operands = [constants[v] for v in node.input if v]
+    if any(t.data_type not in _INTEGER_TYPES and t.data_type != onnx.TensorProto.BOOL
+           for t in operands) or any(_size(t) > _MOST_VALUES for t in operands):
+        return None
+    feeds = {f"in{i}": tensor_array(constants[v]) for i, v in enumerate(node.input) if v}
+    single = helper.make_node(
+        node.op_type, [f"in{i}" if v else "" for i, v in enumerate(node.input)], ["out"],
+        domain=node.domain)
+    single.attribute.extend(node.attribute)
+    graph = helper.make_graph(
+        [single], "fold",
+        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
+                                       array.shape) for name, array in feeds.items()],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.UNDEFINED, None)])
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        results: Any = ReferenceEvaluator(probe).run(None, dict(feeds))  # a list of arrays
+        value = np.asarray(results[0])
+    except Exception:  # noqa: BLE001  an operator the reference cannot run stays as it is
+        return None
+    if value.dtype not in (np.int64, np.int32) or value.size > _MOST_VALUES:
+        return None
+    return value
+
+
+def _size(tensor: onnx.TensorProto) -> int:
+    return int(np.prod([int(d) for d in tensor.dims], dtype=np.int64))
