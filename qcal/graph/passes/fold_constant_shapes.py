@@ -15,11 +15,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, default_opset, drop_unread_initializers
+from qcal.graph.passes._folding import fold_into_initializers
+from qcal.graph.structure import DEFAULT_DOMAINS, default_opset
 
 __all__ = ["FoldConstantShapes"]
 
@@ -44,32 +45,18 @@ class FoldConstantShapes:
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
             return StepResult(model, False)
-        graph = model.graph
         opset = default_opset(model) or 1
-        inputs = {v.name for v in graph.input}
-        constants = {t.name: t for t in graph.initializer if t.name not in inputs}
-        outputs = {v.name for v in graph.output}
-        folded: list[onnx.TensorProto] = []
-        kept, read = [], set()
-        for node in graph.node:
-            value = None
-            if (node.op_type in _SHAPE_OPS and node.domain in DEFAULT_DOMAINS
-                    and len(node.output) == 1 and node.output[0] not in outputs):
-                value = _evaluate(node, constants, opset)
-            if value is None:
-                kept.append(node)
-                continue
-            tensor = numpy_helper.from_array(value, node.output[0])
-            constants[tensor.name] = tensor
-            folded.append(tensor)
-            read.update(node.input)
-        if not folded:
+
+        def value_of(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+                     ) -> np.ndarray | None:
+            if (node.op_type not in _SHAPE_OPS or node.domain not in DEFAULT_DOMAINS
+                    or len(node.output) != 1):
+                return None
+            return _evaluate(node, constants, opset)
+
+        count = fold_into_initializers(model, value_of)
+        if not count:
             return StepResult(model, False)
-        del graph.node[:]
-        graph.node.extend(kept)
-        graph.initializer.extend(folded)
-        drop_unread_initializers(graph, read | {t.name for t in folded})
-        count = len(folded)
         return StepResult(model, True, f"folded {count} shape computation{'s' * (count != 1)} "
                                        "on constants into initializers")
 

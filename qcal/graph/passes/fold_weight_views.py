@@ -15,16 +15,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
+from qcal.graph.passes._folding import fold_into_initializers
 from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     default_opset,
-    drop_unread_initializers,
 )
 
 __all__ = ["FoldWeightViews"]
@@ -43,31 +43,16 @@ class FoldWeightViews:
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
             return StepResult(model, False)
-        graph = model.graph
         opset = default_opset(model) or 1
-        inputs = {v.name for v in graph.input}
-        constants = {t.name: t for t in graph.initializer if t.name not in inputs}
-        outputs = {v.name for v in graph.output}
-        wanted = _read_as_weights(graph)
-        folded: list[onnx.TensorProto] = []
-        kept = []
-        for node in graph.node:  # graph order: a view of a view finds its input folded
-            value = None
-            if node.output and node.output[0] in wanted and node.output[0] not in outputs:
-                value = _fold(node, constants, opset)
-            if value is None:
-                kept.append(node)
-                continue
-            tensor = numpy_helper.from_array(value, node.output[0])
-            constants[tensor.name] = tensor
-            folded.append(tensor)
-        if not folded:
+        wanted = _read_as_weights(model.graph)
+
+        def value_of(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+                     ) -> np.ndarray | None:
+            return _fold(node, constants, opset) if node.output[0] in wanted else None
+
+        count = fold_into_initializers(model, value_of)
+        if not count:
             return StepResult(model, False)
-        del graph.node[:]
-        graph.node.extend(kept)
-        graph.initializer.extend(folded)
-        drop_unread_initializers(graph, {t.name for t in graph.initializer})
-        count = len(folded)
         return StepResult(model, True, f"stored {count} view{'s' * (count != 1)} of constant "
                                        "weights as initializers")
 
