@@ -265,8 +265,9 @@ _QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm"})
 # operands quantized at every run, onnxruntime's integer kernel multiplies uint8 by uint8, and
 # on x86 that runs slower than its float kernel. An attention block (4 heads, one thread), with
 # the two products float against integer: 0.98 against 1.16x float at 64 tokens of width 64,
-# 0.62 against 0.70x at 256 tokens of width 256; larger ones come out level (512 of 512: 0.55
-# against 0.58x at one thread, 0.48 against 0.34x at two). Attention keeps float precision too.
+# 0.62 against 0.70x at 256 tokens of width 256; larger ones depend on the thread count (512 of
+# 512: 0.55 against 0.58x at one thread, 0.48 against 0.34x at two, where integers would win:
+# a size guard needs shapes at planning time). Attention keeps float precision too.
 _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
