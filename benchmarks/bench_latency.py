@@ -142,11 +142,12 @@ def time_sessions(
     import onnxruntime as ort
 
     feed = next(iter_samples(model.eval_data(args.eval_samples), model.input_name))
+    thread_counts = [int(t) for t in args.threads.split(",")]
     sessions = {}
     for name, variant in variants.items():
         if not variant["ok"]:
             continue
-        for threads in [int(t) for t in args.threads.split(",")]:
+        for threads in thread_counts:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
@@ -162,7 +163,7 @@ def time_sessions(
     # session that always ran right after a two-thread one, whose workers may still spin, was
     # measured up to 15 % slower than another session of the same model.
     order = np.random.default_rng(0)
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in thread_counts:
         keys = [key for key in sessions if key.endswith(f"@{threads}")]
         # At least --repeats rounds, and on a model of a fraction of a millisecond as many
         # more as fit in --min-seconds (at most 20x): a median of 10 such runs moves by 10 %.
@@ -170,7 +171,7 @@ def time_sessions(
         repeat = 0
         while repeat < args.repeats or (
             repeat < args.repeats * 20
-            and time.perf_counter() - started_all < getattr(args, "min_seconds", 0.0)
+            and time.perf_counter() - started_all < args.min_seconds
         ):
             repeat += 1
             for index in order.permutation(len(keys)):

@@ -85,6 +85,7 @@ def make_runnable(
     onnxruntime would run in float on dequantized weights (module docstring): planned again
     without them, so that what they read stays quantized for the integer kernels writing it."""
     repaired: dict[str, str] = {}
+    writers: dict[str, str] | None = None  # found at the first repair, for every one after
     model = build(plan)
     # Read-backs left: keeping a node float can leave another without integer readers or
     # writers (a Conv whose only readers were the Convs of an If branch), so the plan made
@@ -111,7 +112,9 @@ def make_runnable(
         repaired[node] = failure
         reason = f"kept float: onnxruntime cannot run it quantized ({_short(failure)})"
         keep = dict.fromkeys(_tensors_of(plan, float_model, node), reason)
-        plan = restrict_plan(plan, keep, integer_output_writers(float_model.graph))
+        if writers is None:
+            writers = integer_output_writers(float_model.graph)
+        plan = restrict_plan(plan, keep, writers)
         model = build(plan)
     raise AssertionError("unreachable")  # pragma: no cover
 

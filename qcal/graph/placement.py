@@ -135,7 +135,10 @@ def place(
                 placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
     nodes = [n for n in nodes if n.name not in placement.nodes]
     slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
-    quantized, tensors = _place_among(nodes, index, quantized_inputs, constant, frozenset(slow))
+    # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
+    bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"
+               and (anchor := added_bias_of(n, index, constant)) is not None}
+    quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
     # dequantized and its output runs straight (through a Relu/Clip, or what it moves a
     # QuantizeLinear up through) into a QuantizeLinear: such a grouped Conv would run in the
@@ -145,12 +148,12 @@ def place(
         by_name[name], index, quantized_inputs, quantized, tensors)}
     if sandwiched:
         slow = {name: why for name, why in slow.items() if name not in sandwiched}
-        quantized, tensors = _place_among(nodes, index, quantized_inputs, constant, frozenset(slow))
+        quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, frozenset(slow))
     placement.nodes.update(slow)
     for node in nodes:
         if node.name in quantized or node.name in slow:
             continue
-        anchor = added_bias_of(node, index, constant) if node.op_type == "Add" else None
+        anchor = bias_of.get(node.name)
         placement.nodes[node.name] = (
             f"placement auto: it adds a constant row to MatMul {anchor!r}, which takes it as "
             "its bias" if anchor is not None and anchor in quantized
@@ -163,16 +166,16 @@ def _place_among(
     nodes: list[onnx.NodeProto],
     index: UseIndex,
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
-    constant: Callable[[str], onnx.TensorProto | None],
+    bias_of: Mapping[str, str],
     floated: frozenset[str],
 ) -> tuple[set[str], dict[str, str]]:
     """The nodes quantized under "auto" among `nodes` (`floated` left out), and the anchors'
-    outputs no quantized node reads (tensor -> why it stays float)."""
+    outputs no quantized node reads (tensor -> why it stays float). `bias_of`: each Add that
+    only adds a constant row to a MatMul, with that MatMul (`added_bias_of`)."""
     nodes = [n for n in nodes if n.name not in floated]
     by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
-    biases = {n.name for n in nodes
-              if n.op_type == "Add" and added_bias_of(n, index, constant) in anchors}
+    biases = {add for add, matmul in bias_of.items() if matmul in anchors}
     fused = _fused_activations(nodes, anchors, index)
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
