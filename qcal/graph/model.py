@@ -24,6 +24,7 @@ from qcal.graph.passes import (
     FoldPad,
     FoldWeightViews,
     InferShapes,
+    InlineFunctions,
     LowerEinsum,
     NameNodes,
     PrepPass,
@@ -149,8 +150,8 @@ def prepare_model(
 ) -> tuple[onnx.ModelProto, list[PrepStep]]:
     """A copy of `model` ready to quantize, and the steps that changed it.
 
-    Passes, in order: upgrade-opset (to `min_opset` when below: per-axis Q/DQ needs 13,
-    int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
+    Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
+    when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
     widen-half, lower-einsum, fold-constant-shapes, fold-weight-views, fold-batchnorm,
     fold-pad, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
@@ -165,6 +166,7 @@ def prepare_model(
         ConfigError: when `min_opset` is not an opset the installed onnx knows.
     """
     passes: list[PrepPass] = [
+        InlineFunctions(),
         UpgradeOpset(min_opset),
         NameNodes(),
         ConstantsToInitializers(),

@@ -12,6 +12,7 @@ from qcal.graph.passes.fold_constant_shapes import FoldConstantShapes
 from qcal.graph.passes.fold_pad import FoldPad
 from qcal.graph.passes.fold_weight_views import FoldWeightViews
 from qcal.graph.passes.infer_shapes import InferShapes
+from qcal.graph.passes.inline_functions import InlineFunctions
 from qcal.graph.passes.lower_einsum import LowerEinsum
 from qcal.graph.passes.name_nodes import NameNodes
 from qcal.graph.passes.unshare_biases import UnshareBiases
@@ -26,6 +27,7 @@ __all__ = [
     "FoldPad",
     "FoldWeightViews",
     "InferShapes",
+    "InlineFunctions",
     "LowerEinsum",
     "NameNodes",
     "PrepPass",
