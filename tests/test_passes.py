@@ -493,7 +493,7 @@ def test_a_bias_a_layer_norm_also_reads_is_copied_for_the_conv(tmp_path: Path) -
     assert decisions["patch"]["quantized"], decisions["patch"]["reason"]
 
 
-# --------------------------------------------------------------------------- fold-weight-views
+# --------------------------------------------------------------------------- fold-constant-weights
 
 
 def _tied_head(rng: np.random.Generator) -> onnx.ModelProto:
@@ -527,7 +527,7 @@ def test_views_of_constant_weights_are_stored_as_weights(tmp_path: Path) -> None
     rng = np.random.default_rng(11)
     model = _tied_head(rng)
     prepared, steps = prepare_model(model)
-    assert _steps(steps)["fold-weight-views"] == "stored 3 views of constant weights as initializers"
+    assert _steps(steps)["fold-constant-weights"] == "stored 3 views of constant weights as initializers"
     assert [n.op_type for n in prepared.graph.node] == ["Gather", "MatMul", "MatMul", "MatMul"]
     assert {"E", "Et", "P3"} <= {t.name for t in prepared.graph.initializer}
     assert not {"P", "P2", "shape"} & {t.name for t in prepared.graph.initializer}

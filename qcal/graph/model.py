@@ -21,8 +21,8 @@ from qcal.graph.passes import (
     EliminateIdentity,
     FoldBatchNorm,
     FoldConstantShapes,
+    FoldConstantWeights,
     FoldPad,
-    FoldWeightViews,
     InferShapes,
     InlineFunctions,
     LowerEinsum,
@@ -152,7 +152,7 @@ def prepare_model(
 
     Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
     when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    widen-half, lower-einsum, fold-constant-shapes, fold-weight-views, fold-batchnorm,
+    widen-half, lower-einsum, fold-constant-shapes, fold-constant-weights, fold-batchnorm,
     fold-pad, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
@@ -174,7 +174,7 @@ def prepare_model(
         WidenHalf(),
         LowerEinsum(),
         FoldConstantShapes(),
-        FoldWeightViews(),
+        FoldConstantWeights(),
         FoldBatchNorm(),
         FoldPad(),
         UnshareBiases(),

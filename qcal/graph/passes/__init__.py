@@ -9,8 +9,8 @@ from qcal.graph.passes.constants_to_initializers import ConstantsToInitializers
 from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
 from qcal.graph.passes.fold_constant_shapes import FoldConstantShapes
+from qcal.graph.passes.fold_constant_weights import FoldConstantWeights
 from qcal.graph.passes.fold_pad import FoldPad
-from qcal.graph.passes.fold_weight_views import FoldWeightViews
 from qcal.graph.passes.infer_shapes import InferShapes
 from qcal.graph.passes.inline_functions import InlineFunctions
 from qcal.graph.passes.lower_einsum import LowerEinsum
@@ -24,8 +24,8 @@ __all__ = [
     "EliminateIdentity",
     "FoldBatchNorm",
     "FoldConstantShapes",
+    "FoldConstantWeights",
     "FoldPad",
-    "FoldWeightViews",
     "InferShapes",
     "InlineFunctions",
     "LowerEinsum",

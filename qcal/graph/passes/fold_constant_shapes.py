@@ -5,7 +5,7 @@ ReduceProd(Gather(Shape(kernel), axes))))``: the new shape is computed at run ti
 kernel's own shape, so the reshaped kernel reaches its Gemm as a computed value, and qcal planned
 that Gemm as a product of two activations (kept float under placement auto, quantized per tensor
 at every run under "all"). onnxruntime folds such chains when it loads the model. Folded here,
-`fold-weight-views` then stores the reshaped kernel as the weight it is. Only integer results of
+`fold-constant-weights` then stores the reshaped kernel as the weight it is. Only integer results of
 shape operators are folded: their arithmetic is exact, so the model computes what it did.
 """
 

@@ -27,18 +27,18 @@ from qcal.graph.structure import (
     default_opset,
 )
 
-__all__ = ["FoldWeightViews"]
+__all__ = ["FoldConstantWeights"]
 
 _VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
 
 
-class FoldWeightViews:
+class FoldConstantWeights:
     """Replace each view of constants in the main graph whose float result a Conv,
     ConvTranspose, MatMul or Gemm reads (through further views) by an initializer of its
     output's name; chains fold in one run, and a constant nothing reads any more goes. Views
     read otherwise stay: a bias reshaped for an Add is planned as it stands."""
 
-    name: ClassVar[str] = "fold-weight-views"
+    name: ClassVar[str] = "fold-constant-weights"
 
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
