@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
+from qcal.graph.files.large import tensor_array
 from qcal.graph.structure import drop_unread_initializers
 
-__all__ = ["fold_into_initializers"]
+__all__ = ["evaluate_node", "fold_into_initializers"]
 
 # A node's value from the constants it may read (None: the node stays).
 ValueOf = Callable[[onnx.NodeProto, dict[str, onnx.TensorProto]], "np.ndarray | None"]
@@ -44,3 +46,27 @@ def fold_into_initializers(model: onnx.ModelProto, value_of: ValueOf) -> int:
         graph.initializer.extend(folded)
         drop_unread_initializers(graph, {t.name for t in graph.initializer})
     return len(folded)
+
+
+def evaluate_node(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+                  opset: int) -> np.ndarray | None:
+    """What `node` computes from `constants` (every input it reads is one), by onnx's reference
+    evaluator; None when the reference cannot run it."""
+    feeds = {f"in{i}": tensor_array(constants[v]) for i, v in enumerate(node.input) if v}
+    single = helper.make_node(
+        node.op_type, [f"in{i}" if v else "" for i, v in enumerate(node.input)], ["out"],
+        domain=node.domain)
+    single.attribute.extend(node.attribute)
+    graph = helper.make_graph(
+        [single], "fold",
+        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
+                                       array.shape) for name, array in feeds.items()],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.UNDEFINED, None)])
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        results: Any = ReferenceEvaluator(probe).run(None, dict(feeds))  # a list of arrays
+        return np.asarray(results[0])
+    except Exception:  # noqa: BLE001  an operator the reference cannot run stays as it is
+        return None

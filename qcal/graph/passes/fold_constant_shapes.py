@@ -11,15 +11,14 @@ shape operators are folded: their arithmetic is exact, so the model computes wha
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
-from qcal.graph.passes._folding import fold_into_initializers
+from qcal.graph.passes._folding import evaluate_node, fold_into_initializers
 from qcal.graph.structure import DEFAULT_DOMAINS, default_opset
 
 __all__ = ["FoldConstantShapes"]
@@ -77,23 +76,8 @@ def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
     if any(t.data_type not in _INTEGER_TYPES and t.data_type != onnx.TensorProto.BOOL
            for t in operands) or any(_size(t) > _MOST_VALUES for t in operands):
         return None
-    feeds = {f"in{i}": tensor_array(constants[v]) for i, v in enumerate(node.input) if v}
-    single = helper.make_node(
-        node.op_type, [f"in{i}" if v else "" for i, v in enumerate(node.input)], ["out"],
-        domain=node.domain)
-    single.attribute.extend(node.attribute)
-    graph = helper.make_graph(
-        [single], "fold",
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
-                                       array.shape) for name, array in feeds.items()],
-        [helper.make_tensor_value_info("out", onnx.TensorProto.UNDEFINED, None)])
-    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    try:
-        from onnx.reference import ReferenceEvaluator
-
-        results: Any = ReferenceEvaluator(probe).run(None, dict(feeds))  # a list of arrays
-        value = np.asarray(results[0])
-    except Exception:  # noqa: BLE001  an operator the reference cannot run stays as it is
+    value = evaluate_node(node, constants, opset)
+    if value is None:
         return None
     if value.dtype not in (np.int64, np.int32) or value.size > _MOST_VALUES:
         return None
