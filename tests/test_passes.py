@@ -543,6 +543,73 @@ def test_views_of_constant_weights_are_stored_as_weights(tmp_path: Path) -> None
     assert not {"Et", "P3"} & quantize_inputs
 
 
+def _weight_normalized_convs(rng: np.random.Generator) -> onnx.ModelProto:
+    """Two Convs whose weights are normalized at run time, as torch.onnx's dynamo exporter
+    writes ``weight_norm`` (w = g * v / ||v||, the norm over all axes but the first), plus a
+    constant mask tiled far beyond its operands' size that a third reader multiplies in."""
+    nodes = []
+    for i, (out_ch, in_ch) in enumerate([(8, 3), (4, 8)], start=1):
+        nodes += [
+            helper.make_node("ReduceL2", [f"v{i}"], [f"n{i}"], name=f"norm{i}", axes=[1, 2, 3],
+                             keepdims=1),
+            helper.make_node("Div", [f"g{i}", f"n{i}"], [f"s{i}"], name=f"scale{i}"),
+            helper.make_node("Mul", [f"v{i}", f"s{i}"], [f"w{i}"], name=f"weight{i}"),
+        ]
+    nodes += [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+        helper.make_node("Flatten", ["c2"], ["f"], name="flat"),
+        helper.make_node("Tile", ["m", "reps"], ["mask"], name="tile"),
+        helper.make_node("MatMul", ["f", "mask"], ["y"], name="masked"),
+    ]
+    inits = {
+        "v1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "g1": np.abs(rng.standard_normal((8, 1, 1, 1))).astype(np.float32) + 0.5,
+        "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
+        "v2": rng.standard_normal((4, 8, 3, 3)).astype(np.float32),
+        "g2": np.abs(rng.standard_normal((4, 1, 1, 1))).astype(np.float32) + 0.5,
+        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
+        "m": rng.standard_normal((1, 1)).astype(np.float32),
+        "reps": np.array([256, 300], np.int64),  # 76 800 values from one
+    }
+    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+
+
+def test_weights_computed_from_constants_are_stored_as_weights(tmp_path: Path) -> None:
+    """The normalized weights fold into initializers (computed by onnx's reference, within
+    float32 precision of onnxruntime), the tiled mask stays a Tile (stored, it would grow the
+    file), and calibration quantizes both Convs with their weights per channel, read from
+    codes stored once: no QuantizeLinear runs on them (before, each was an activation
+    quantized per tensor at every run)."""
+    rng = np.random.default_rng(14)
+    model = _weight_normalized_convs(rng)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["fold-constant-weights"] == (
+        "stored 6 computations of constant weights as initializers")
+    assert _ops(prepared) == Counter({"Conv": 2, "Relu": 1, "Flatten": 1, "Tile": 1,
+                                      "MatMul": 1})
+    folded = {t.name: numpy_helper.to_array(t) for t in prepared.graph.initializer}
+    for i in (1, 2):
+        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        v, g = inits[f"v{i}"].astype(np.float64), inits[f"g{i}"].astype(np.float64)
+        want = g * v / np.sqrt((v * v).sum(axis=(1, 2, 3), keepdims=True))
+        np.testing.assert_allclose(folded[f"w{i}"], want, rtol=1e-6)
+    assert "mask" not in folded
+    _assert_same_outputs(model, prepared, _feed(rng))
+
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    records = {t["name"]: t for t in result.report["tensors"]}
+    assert records["w1"]["role"] == records["w2"]["role"] == "weight"
+    quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert not {"w1", "w2"} & quantize_inputs
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["conv1"] and decisions["conv2"]
+
+
 def test_a_kernel_reshaped_by_shape_arithmetic_on_constants_is_a_weight(tmp_path: Path) -> None:
     """tf2onnx's Keras EinsumDense: the kernel reaches its Gemm through a Reshape whose shape
     is computed at run time from the kernel's own shape. The shape arithmetic folds into
