@@ -126,6 +126,33 @@ def test_model_failing_the_checker_is_a_model_error(tmp_path: Path) -> None:
         load_model(path)
 
 
+def test_an_output_declared_without_a_shape_gets_the_inferred_one(tmp_path: Path) -> None:
+    """onnxruntime runs a model whose output type lost its shape (cleared by hand); onnx.checker
+    refuses it. The output is declared with the shape onnx infers (here from the input's
+    symbolic batch), and the model loads, checks and computes as before."""
+    rng = np.random.default_rng(6)
+    model = _matmul_model(rng)
+    model.graph.output[0].type.tensor_type.ClearField("shape")
+    path = tmp_path / "shapeless.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(onnx.checker.ValidationError, match="shape"):
+        onnx.checker.check_model(model)
+    loaded = load_model(path)
+    dims = loaded.model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["N", 8]
+    onnx.checker.check_model(loaded.model)
+    assert loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # the file's own
+
+
+def test_an_input_declared_without_a_shape_is_refused_by_name(tmp_path: Path) -> None:
+    model = _matmul_model(np.random.default_rng(7))
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    path = tmp_path / "noshape.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ModelError, match=r"noshape.onnx: input 'x' declares no shape"):
+        load_model(path)
+
+
 def test_directory_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="not a regular file"):
         load_model(tmp_path)

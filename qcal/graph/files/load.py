@@ -65,6 +65,8 @@ def load_model(path: Path | str) -> LoadedModel:
     declared = frozenset(v.name for graph in all_graphs(model.graph) for v in graph.value_info)
     external = list(_external_tensors(model))
     if not external:
+        if _declare_output_shapes(path, model):
+            data = model.SerializeToString()  # the checker reads the declarations just made
         _run_checker(path, data)
         return LoadedModel(path=path, model=model, sha256=digest, declared_shapes=declared)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
@@ -121,6 +123,41 @@ def _parse(path: Path, data: bytes) -> onnx.ModelProto:
     if model.ir_version <= 0 or not model.HasField("graph"):
         raise ModelError(f"{path}: not an ONNX model (no IR version or graph)")
     return model
+
+
+def _declare_output_shapes(path: Path, model: onnx.ModelProto) -> bool:
+    """Declare the shape of each graph output that declares a tensor type but no shape (not
+    even a rank), from onnx's shape inference; whether any was declared.
+
+    onnx.checker requires a shape on the graph's inputs and outputs, onnxruntime does not: a
+    model whose output declarations were cleared by hand (to let any shape through) runs, and
+    was refused here. An output whose shape inference cannot find, or an input without a
+    shape, is still refused, by name. (A model with external data is checked from its file,
+    as it stands.)
+    """
+    def shapeless(value: onnx.ValueInfoProto) -> bool:
+        kind = value.type.WhichOneof("value")
+        return kind == "tensor_type" and not value.type.tensor_type.HasField("shape")
+
+    for value in model.graph.input:
+        if shapeless(value):
+            raise ModelError(f"{path}: input {value.name!r} declares no shape (not even a rank); "
+                             "onnx.checker requires one")
+    missing = [v for v in model.graph.output if shapeless(v)]
+    if not missing:
+        return False
+    try:
+        inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.output}
+    except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
+        inferred = {}
+    for value in missing:
+        found = inferred.get(value.name)
+        if found is None or shapeless(found) or found.type.WhichOneof("value") != "tensor_type":
+            raise ModelError(f"{path}: output {value.name!r} declares no shape (not even a "
+                             "rank), and onnx's shape inference cannot find one; onnx.checker "
+                             "requires it")
+        value.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+    return True
 
 
 def _run_checker(path: Path, model: bytes | str) -> None:
