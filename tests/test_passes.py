@@ -24,7 +24,7 @@ from qcal.graph.passes import (
 )
 from qcal.graph.passes import upgrade_opset as upgrade_module
 from qcal.numerics.errors import ConfigError, ModelError
-from qcal.pipeline import calibrate
+from qcal.pipeline import CalibrationResult, calibrate
 
 
 def _feed(rng: np.random.Generator, shape: tuple[int, ...] = (2, 3, 8, 8)) -> dict[str, np.ndarray]:
@@ -44,6 +44,15 @@ def _ops(model: onnx.ModelProto) -> Counter[str]:
 
 def _steps(steps: list) -> dict[str, str]:  # type: ignore[type-arg]
     return {s.name: s.detail for s in steps}
+
+
+def _calibrated(model: onnx.ModelProto, folder: Path, **calibration: np.ndarray) -> CalibrationResult:
+    """`model` saved in `folder` and calibrated on `calibration` (input name -> samples) by
+    qcal's defaults without the fallback: what the prepared model gives the planner."""
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "calib.npz", **calibration)
+    return calibrate(folder / "m.onnx",
+                     CalibrationConfig(data=folder / "calib.npz", fallback=False))
 
 
 # ----------------------------------------------------------------------------- prepare_model
@@ -451,10 +460,7 @@ def test_shared_biases_are_quantized_for_each_conv(tmp_path: Path) -> None:
     runs both as QLinearConv (a shared float bias left them in float on dequantized weights)."""
     rng = np.random.default_rng(9)
     model = _shared_bias_convs(rng)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
     biases = [t for t in result.report["tensors"] if t["role"] == "bias"]
     assert len(biases) == 2
     assert result.report["coverage"]["quantized_compute_nodes"] == 2
@@ -485,10 +491,7 @@ def test_a_bias_a_layer_norm_also_reads_is_copied_for_the_conv(tmp_path: Path) -
     readers = {n.name: list(n.input) for n in prepared.graph.node}
     assert readers["norm"][2] == "zero" and readers["patch"][2] not in ("zero", "")
     _assert_same_outputs(model, prepared, _feed(rng))
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["patch"]["quantized"], decisions["patch"]["reason"]
 
@@ -533,10 +536,7 @@ def test_views_of_constant_weights_are_stored_as_weights(tmp_path: Path) -> None
     assert not {"P", "P2", "shape"} & {t.name for t in prepared.graph.initializer}
     feeds = {"ids": rng.integers(0, 10, (3, 5))}
     _assert_same_outputs(model, prepared, feeds)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", ids=rng.integers(0, 10, (8, 5)))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, ids=rng.integers(0, 10, (8, 5)))
     roles = {t["name"]: t["role"] for t in result.report["tensors"]}
     assert roles["Et"] == roles["P3"] == "weight"
     quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
@@ -598,10 +598,7 @@ def test_weights_computed_from_constants_are_stored_as_weights(tmp_path: Path) -
     assert "mask" not in folded
     _assert_same_outputs(model, prepared, _feed(rng))
 
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
     records = {t["name"]: t for t in result.report["tensors"]}
     assert records["w1"]["role"] == records["w2"]["role"] == "weight"
     quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
@@ -635,10 +632,7 @@ def test_a_kernel_reshaped_by_shape_arithmetic_on_constants_is_a_weight(tmp_path
     np.testing.assert_array_equal(numpy_helper.to_array(weight), kernel.reshape(8, 6))
     feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32)}
     _assert_same_outputs(model, prepared, feeds)
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 8)).astype(np.float32))
     roles = {t["name"]: t["role"] for t in result.report["tensors"]}
     assert roles["W"] == "weight"
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
@@ -693,10 +687,7 @@ def test_local_functions_are_inlined_so_their_convolutions_are_planned(tmp_path:
     assert {o.domain for o in prepared.opset_import} == {""}
     _assert_same_outputs(model, prepared, _feed(rng))
 
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
     convs = [n for n in result.report["nodes"] if n["op_type"] == "Conv"]
     assert len(convs) == 2 and all(n["quantized"] for n in convs)
     assert result.report["coverage"]["quantized_compute_nodes"] == 3
