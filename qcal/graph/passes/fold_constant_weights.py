@@ -49,7 +49,7 @@ _ARITHMETIC_OPS = frozenset({
     "ReduceMin", "LpNormalization", "Concat", "Slice", "Gather", "Expand", "Tile", "Where",
 })
 _FOLDED_OPS = _VIEW_OPS | _ARITHMETIC_OPS
-# A computed weight may hold this many values more than its operands did.
+# A computed weight holds at most as many values as its operands together, or this many.
 _FEW_VALUES = 1 << 16
 
 
@@ -73,10 +73,10 @@ class FoldConstantWeights:
             if node.output[0] not in wanted:
                 return None
             if node.op_type in _VIEW_OPS:
-                value = _fold(node, constants, opset)
+                value = _view(node, constants, opset)
                 folded["views"] += value is not None
                 return value
-            value = _compute(node, constants, opset)
+            value = _arithmetic(node, constants, opset)
             folded["arithmetic"] += value is not None
             return value
 
@@ -103,8 +103,8 @@ def _read_as_weights(graph: onnx.GraphProto) -> set[str]:
     return wanted
 
 
-def _compute(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
-             opset: int) -> np.ndarray | None:
+def _arithmetic(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+                opset: int) -> np.ndarray | None:
     """The float value arithmetic `node` computes from constants alone, or None."""
     if (node.op_type not in _ARITHMETIC_OPS or node.domain not in DEFAULT_DOMAINS
             or len(node.output) != 1 or not node.input
@@ -124,7 +124,7 @@ def _size(tensor: onnx.TensorProto) -> int:
     return math.prod(int(d) for d in tensor.dims)
 
 
-def _fold(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+def _view(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
           opset: int) -> np.ndarray | None:
     """The value `node` computes from constants alone, when it is a float view; else None."""
     if (node.op_type not in _VIEW_OPS or node.domain not in DEFAULT_DOMAINS

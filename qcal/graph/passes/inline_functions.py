@@ -54,10 +54,11 @@ class InlineFunctions:
         del inlined.opset_import[:]
         inlined.opset_import.extend(keep)
         count = len(local)
-        return StepResult(
-            inlined, True,
-            f"inlined {calls} call{'s' * (calls != 1)} of {count} local "
-            f"function{'s' * (count != 1)}")
+        functions = f"{count} local function{'s' * (count != 1)}"
+        if not calls:
+            return StepResult(inlined, True, f"dropped {functions} that nothing calls")
+        return StepResult(inlined, True,
+                          f"inlined {calls} call{'s' * (calls != 1)} of {functions}")
 
 
 def _nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
