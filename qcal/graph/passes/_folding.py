@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -12,16 +13,17 @@ from onnx import helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.structure import drop_unread_initializers
 
-__all__ = ["evaluate_node", "fold_into_initializers"]
+__all__ = ["evaluate_node", "fold_into_initializers", "tensor_size"]
 
 # A node's value from the constants it may read (None: the node stays).
 ValueOf = Callable[[onnx.NodeProto, dict[str, onnx.TensorProto]], "np.ndarray | None"]
 
 
 def fold_into_initializers(model: onnx.ModelProto, value_of: ValueOf) -> int:
-    """Replace each main-graph node whose value `value_of` computes by an initializer of its
-    output's name, in graph order: the constants it is given (initializers that are not graph
-    inputs) include what folded before it, so chains fold in one run. A graph output never
+    """Replace each main-graph node that reads constants alone and whose value `value_of`
+    computes by an initializer of its output's name, in graph order: the constants it is given
+    (initializers that are not graph inputs) include what folded before it, so chains fold in
+    one run. A graph output never
     folds; once something has, the initializers nothing reads any more go. Returns how many
     nodes folded."""
     graph = model.graph
@@ -32,7 +34,8 @@ def fold_into_initializers(model: onnx.ModelProto, value_of: ValueOf) -> int:
     kept = []
     for node in graph.node:
         value = None
-        if node.output and node.output[0] not in outputs:
+        if (node.output and node.output[0] not in outputs and node.input
+                and all(not v or v in constants for v in node.input)):
             value = value_of(node, constants)
         if value is None:
             kept.append(node)
@@ -70,3 +73,8 @@ def evaluate_node(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
         return np.asarray(results[0])
     except Exception:  # noqa: BLE001  an operator the reference cannot run stays as it is
         return None
+
+
+def tensor_size(tensor: onnx.TensorProto) -> int:
+    """How many values `tensor` holds, from its dimensions."""
+    return math.prod(int(d) for d in tensor.dims)

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
-from qcal.graph.passes._folding import evaluate_node, fold_into_initializers
+from qcal.graph.passes._folding import evaluate_node, fold_into_initializers, tensor_size
 from qcal.graph.structure import DEFAULT_DOMAINS, default_opset
 
 __all__ = ["FoldConstantShapes"]
@@ -62,9 +62,7 @@ class FoldConstantShapes:
 
 def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
               opset: int) -> np.ndarray | None:
-    """The integer value `node` computes from constants alone, or None."""
-    if not node.input or any(v and v not in constants for v in node.input):
-        return None
+    """The integer value `node` computes from the constants it reads, or None."""
     if node.op_type in ("Shape", "Size"):  # the dimensions alone: no data read
         dims = [int(d) for d in constants[node.input[0]].dims]
         if node.op_type == "Size":
@@ -74,7 +72,7 @@ def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
         return np.array(dims[start:end], np.int64)
     operands = [constants[v] for v in node.input if v]
     if any(t.data_type not in _INTEGER_TYPES and t.data_type != onnx.TensorProto.BOOL
-           for t in operands) or any(_size(t) > _MOST_VALUES for t in operands):
+           for t in operands) or any(tensor_size(t) > _MOST_VALUES for t in operands):
         return None
     value = evaluate_node(node, constants, opset)
     if value is None:
@@ -83,6 +81,3 @@ def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
         return None
     return value
 
-
-def _size(tensor: onnx.TensorProto) -> int:
-    return int(np.prod([int(d) for d in tensor.dims], dtype=np.int64))

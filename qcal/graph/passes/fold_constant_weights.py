@@ -13,29 +13,21 @@ Planned as it stands, such a weight is an activation: observed over the calibrat
 quantized per tensor and quantized again by a QuantizeLinear on every run (a weight-normalized
 vocoder ran 1.12x its float latency, against 0.75x for the same network exported with the
 computation folded). Folded, it is a weight like any other (per channel, codes stored once).
-onnxruntime folds such nodes itself when it loads the float model. Views are taken exactly;
-arithmetic is computed by onnx's reference evaluator (numpy), which may differ from
-onnxruntime's kernels in the last bit of a sum: far below any quantization step.
+onnxruntime folds such nodes itself when it loads the float model. Both are computed by onnx's
+reference evaluator (numpy): views exactly, arithmetic possibly differing from onnxruntime's
+kernels in the last bit of a sum, far below any quantization step.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper
 
-from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
-from qcal.graph.passes._folding import evaluate_node, fold_into_initializers
-from qcal.graph.structure import (
-    COMPUTE_OPS,
-    DEFAULT_DOMAINS,
-    FLOAT_TYPES,
-    default_opset,
-)
+from qcal.graph.passes._folding import evaluate_node, fold_into_initializers, tensor_size
+from qcal.graph.structure import COMPUTE_OPS, DEFAULT_DOMAINS, default_opset
 
 __all__ = ["FoldConstantWeights"]
 
@@ -72,12 +64,9 @@ class FoldConstantWeights:
                      ) -> np.ndarray | None:
             if node.output[0] not in wanted:
                 return None
-            if node.op_type in _VIEW_OPS:
-                value = _view(node, constants, opset)
-                folded["views"] += value is not None
-                return value
-            value = _arithmetic(node, constants, opset)
-            folded["arithmetic"] += value is not None
+            value = _value(node, constants, opset)
+            if value is not None:
+                folded["views" if node.op_type in _VIEW_OPS else "arithmetic"] += 1
             return value
 
         count = fold_into_initializers(model, value_of)
@@ -103,67 +92,17 @@ def _read_as_weights(graph: onnx.GraphProto) -> set[str]:
     return wanted
 
 
-def _arithmetic(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
-                opset: int) -> np.ndarray | None:
-    """The float value arithmetic `node` computes from constants alone, or None."""
-    if (node.op_type not in _ARITHMETIC_OPS or node.domain not in DEFAULT_DOMAINS
-            or len(node.output) != 1 or not node.input
-            or any(v and v not in constants for v in node.input)
-            or not any(constants[v].data_type in FLOAT_TYPES for v in node.input if v)):
+def _value(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
+           opset: int) -> np.ndarray | None:
+    """The float value a view of or arithmetic on constants (all it reads) computes (onnx's reference
+    evaluator: a view moves the values exactly), or None."""
+    if (node.op_type not in _FOLDED_OPS or node.domain not in DEFAULT_DOMAINS
+            or len(node.output) != 1 or not node.input[0]):
         return None
     value = evaluate_node(node, constants, opset)
     if value is None or value.dtype.kind != "f":
         return None
     # An Expand or Tile that only repeats a constant stays: onnxruntime folds it at load, and
     # stored, it would grow the model file.
-    read = sum(_size(constants[v]) for v in node.input if v)
+    read = sum(tensor_size(constants[v]) for v in node.input if v)
     return value if value.size <= max(read, _FEW_VALUES) else None
-
-
-def _size(tensor: onnx.TensorProto) -> int:
-    return math.prod(int(d) for d in tensor.dims)
-
-
-def _view(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
-          opset: int) -> np.ndarray | None:
-    """The value `node` computes from constants alone, when it is a float view; else None."""
-    if (node.op_type not in _VIEW_OPS or node.domain not in DEFAULT_DOMAINS
-            or len(node.output) != 1 or not node.input or not node.input[0]
-            or any(v and v not in constants for v in node.input)):
-        return None
-    first = constants[node.input[0]]
-    attributes: dict[str, Any] = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    to = attributes.get("to")
-    if (to if node.op_type == "Cast" else first.data_type) not in FLOAT_TYPES:
-        return None
-    x = tensor_array(first)
-    extra = [tensor_array(constants[v]) if v else None for v in node.input[1:]]
-    if node.op_type == "Transpose":
-        perm = attributes.get("perm")
-        return np.ascontiguousarray(np.transpose(x, perm))
-    if node.op_type == "Cast":
-        return x.astype(helper.tensor_dtype_to_np_dtype(int(attributes["to"])))
-    if node.op_type == "Flatten":
-        axis = int(attributes.get("axis", 1))
-        axis = axis + x.ndim if axis < 0 else axis
-        return x.reshape(math.prod(x.shape[:axis]), -1)
-    if node.op_type == "Reshape":
-        if not extra or extra[0] is None:
-            return None
-        shape = [int(d) for d in extra[0]]
-        if not attributes.get("allowzero", 0):
-            shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
-        return x.reshape(shape)
-    axes = attributes.get("axes") if opset < 13 else (
-        [int(a) for a in extra[0]] if extra and extra[0] is not None else None)
-    if node.op_type == "Unsqueeze":
-        if axes is None:
-            return None
-        rank = x.ndim + len(axes)
-        for axis in sorted(a + rank if a < 0 else a for a in axes):
-            x = np.expand_dims(x, axis)
-        return x
-    # Squeeze: the given axes, or every axis of size 1.
-    if axes is None:
-        return np.squeeze(x)
-    return np.squeeze(x, axis=tuple(a + x.ndim if a < 0 else a for a in axes))
