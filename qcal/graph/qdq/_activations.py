@@ -160,7 +160,7 @@ class _ActivationWriter(_Writer):
         readers = [use.node for use in rewrite.index.uses.get(tensor, ())]
         return bool(readers) and all(
             node.op_type in _INTEGER_DATA_OPS and node.domain in DEFAULT_DOMAINS
-            and bool(node.output) and node.output[0] in self._planned_activations
+            and bool(node.output) and node.output[0] in self._activation_qparams
             for node in readers
         )
 

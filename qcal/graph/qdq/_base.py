@@ -29,7 +29,6 @@ class _Writer:
     _weights: tuple[WeightTarget, ...]
     _biases: tuple[BiasTarget, ...]
     _activation_qparams: dict[str, OnnxQParams]
-    _planned_activations: frozenset[str]
     _weight_codes: dict[str, QuantizedWeight]
     _quantized_reads: set[tuple[str, str]]
     _quantized_weights: set[tuple[str, str]]

@@ -94,9 +94,9 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         self._activations = tuple(sorted(plan.activations, key=lambda t: t.tensor))
         self._weights = tuple(sorted(plan.weights, key=lambda t: (t.tensor, t.node)))
         self._biases = tuple(sorted(plan.biases, key=lambda t: (t.tensor, t.node)))
-        self._activation_qparams = dict(activations)
-        # What this plan quantizes: `activations` may hold parameters for more (an earlier plan's)
-        self._planned_activations = frozenset(t.tensor for t in self._activations)
+        # This plan's alone: `activations` may hold parameters for more (an earlier plan's).
+        self._activation_qparams = {t.tensor: activations[t.tensor] for t in self._activations
+                                    if t.tensor in activations}
         self._weight_codes = dict(weights)
         # Who reads what quantized, for the bias rule: (tensor, node) pairs.
         self._quantized_reads = {
