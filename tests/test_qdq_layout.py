@@ -693,3 +693,111 @@ def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> N
     assert not {"Conv", "FusedConv", "Add"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def _hard_activation_block(rng: np.random.Generator) -> onnx.ModelProto:
+    """conv -> HardSwish -> conv -> HardSigmoid (paddle's slope 0.2) gating the HardSwish's
+    output -> conv -> conv (the head, which writes the output in float), as MobileNetV3's
+    blocks are exported."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("HardSwish", ["c1"], ["hs"], name="hswish"),
+        helper.make_node("Conv", ["hs", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("HardSigmoid", ["c2"], ["gate"], name="hsigmoid", alpha=0.2, beta=0.5),
+        helper.make_node("Mul", ["hs", "gate"], ["gated"], name="se_mul"),
+        helper.make_node("Conv", ["gated", "w3", "b3"], ["c3"], name="conv3"),
+        helper.make_node("Conv", ["c3", "w4", "b4"], ["y"], name="head"),
+    ]
+    inits = _conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.4),
+                                "3": ((8, 8, 1, 1), 0.3), "4": ((4, 8, 1, 1), 0.3)})
+    return build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], inits,
+                       opset=14)
+
+
+def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
+    tmp_path: Path,
+) -> None:
+    """onnxruntime has no integer kernel for either; under placement auto the writer spells them
+    as integer Add (and Mul), so nothing between the first and the last Conv runs in float.
+    Placement "all" emulates a target: the nodes stay, between their pairs."""
+    rng = np.random.default_rng(21)
+    model = _hard_activation_block(rng)
+    x = rng.standard_normal((16, 3, 12, 12)).astype(np.float32)
+    written = _run(model, tmp_path, x, fallback=False).model
+    onnx.checker.check_model(written)
+    assert not {"HardSwish", "HardSigmoid"} & {n.op_type for n in written.graph.node}
+    ops = _optimized_ops(written, tmp_path)
+    assert not {"HardSwish", "HardSigmoid", "Add", "Mul", "FusedConv"} & set(ops), ops
+    # HardSwish: Add and Mul; HardSigmoid: Add; the gating Mul
+    assert ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 2, ops
+    reference = _outputs(model, x[:4])
+    error = np.abs(_outputs(written, x[:4]) - reference).max()
+    assert error < 0.05 * np.abs(reference).max()
+
+    emulated = _run(model, tmp_path, x, fallback=False, placement="all").model
+    kept = Counter(n.op_type for n in emulated.graph.node)
+    assert kept["HardSwish"] == 1 and kept["HardSigmoid"] == 1
+
+
+def _between_pair(op_type: str, y_scale: float, **attributes: float) -> onnx.ModelProto:
+    """uint8 codes -> DequantizeLinear -> `op_type` -> QuantizeLinear -> uint8 codes."""
+    nodes = [
+        helper.make_node("DequantizeLinear", ["codes", "xs", "xz"], ["x"], name="dq"),
+        helper.make_node(op_type, ["x"], ["y"], name="act", **attributes),
+        helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["out"], name="q"),
+    ]
+    graph = helper.make_graph(
+        nodes, "pair", [helper.make_tensor_value_info("codes", onnx.TensorProto.UINT8, [256])],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.UINT8, [256])],
+        [onnx.numpy_helper.from_array(np.array(v, dtype), n) for n, v, dtype in (
+            ("xs", 0.05, np.float32), ("xz", 120, np.uint8),
+            ("ys", y_scale, np.float32), ("yz", 0, np.uint8))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+
+
+def _codes(model: onnx.ModelProto, *, optimized: bool) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    every = np.arange(256, dtype=np.uint8)
+    return np.asarray(session.run(None, {"codes": every})[0]).astype(np.int64)
+
+
+def _quantize(values: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
+    """numpy's QuantizeLinear to uint8: float32 division, half to even, saturation."""
+    steps = np.rint(values.astype(np.float32) / np.float32(scale)).astype(np.int64) + zero_point
+    return np.clip(steps, 0, 255)
+
+
+@pytest.mark.parametrize("op_type", ["HardSwish", "HardSigmoid"])
+def test_the_integer_forms_compute_what_they_document(op_type: str) -> None:
+    """Every one of the 256 input codes: the rewritten pair computes the documented arithmetic
+    (numpy, below), onnxruntime's fused integer kernels agree with it to a code, and
+    both stay within a code (HardSigmoid) or two (HardSwish, whose gate x + 3 is rounded to 8
+    bits) of the node it replaces."""
+    from qcal.graph.qdq._integer_forms import write_integer_forms
+
+    attributes = {"alpha": 0.2, "beta": 0.5} if op_type == "HardSigmoid" else {}
+    y_scale = 1 / 255 if op_type == "HardSigmoid" else 0.03
+    model = _between_pair(op_type, y_scale, **attributes)
+    original = _codes(model, optimized=False)
+    assert write_integer_forms(model, frozenset({"act"})) == 1
+    onnx.checker.check_model(model)
+    assert op_type not in {n.op_type for n in model.graph.node}
+    written, fused = _codes(model, optimized=False), _codes(model, optimized=True)
+
+    x = ((np.arange(256) - 120) * np.float32(0.05)).astype(np.float32)
+    if op_type == "HardSigmoid":  # one Add of beta / alpha, quantized with scale y_scale / alpha
+        shift = np.float32(255 * np.float32(2.5 / 255))
+        expected = _quantize(x + shift, float(np.float32(y_scale)) / float(np.float32(0.2)), 0)
+    else:  # x + 3 on [0, min(6, 3 + the top of x)], times x, quantized with scale 6 * y_scale
+        gate_scale = np.float32(min(6.0, 3.0 + 135 * np.float32(0.05)) / 255)
+        three = np.float32(255 * np.float32(3 / 255))
+        gate = _quantize(x + three, gate_scale, 0).astype(np.float32) * gate_scale
+        expected = _quantize(x * gate, np.float32(np.float32(y_scale) * 6), 0)
+    # onnxruntime's QuantizeLinear may round an exact tie (x.5 in float32) the other way
+    assert np.abs(written - expected).max() <= 1 and (written == expected).mean() >= 0.99
+    assert np.abs(fused - written).max() <= 1
+    assert np.abs(written - original).max() <= (1 if op_type == "HardSigmoid" else 2)

@@ -114,4 +114,6 @@ def restrict_plan(
             nodes.append(dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
         else:
             nodes.append(NodeDecision(decision.node, decision.op_type, False, why))
-    return QuantPlan(tuple(activations), weights, biases, tuple(nodes))
+    quantized = {d.node for d in nodes if d.quantized}
+    return QuantPlan(tuple(activations), weights, biases, tuple(nodes),
+                     plan.integer_forms & quantized)

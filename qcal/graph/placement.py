@@ -22,7 +22,8 @@ softmax, GELU, recurrent state). So under "auto":
   float kernel (_MIN_CHANNELS_PER_GROUP). Unless its output runs straight into a quantized node:
   onnxruntime then quantizes its weight itself (per tensor) and runs that kernel anyway;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
-  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant) is quantized only when it sits
+  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish and HardSigmoid, which
+  the Q/DQ writer spells as integer Add and Mul) is quantized only when it sits
   *between* anchors: every float input
   it computes with comes from a quantized anchor or such an operator, or is an anchor's input
   (quantized anyway: a residual Add beside the Conv that reads a MaxPool's output), and its
@@ -83,6 +84,10 @@ _SERVING_OPS = frozenset({
     "DepthToSpace", "SpaceToDepth", "GlobalMaxPool", "Resize",
     "AveragePool", "GlobalAveragePool", "Concat", "Add", "Mul", "Div", "Relu", "Clip",
     "LeakyRelu", "Sigmoid",  # bounded slopes: they shrink an input error, never amplify it
+    # no integer kernel of their own: the Q/DQ writer spells them as integer Add and Mul
+    # (`OpRule.integer_form`); float between integer Convs they also break the channels-last
+    # layout onnxruntime gives integer chains (MobileNetV3-like models: 5-17 % of their time)
+    "HardSwish", "HardSigmoid",
 })
 
 

@@ -125,6 +125,7 @@ class _Planner(_Selection):
             weights=_weight_targets(found.weights, found.operands),
             biases=tuple(sorted(found.biases, key=lambda b: (b.tensor, b.node))),
             nodes=tuple(found.decisions),
+            integer_forms=frozenset(found.integer_forms),
         )
 
     def _plan_into(self, found: _Found) -> None:
@@ -172,6 +173,8 @@ class _Planner(_Selection):
             found.biases.append(bias)
         reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
         found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
+        if rule.integer_form and self._rules.placement == "auto" and self._rules.op_types is None:
+            found.integer_forms.add(node.name)
 
     def _activation_inputs(self, node: onnx.NodeProto) -> list[str]:
         """The float activations (not constants) `node` reads at the inputs its rule quantizes."""

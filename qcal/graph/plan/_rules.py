@@ -52,6 +52,10 @@ class OpRule:
             input 1 is a positive constant scalar c; its output then takes input 0's parameters
             with the scale divided by c, and the division is folded into the output's
             DequantizeLinear (``DQ(q, s, z) / c = DQ(q, s / c, z)``): nothing left to run.
+        integer_form: onnxruntime has no integer kernel for the op, but under placement "auto"
+            the Q/DQ writer spells it, between its input's DequantizeLinear and its output's
+            QuantizeLinear, as an Add (and a Mul) that onnxruntime runs on integers
+            (`QuantPlan.integer_forms`).
     """
 
     summary: str
@@ -64,6 +68,7 @@ class OpRule:
     bias: int | None = None
     fuses_activation: bool = False
     divides_by_constant: bool = False
+    integer_form: bool = False
 
 
 def _data_rule(what: str) -> OpRule:
@@ -127,6 +132,13 @@ OP_RULES: Mapping[str, OpRule] = {
     "Relu": _data_rule("input X"),
     "LeakyRelu": _data_rule("input X"),
     "Sigmoid": _data_rule("input X"),
+    "HardSigmoid": OpRule(
+        "input X and the output; under placement auto written as an integer Add whose output "
+        "quantization clips to [0, 1]", integer_form=True),
+    "HardSwish": OpRule(
+        "input X and the output; under placement auto written as an integer Add (x + 3, "
+        "clipped to [0, 6] by its quantization) and an integer Mul by x, the / 6 in the "
+        "output's scale", integer_form=True),
     "Softmax": _data_rule("input X"),
     "Clip": _data_rule("input X (never min/max)"),
     "Resize": _data_rule("input X (never roi/scales/sizes)"),

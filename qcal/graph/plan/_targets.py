@@ -44,6 +44,7 @@ class _Found:
     shares: dict[str, tuple[str, float]] = field(default_factory=dict)
     biases: list[BiasTarget] = field(default_factory=list)
     decisions: list[NodeDecision] = field(default_factory=list)
+    integer_forms: set[str] = field(default_factory=set)  # `QuantPlan.integer_forms`
 
 
 def _weight_targets(

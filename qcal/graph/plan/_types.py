@@ -124,9 +124,17 @@ class NodeDecision:
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """What to quantize: targets sorted by tensor name, node decisions in graph order."""
+    """What to quantize: targets sorted by tensor name, node decisions in graph order.
+
+    `integer_forms` names the quantized nodes (HardSwish, HardSigmoid: `OpRule.integer_form`)
+    that the Q/DQ writer spells in operators onnxruntime runs on integers, where it finds the
+    node between its input's DequantizeLinear and its output's QuantizeLinear. Only placement
+    "auto" asks for it: "all" emulates a target's arithmetic, which quantizes only the node's
+    input and output.
+    """
 
     activations: tuple[ActivationTarget, ...]
     weights: tuple[WeightTarget, ...]
     biases: tuple[BiasTarget, ...]
     nodes: tuple[NodeDecision, ...]
+    integer_forms: frozenset[str] = frozenset()

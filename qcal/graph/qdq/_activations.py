@@ -35,6 +35,8 @@ _INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
     "AveragePool": (0,),
     "GlobalAveragePool": (0,),
     "Sigmoid": (0,),
+    "HardSigmoid": (0,),  # as the integer Add the writer spells it with (`_integer_forms`)
+    "HardSwish": (0,),  # as integer Add and Mul, likewise
     "LeakyRelu": (0,),
     "Softmax": (0,),
 }

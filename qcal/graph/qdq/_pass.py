@@ -31,6 +31,7 @@ from qcal.graph.qdq._codes import (
 )
 from qcal.graph.qdq._emit import _Scopes
 from qcal.graph.qdq._fold import _DivisionFolder
+from qcal.graph.qdq._integer_forms import write_integer_forms
 from qcal.graph.qdq._weights import _group_by_tensor, _WeightWriter
 from qcal.graph.structure import (
     all_graphs,
@@ -94,6 +95,7 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         self._activations = tuple(sorted(plan.activations, key=lambda t: t.tensor))
         self._weights = tuple(sorted(plan.weights, key=lambda t: (t.tensor, t.node)))
         self._biases = tuple(sorted(plan.biases, key=lambda t: (t.tensor, t.node)))
+        self._integer_forms = plan.integer_forms
         # This plan's alone: `activations` may hold parameters for more (an earlier plan's).
         self._activation_qparams = {t.tensor: activations[t.tensor] for t in self._activations
                                     if t.tensor in activations}
@@ -175,6 +177,7 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         for bias in self._biases:
             self._quantize_bias(scopes, bias)
         scopes.finish()
+        write_integer_forms(out, self._integer_forms)
         if self._declared_shapes is not None:
             keep_declared_shapes(out.graph, self._declared_shapes)
         for tensor in out.graph.initializer:

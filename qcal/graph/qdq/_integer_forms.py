@@ -1,0 +1,203 @@
+"""HardSwish and HardSigmoid spelled in operators onnxruntime runs on integers.
+
+onnxruntime has no integer kernel for either: between a DequantizeLinear and a QuantizeLinear
+it runs them in float, and between integer Convs that also ends the channels-last layout it
+gives integer chains (a Transpose each way). Both are an Add and a clip, and the clip is what
+a QuantizeLinear does anyway when its range is the clip's, so after the writer has placed the
+pairs, a node the plan names in `QuantPlan.integer_forms` that sits between its input's
+DequantizeLinear ``x`` and its output's QuantizeLinear (parameters ``s``, ``z``) becomes:
+
+* HardSigmoid ``clip(a x + b, 0, 1)`` = ``a clip(x + b / a, 0, 1 / a)``: an Add of ``b / a``
+  whose QuantizeLinear has scale ``s / a`` and zero point ``z``. Its codes are the output's
+  codes (``DQ(q, s / a, z) a = DQ(q, s, z)``), and its range is the clip's when the output's
+  range is within [0, 1] from 0 (``z`` the lowest code): one QLinearAdd.
+* HardSwish ``x clip(x + 3, 0, 6) / 6``: an Add of 3 quantized on [0, t] with
+  t = min(6, 3 + the largest value x's codes hold) (the lowest code at 0, so the range clips as
+  the formula does), then a Mul by x whose QuantizeLinear has scale ``6 s`` and zero point
+  ``z``, which writes the output's codes: QLinearAdd and QLinearMul. The gate ``x + 3`` is held
+  in 8 bits on its own range, the one rounding this form adds.
+
+The constant of each Add is an 8-bit code with a DequantizeLinear, as the integer Add needs.
+Elsewhere (a graph output, a float reader, per-axis or float16 parameters, an output range
+that does not start at 0) the node stays as written, in float between its pair.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.graph.files.large import tensor_array
+from qcal.graph.names import NameAllocator
+from qcal.graph.qdq._codes import integer_tensor
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    UseIndex,
+    all_graphs,
+    drop_unread_initializers,
+)
+
+__all__ = ["write_integer_forms"]
+
+_EIGHT_BITS: dict[int, tuple[int, int]] = {
+    TensorProto.UINT8: (0, 255), TensorProto.INT8: (-128, 127)}
+# An output range may end above 1 by float32 rounding of its scale (255 x (1 / 255)).
+_ONE = 1.0 + 1e-6
+
+
+def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
+    """Rewrite, in place, each node of `nodes` that sits between its pair (module docstring);
+    returns how many were rewritten."""
+    if not nodes:
+        return 0
+    names = NameAllocator.from_model(model)
+    done = 0
+    for graph in all_graphs(model.graph):
+        index = UseIndex.build(graph)
+        spellings: dict[int, list[onnx.NodeProto]] = {}  # id of a node -> its replacement
+        scales: set[str] = set()  # the output scales the QuantizeLinears no longer read
+        for node in graph.node:
+            if node.name in nodes and node.domain in DEFAULT_DOMAINS:
+                spelled = _spell(node, index, names, graph)
+                if spelled is not None:
+                    spellings[id(node)], scale = spelled
+                    scales.add(scale)
+                    _drop_value_info(graph, node.output[0])
+        if spellings:
+            kept = [new for node in graph.node for new in spellings.get(id(node), [node])]
+            del graph.node[:]
+            graph.node.extend(kept)
+            drop_unread_initializers(graph, scales)
+            done += len(spellings)
+    return done
+
+
+def _spell(
+    node: onnx.NodeProto, index: UseIndex, names: NameAllocator, graph: onnx.GraphProto
+) -> tuple[list[onnx.NodeProto], str] | None:
+    """The nodes that replace `node` and the scale the QuantizeLinear after it read before it
+    was edited in place (to quantize their output), or None."""
+    pair = _between_pair(node, index)
+    if pair is None:
+        return None
+    dequantize, quantize, x_scale, x_zero, y_scale, y_zero, dtype = pair
+    low, high = _EIGHT_BITS[dtype]
+    x, replaced = dequantize.output[0], quantize.input[1]
+    if node.op_type == "HardSigmoid":
+        alpha, beta = _attribute(node, "alpha", 0.2), _attribute(node, "beta", 0.5)
+        clips = y_zero == low and (high - y_zero) * y_scale <= _ONE  # its range in [0, 1]
+        if not (alpha > 0 and np.isfinite(beta) and clips):
+            return None
+        shift, shift_nodes = _constant(names, graph, node.name, beta / alpha, dtype)
+        gate = names.allocate(f"{node.name}_shifted")
+        add = helper.make_node("Add", [x, shift], [gate], name=names.allocate(f"{node.name}_Add"))
+        _requantize(quantize, gate, y_scale / alpha, names, graph)
+        return [*shift_nodes, add], replaced
+    # HardSwish: x * clip(x + 3, 0, 6) / 6
+    top = min(6.0, 3.0 + (high - x_zero) * x_scale)
+    if top <= 0:
+        return None  # x never above -3: the output is 0 (left as written)
+    three, three_nodes = _constant(names, graph, node.name, 3.0, dtype)
+    shifted = names.allocate(f"{node.name}_shifted")
+    add = helper.make_node("Add", [x, three], [shifted], name=names.allocate(f"{node.name}_Add"))
+    gate_scale = _initializer(names, graph, f"{node.name}_gate_scale",
+                              np.asarray(top / (high - low), np.float32))
+    gate_zero = _code(names, graph, f"{node.name}_gate_zero_point", low, dtype)
+    gate_codes = names.allocate(f"{node.name}_gate_quantized")
+    gate = names.allocate(f"{node.name}_gate")
+    quantize_gate = helper.make_node(
+        "QuantizeLinear", [shifted, gate_scale, gate_zero], [gate_codes],
+        name=names.allocate(f"{node.name}_gate_QuantizeLinear"))
+    dequantize_gate = helper.make_node(
+        "DequantizeLinear", [gate_codes, gate_scale, gate_zero], [gate],
+        name=names.allocate(f"{node.name}_gate_DequantizeLinear"))
+    product = names.allocate(f"{node.name}_product")
+    mul = helper.make_node("Mul", [x, gate], [product], name=names.allocate(f"{node.name}_Mul"))
+    _requantize(quantize, product, y_scale * 6.0, names, graph)
+    return [*three_nodes, add, quantize_gate, dequantize_gate, mul], replaced
+
+
+def _between_pair(
+    node: onnx.NodeProto, index: UseIndex
+) -> tuple[onnx.NodeProto, onnx.NodeProto, float, int, float, int, int] | None:
+    """(DequantizeLinear of the input, QuantizeLinear of the output, their scales and zero
+    points, the 8-bit type) when `node` reads a per-tensor DequantizeLinear and its output
+    goes to one per-tensor QuantizeLinear alone, all with float32 scales."""
+    if len(node.input) != 1 or len(node.output) != 1:
+        return None
+    output = node.output[0]
+    dequantize = index.producer.get(node.input[0])
+    readers = index.readers(output)
+    if (dequantize is None or dequantize.op_type != "DequantizeLinear"
+            or output in index.graph_outputs or len(readers) != 1
+            or len(index.uses.get(output, ())) != 1 or readers[0].op_type != "QuantizeLinear"):
+        return None
+    quantize = readers[0]
+    x_params = _scalar_params(dequantize, index)
+    y_params = _scalar_params(quantize, index)
+    if x_params is None or y_params is None or x_params[2] != y_params[2]:
+        return None
+    return dequantize, quantize, x_params[0], x_params[1], y_params[0], y_params[1], x_params[2]
+
+
+def _scalar_params(node: onnx.NodeProto, index: UseIndex) -> tuple[float, int, int] | None:
+    """(scale, zero point, its 8-bit type) of a Q/DQ node with per-tensor float32 constants."""
+    if node.domain not in DEFAULT_DOMAINS or len(node.input) != 3:
+        return None
+    scale, zero = index.constant(node.input[1]), index.constant(node.input[2])
+    if (scale is None or zero is None or scale.data_type != TensorProto.FLOAT
+            or zero.data_type not in _EIGHT_BITS):
+        return None
+    scales, zeros = tensor_array(scale), tensor_array(zero)
+    if scales.size != 1 or zeros.size != 1:
+        return None
+    return float(scales.reshape(())), int(zeros.reshape(())), zero.data_type
+
+
+def _requantize(quantize: onnx.NodeProto, value: str, scale: float, names: NameAllocator,
+                graph: onnx.GraphProto) -> None:
+    """Make the output's QuantizeLinear quantize `value` with `scale` (its zero point kept)."""
+    quantize.input[0] = value
+    quantize.input[1] = _initializer(names, graph, f"{value}_scale", np.asarray(scale, np.float32))
+
+
+def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: float,
+              dtype: int) -> tuple[str, list[onnx.NodeProto]]:
+    """`value` as one 8-bit code (the extreme code of its sign) and its DequantizeLinear."""
+    low, high = _EIGHT_BITS[dtype]
+    code, zero = (high, low) if value >= 0 else (low, high)
+    scale = abs(value) / (high - low) if value else 1.0
+    codes = _code(names, graph, f"{node}_constant_quantized", code, dtype)
+    zero_point = _code(names, graph, f"{node}_constant_zero_point", zero, dtype)
+    scale_name = _initializer(names, graph, f"{node}_constant_scale", np.asarray(scale, np.float32))
+    output = names.allocate(f"{node}_constant")
+    dequantize = helper.make_node(
+        "DequantizeLinear", [codes, scale_name, zero_point], [output],
+        name=names.allocate(f"{node}_constant_DequantizeLinear"))
+    return output, [dequantize]
+
+
+def _code(names: NameAllocator, graph: onnx.GraphProto, base: str, value: int, dtype: int) -> str:
+    name = names.allocate(base)
+    graph.initializer.append(integer_tensor(name, np.asarray(value), dtype))
+    return name
+
+
+def _initializer(names: NameAllocator, graph: onnx.GraphProto, base: str, value: np.ndarray) -> str:
+    name = names.allocate(base)
+    graph.initializer.append(numpy_helper.from_array(value, name))
+    return name
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return float(attribute.f)
+    return default
+
+
+def _drop_value_info(graph: onnx.GraphProto, value: str) -> None:
+    for i in reversed(range(len(graph.value_info))):
+        if graph.value_info[i].name == value:
+            del graph.value_info[i]
