@@ -166,3 +166,27 @@ def test_without_a_bias_only_the_scale_folds_into_the_matmul() -> None:
     assert _ops(prepared)["Mul"] == 0
     assert _ops(prepared)["Add"] == 1
     _assert_same(model, prepared, (4, 6))
+
+
+def test_a_conv_bias_added_as_a_reshaped_constant_folds_into_the_conv() -> None:
+    """paddle2onnx writes a Conv's bias as ``Add(conv, Reshape(bias, [1, C, 1, 1]))``: the
+    reshape of constants folds to an initializer, and the Add into the Conv's bias, so an
+    integer Conv needs no float Add after it."""
+    rng = np.random.default_rng(3)
+    bias = rng.standard_normal(CHANNELS).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["bias", "shape"], ["bias4"], name="bias_view"),
+        helper.make_node("Add", ["c", "bias4"], ["y"], name="bias_add"),
+    ]
+    inits = {"w": rng.standard_normal((CHANNELS, 3, 3, 3)).astype(np.float32), "bias": bias,
+             "shape": np.array([1, CHANNELS, 1, 1], np.int64)}
+    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    prepared, steps = prepare_model(model)
+    assert _ops(prepared) == Counter({"Conv": 1}), _ops(prepared)
+    (conv,) = prepared.graph.node
+    stored = {t.name: onnx.numpy_helper.to_array(t) for t in prepared.graph.initializer}
+    np.testing.assert_array_equal(stored[conv.input[2]], bias)
+    assert [s.name for s in steps if s.name.startswith("fold")] == [
+        "fold-constant-weights", "fold-batchnorm"]
+    _assert_same(model, prepared, (2, 3, 8, 8))

@@ -41,15 +41,18 @@ _ARITHMETIC_OPS = frozenset({
     "ReduceMin", "LpNormalization", "Concat", "Slice", "Gather", "Expand", "Tile", "Where",
 })
 _FOLDED_OPS = _VIEW_OPS | _ARITHMETIC_OPS
+# A bias or scale a Conv's output is shifted or scaled by (paddle2onnx writes a Conv's bias as an
+# Add of a reshaped constant): folded, fold-batchnorm moves it into the Conv.
+_CHANNEL_AFFINE_OPS = frozenset({"Add", "Mul"})
 # A computed weight holds at most as many values as its operands together, or this many.
 _FEW_VALUES = 1 << 16
 
 
 class FoldConstantWeights:
     """Replace each view of or arithmetic on constants in the main graph whose float result a
-    Conv, ConvTranspose, MatMul or Gemm reads (through further such nodes) by an initializer
-    of its output's name; chains fold in one run, and a constant nothing reads any more goes.
-    What is read otherwise stays: a bias reshaped for an Add is planned as it stands."""
+    Conv, ConvTranspose, MatMul or Gemm reads (through further such nodes), or that a Mul or
+    Add reads beside such a node's output, by an initializer of its output's name; chains fold
+    in one run, and a constant nothing reads any more goes. What is read otherwise stays."""
 
     name: ClassVar[str] = "fold-constant-weights"
 
@@ -81,10 +84,16 @@ class FoldConstantWeights:
 
 
 def _read_as_weights(graph: onnx.GraphProto) -> set[str]:
-    """Values a compute node reads as an operand, and the values the views and arithmetic that
-    make them read (walked back from the readers, so chains count)."""
+    """Values a compute node reads as an operand, or a Mul or Add reads beside a compute node's
+    output (a bias or scale that fold-batchnorm then folds into it), and the values the views
+    and arithmetic that make them read (walked back from the readers, so chains count)."""
+    computed = {v for n in graph.node if n.op_type in COMPUTE_OPS and n.domain in DEFAULT_DOMAINS
+                for v in n.output}
     wanted = {v for n in graph.node if n.op_type in COMPUTE_OPS and n.domain in DEFAULT_DOMAINS
               for v in n.input[:2] if v}
+    wanted.update(v for n in graph.node if n.op_type in _CHANNEL_AFFINE_OPS
+                  and n.domain in DEFAULT_DOMAINS and any(v in computed for v in n.input)
+                  for v in n.input if v and v not in computed)
     for node in reversed(graph.node):  # readers come after what they read
         if (node.op_type in _FOLDED_OPS and node.domain in DEFAULT_DOMAINS and node.input
                 and any(o in wanted for o in node.output)):
