@@ -239,7 +239,7 @@ def _show_latency(timings: Mapping[str, float], weight_only: bool = False) -> No
            if weight_only else "the Q/DQ pairs cost more than the integer kernels save")
     if ratio > 1.05:
         stdout.print(f"[yellow]{line}: slower than the float model; on a model this small "
-                     f"{why} (--fail-if-slower makes this a failed gate)[/]")
+                     f"{why}[/]")
     else:
         stdout.print(line)
 

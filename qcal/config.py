@@ -122,6 +122,9 @@ class CalibrationConfig:
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
     fail_if_slower: float | None = None  # quantized/float latency ratio at 1 and 2 threads
+    # Accept a quantized model slower than the float one (else the built-in not-slower gate
+    # fails the run; see qcal.accuracy.latency).
+    allow_slower: bool = False
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -234,6 +237,8 @@ class CalibrationConfig:
             target = ("accuracy-floor", 0.0)
         return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
                      self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target,
+                     not_slower=(not self.allow_slower and self.fail_if_slower is None
+                                 and self.weight_only is None),
                      coverage_floor=(self.min_coverage if self.fallback and self.weight_only is None
                                      else None))
 
@@ -324,6 +329,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "equalize": bool,
     "smooth_quant": (str, int, float),
     "fallback": bool,
+    "allow_slower": bool,
     "sensitivity": bool,
     "preset_options": dict,
     "tensors": dict,

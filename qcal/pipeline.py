@@ -305,22 +305,24 @@ def calibrate(
     if warning is not None:
         exactness_notes = [*exactness_notes, warning]
     coverage = measure_coverage(prepared, plan, macs, integer_anyway)
-    latency_ratio = None
-    # A large model is timed only for the gate: two more sessions would double memory.
+    speed = None
+    # A large model is timed only for the --fail-if-slower gate: two more sessions would
+    # double memory (so the built-in not-slower gate is not checked on it).
     if weight_file is None or config.fail_if_slower is not None:
         with timings.stage("latency"):
             # The float model as timed states the shapes the quantized one does (in place: the
             # prepared model's last use, and a copy would hold its weights twice).
             keep_declared_shapes(prepared.graph, loaded.declared_shapes)
-            figures, latency_ratio = time_side_by_side(
+            speed = time_side_by_side(
                 prepared, quant_model, first_feed, providers=config.providers,
                 threads=(1, 2),
                 for_gate=config.fail_if_slower is not None)
-        timings.seconds.update(figures)
+        timings.seconds.update(speed.figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached,
-                        latency_ratio)
+                        None if speed is None else speed.worst_ratio,
+                        () if speed is None else speed.clearly_slower)
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.

@@ -101,7 +101,7 @@ def test_the_calibration_pass_hands_its_float_outputs_to_the_evaluation(
     assert handed["evaluation"] == computed["evaluation"]
 
 
-def test_evaluation_sessions_sleep_while_calibration_and_latency_sessions_spin(
+def test_evaluation_and_latency_sessions_sleep_while_the_calibration_session_spins(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from qcal.accuracy import latency
@@ -131,8 +131,9 @@ def test_evaluation_sessions_sleep_while_calibration_and_latency_sessions_spin(
         output=tmp_path / "q.onnx", report_path=tmp_path / "q.json",
     )
     # The evaluation alternates two sessions (the checked one and the float one): idle, each
-    # sleeps and leaves the cores to the other and to the metrics.
+    # sleeps and leaves the cores to the other and to the metrics. So do the two the latency
+    # check alternates (spinning, at 2 threads one model timed 0.75x or 1.3x itself).
     # checked and evaluated; timed at 1 and at 2 threads
-    assert spinning["quantized model"] == [False, True, True]
-    assert spinning["float model"] == [False, True, True]  # evaluated; timed at 1 and 2 threads
+    assert spinning["quantized model"] == [False, False, False]
+    assert spinning["float model"] == [False, False, False]  # evaluated; timed at 1 and 2
     assert spinning["calibration model"] == [True]  # in-graph extremes: little work between runs

@@ -19,7 +19,7 @@ from qcal.numerics.errors import AccuracyGateError
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
 
 # Gates every run checks, set by no option.
-BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor"})
+BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor", "not-slower"})
 # Gates whose value is a yes/no: whether the fallback reached its target.
 _REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
 _YES_NO = " (1 yes, 0 no)"
@@ -39,6 +39,9 @@ class Gates:
     # With the fallback on: the share of compute MACs (%) that must run in integers, whatever
     # kept the rest float (the selection, onnxruntime's own graph, the fallback).
     coverage_floor: float | None = None
+    # Unless allowed (or --fail-if-slower sets a limit of its own): the quantized model may not
+    # be slower than the float one beyond the timing noise, at 1 or 2 threads.
+    not_slower: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class GateResult:
                  else f"--{self.option} {self.threshold:g}")
         if self.option == "coverage-floor":
             limit = f"the coverage floor {self.threshold:g} (--min-coverage)"
+        if self.option == "not-slower":
+            limit = "1 beyond the timing noise, always checked; --allow-slower accepts it"
         return f"{self.measure} {value} vs {limit}: {verdict}"
 
     def to_json(self) -> dict[str, object]:
@@ -87,6 +92,7 @@ def check_gates(
     coverage: Coverage,
     fallback_reached: bool | None = None,
     latency_ratio: float | None = None,
+    clearly_slower: tuple[int, ...] = (),
 ) -> list[GateResult]:
     """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage, latency).
 
@@ -97,7 +103,10 @@ def check_gates(
     model computes finite ones ("finite-outputs"). Such a model is broken whatever its other
     figures, so when it fails, every other gate fails with it. With the fallback on, so is the
     coverage floor ("coverage-floor"): a model with Conv/MatMul/Gemm nodes of which less than
-    that share runs in integers is no quantized model to hand over silently.
+    that share runs in integers is no quantized model to hand over silently. And unless allowed,
+    a quantized model that the latency check found slower beyond the noise at any of the thread
+    counts in `clearly_slower` ("not-slower"): quantization that costs time is no gain to hand
+    over silently either. Those two are results only when they fail.
     """
     results: list[GateResult] = []
     broken = comparison is not None and bool(comparison.broken_outputs)
@@ -138,6 +147,11 @@ def check_gates(
             "fail-if-slower", "quantized/float latency, worst of 1 and 2 threads (x)",
             gates.fail_if_slower, latency_ratio,
             latency_ratio is not None and latency_ratio <= gates.fail_if_slower and not broken))
+    if gates.not_slower and clearly_slower and latency_ratio is not None:
+        threads = " and ".join(str(t) for t in clearly_slower)
+        results.append(GateResult(
+            "not-slower", f"quantized/float latency on this machine, slower at {threads} "
+            f"thread{'s' * (clearly_slower != (1,))} (x)", 1.0, latency_ratio, False))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"

@@ -100,7 +100,10 @@ from qcal.numerics.errors import ConfigError, OutputError
               help="Exit 7 if less than PCT % of Conv/MatMul/Gemm MACs are quantized.")
 @click.option("--fail-if-slower", type=float, metavar="RATIO",
               help="Exit 7 if the quantized model's latency is over RATIO x the float model's "
-                   "at 1 or 2 threads on this machine (e.g. 1.0).")
+                   "at 1 or 2 threads on this machine (e.g. 1.1; inf: never).")
+@click.option("--allow-slower", is_flag=True,
+              help="Accept a quantized model slower than the float one on this machine (by "
+                   "default that exits 7: the not-slower gate).")
 @click.option("--html", type=_path, help="Also write the report as an HTML page with plots "
               "(needs qcal[report]).")
 @click.option("--baseline", type=_existing, metavar="OLD.json",

@@ -70,10 +70,10 @@ class OutputError(QcalError):
 
 
 class AccuracyGateError(QcalError):
-    """A requested accuracy or coverage gate failed; the outputs and report are still written."""
+    """A gate failed (accuracy, coverage, speed); the outputs and report are still written."""
 
     exit_code = 7
-    title = "accuracy gate failed"
+    title = "gate failed"
 
 
 class DriftGateError(AccuracyGateError):

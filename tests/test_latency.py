@@ -1,0 +1,104 @@
+"""The built-in not-slower gate: a sign test on interleaved timings tells a slower quantized
+model from the machine's noise, and a run that it finds slower exits 7 unless allowed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from qcal.accuracy import latency
+from qcal.accuracy.latency import Latency, SideBySide, measure_latency
+from qcal.cli import main
+from qcal.numerics import errors
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "sample_models" / "digits_cnn.onnx"
+
+
+def test_the_chance_of_losing_is_the_binomial_tail() -> None:
+    """Counted over every sequence of 12 fair coin tosses."""
+    for lost in range(13):
+        count = sum(sum(toss) >= lost for toss in itertools.product((0, 1), repeat=12))
+        assert latency._chance_of_losing(12, lost) == pytest.approx(count / 2 ** 12, abs=0)
+    # as many pairs as the --fail-if-slower gate takes: no float overflow, and symmetric
+    assert latency._chance_of_losing(2000, 0) == 1.0
+    assert latency._chance_of_losing(2000, 1001) == pytest.approx(
+        1 - latency._chance_of_losing(2000, 1000), rel=1e-12)
+
+
+@pytest.mark.timing_verdict
+@pytest.mark.parametrize(("quantized", "lost", "slower"), [
+    (1.10, 45, True),   # lost 45 of 50 pairs: a fair coin does that one time in a million
+    (1.10, 33, False),  # 33 of 50: one time in 100, within the noise
+    (1.01, 50, False),  # every pair, but by less than two measurements of one model differ
+    (0.90, 0, False),
+])
+def test_slower_means_beyond_the_noise(quantized: float, lost: int, slower: bool) -> None:
+    assert Latency(1.0, quantized, 50, lost).clearly_slower is slower
+
+
+@pytest.mark.timing_verdict
+def test_a_model_timed_against_itself_is_not_slower() -> None:
+    """Real timings, the same model on both sides: whatever the machine's load, the verdict
+    must be "not slower" (the test fails one run in a thousand by design, at most)."""
+    model = onnx.load(DIGITS)
+    feed = {"image": np.load(ROOT / "sample_models" / "digits_cnn.calib.npz")["image"][:1]}
+    for threads in (1, 2):
+        timed = measure_latency(model, model, feed, providers=("CPUExecutionProvider",),
+                                threads=threads, budget=0.3)
+        assert timed.pairs >= 3 and not timed.clearly_slower, timed
+
+
+def _slower(*args: Any, **kwargs: Any) -> SideBySide:
+    figures = {"latency_float_1_thread": 1e-4, "latency_quantized_1_thread": 1.3e-4,
+               "latency_float_2_threads": 1e-4, "latency_quantized_2_threads": 1.2e-4}
+    return SideBySide(figures, 1.3, (1, 2))
+
+
+@pytest.mark.timing_verdict
+def test_a_slower_model_exits_7_unless_allowed(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement stands in for a model the machine runs slower quantized: exit 7 with
+    one line naming the gate and the way to accept it, both files written; --allow-slower, or a
+    limit of the user's own (--fail-if-slower), accepts it."""
+    monkeypatch.setattr("qcal.pipeline.time_side_by_side", _slower)
+
+    def run(name: str, *flags: str) -> tuple[Any, dict[str, Any]]:
+        result = CliRunner().invoke(main, [
+            "calibrate", str(DIGITS), "--limit", "8", "-o", str(tmp_path / f"{name}.onnx"),
+            "--report", str(tmp_path / f"{name}.json"), "-q", *flags])
+        return result, json.loads((tmp_path / f"{name}.json").read_text())
+
+    result, report = run("default")
+    assert result.exit_code == errors.AccuracyGateError.exit_code
+    assert (tmp_path / "default.onnx").exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert "slower at 1 and 2 threads" in line and "--allow-slower" in line
+    (gate,) = [g for g in report["gates"] if g["option"] == "not-slower"]
+    assert gate["value"] == pytest.approx(1.3) and not gate["passed"]
+    for name, flags in (("allowed", ["--allow-slower"]), ("limit", ["--fail-if-slower", "2"])):
+        result, report = run(name, *flags)
+        assert result.exit_code == 0, result.output
+        assert "not-slower" not in [g["option"] for g in report["gates"]]
+
+
+@pytest.mark.timing_verdict
+def test_a_run_found_as_fast_records_no_speed_gate(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-in gates are results only when they fail: measured slower but within the noise,
+    the run passes and its report lists no not-slower gate."""
+    monkeypatch.setattr("qcal.pipeline.time_side_by_side",
+                        lambda *args, **kwargs: SideBySide(_slower().figures, 1.3, ()))
+    result = CliRunner().invoke(main, [
+        "calibrate", str(DIGITS), "--limit", "8", "-o", str(tmp_path / "q.onnx"),
+        "--report", str(tmp_path / "q.json"), "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert "not-slower" not in [g["option"] for g in report["gates"]]
