@@ -32,6 +32,7 @@ __all__ = [
     "drop_value_info",
     "element_types",
     "exposing",
+    "float_attribute",
     "graph_element_types",
     "insert_after",
     "int_attribute",
@@ -144,6 +145,14 @@ def int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
     for attribute in node.attribute:
         if attribute.name == name:
             return int(attribute.i)
+    return default
+
+
+def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    """`node`'s float attribute `name`, or `default` when it has none."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return float(attribute.f)
     return default
 
 

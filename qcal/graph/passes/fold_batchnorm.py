@@ -27,6 +27,7 @@ from qcal.graph.structure import (
     UseIndex,
     drop_unread_initializers,
     drop_value_info,
+    float_attribute,
     int_attribute,
 )
 
@@ -114,7 +115,7 @@ def _output_channels(conv: onnx.NodeProto | None, index: UseIndex) -> int | None
             or conv.domain not in DEFAULT_DOMAINS):
         return None
     if conv.op_type == "Gemm" and (
-        _float_attribute(conv, "alpha", 1.0) != 1.0 or _float_attribute(conv, "beta", 1.0) != 1.0
+        float_attribute(conv, "alpha", 1.0) != 1.0 or float_attribute(conv, "beta", 1.0) != 1.0
         or int_attribute(conv, "transA", 0)
     ):
         return None
@@ -275,7 +276,7 @@ def _fold(
         return tensor_array(tensor).astype(np.float64).reshape(-1)
 
     scale, shift, mean, var = (values(v) for v in bn.input[1:])
-    factor = scale / np.sqrt(var + _float_attribute(bn, "epsilon", _DEFAULT_EPSILON))
+    factor = scale / np.sqrt(var + float_attribute(bn, "epsilon", _DEFAULT_EPSILON))
     _scale_and_shift(graph, index, names, conv, factor, shift, before=-mean)
     _rename_output(graph, conv, bn.output[0])
 
@@ -357,10 +358,3 @@ def _store(
     name = names.allocate(base)
     graph.initializer.append(numpy_helper.from_array(array, name))
     conv.input[slot] = name
-
-
-def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return float(attribute.f)
-    return default

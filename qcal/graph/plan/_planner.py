@@ -13,7 +13,7 @@ import onnx.defs
 from qcal.graph.files.large import tensor_array
 from qcal.graph.parameters import parameter_tensors
 from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, added_bias_of, place
-from qcal.graph.plan._rules import OpRule, _float_attribute
+from qcal.graph.plan._rules import OpRule
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (
     _Found,
@@ -36,6 +36,7 @@ from qcal.graph.structure import (
     UseIndex,
     attribute_graphs,
     default_opset,
+    float_attribute,
     graph_element_types,
     int_attribute,
 )
@@ -366,8 +367,8 @@ class _Planner(_Selection):
             return "the weight is not constant"
         if node.op_type == "Gemm":
             if (
-                _float_attribute(node, "alpha", 1.0) != 1.0
-                or _float_attribute(node, "beta", 1.0) != 1.0
+                float_attribute(node, "alpha", 1.0) != 1.0
+                or float_attribute(node, "beta", 1.0) != 1.0
             ):
                 return "alpha or beta is not 1"
             channels = weight_constant.dims[0 if int_attribute(node, "transB", 0) else -1]

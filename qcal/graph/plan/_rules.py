@@ -201,10 +201,3 @@ def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
         if attribute.name == name:
             return str(attribute.s.decode())
     return default
-
-
-def _float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return float(attribute.f)
-    return default

@@ -36,6 +36,7 @@ from qcal.graph.structure import (
     UseIndex,
     all_graphs,
     drop_unread_initializers,
+    float_attribute,
 )
 
 __all__ = ["write_integer_forms"]
@@ -85,7 +86,7 @@ def _spell(
     low, high = _EIGHT_BITS[dtype]
     x, replaced = dequantize.output[0], quantize.input[1]
     if node.op_type == "HardSigmoid":
-        alpha, beta = _attribute(node, "alpha", 0.2), _attribute(node, "beta", 0.5)
+        alpha, beta = float_attribute(node, "alpha", 0.2), float_attribute(node, "beta", 0.5)
         clips = y_zero == low and (high - y_zero) * y_scale <= _ONE  # its range in [0, 1]
         if not (alpha > 0 and np.isfinite(beta) and clips):
             return None
@@ -189,12 +190,6 @@ def _initializer(names: NameAllocator, graph: onnx.GraphProto, base: str, value:
     graph.initializer.append(numpy_helper.from_array(value, name))
     return name
 
-
-def _attribute(node: onnx.NodeProto, name: str, default: float) -> float:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return float(attribute.f)
-    return default
 
 
 def _drop_value_info(graph: onnx.GraphProto, value: str) -> None:
