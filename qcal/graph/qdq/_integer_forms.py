@@ -36,6 +36,7 @@ from qcal.graph.structure import (
     UseIndex,
     all_graphs,
     drop_unread_initializers,
+    drop_value_info,
     float_attribute,
 )
 
@@ -58,18 +59,20 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
         index = UseIndex.build(graph)
         spellings: dict[int, list[onnx.NodeProto]] = {}  # id of a node -> its replacement
         scales: set[str] = set()  # the output scales the QuantizeLinears no longer read
+        replaced: set[str] = set()  # the outputs of the nodes spelled out
         for node in graph.node:
             if node.name in nodes and node.domain in DEFAULT_DOMAINS:
                 spelled = _spell(node, index, names, graph)
                 if spelled is not None:
                     spellings[id(node)], scale = spelled
                     scales.add(scale)
-                    _drop_value_info(graph, node.output[0])
+                    replaced.add(node.output[0])
         if spellings:
             kept = [new for node in graph.node for new in spellings.get(id(node), [node])]
             del graph.node[:]
             graph.node.extend(kept)
             drop_unread_initializers(graph, scales)
+            drop_value_info(graph, replaced)
             done += len(spellings)
     return done
 
@@ -189,10 +192,3 @@ def _initializer(names: NameAllocator, graph: onnx.GraphProto, base: str, value:
     name = names.allocate(base)
     graph.initializer.append(numpy_helper.from_array(value, name))
     return name
-
-
-
-def _drop_value_info(graph: onnx.GraphProto, value: str) -> None:
-    for i in reversed(range(len(graph.value_info))):
-        if graph.value_info[i].name == value:
-            del graph.value_info[i]
