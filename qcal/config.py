@@ -237,8 +237,10 @@ class CalibrationConfig:
             target = ("accuracy-floor", 0.0)
         return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
                      self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target,
+                     # weight-only 4-bit saves memory, and placement "all" emulates a
+                     # target's arithmetic: neither is about this CPU's speed
                      not_slower=(not self.allow_slower and self.fail_if_slower is None
-                                 and self.weight_only is None),
+                                 and self.weight_only is None and self.placement_mode != "all"),
                      coverage_floor=(self.min_coverage if self.fallback and self.weight_only is None
                                      else None))
 

@@ -102,3 +102,15 @@ def test_a_run_found_as_fast_records_no_speed_gate(tmp_path: Path,
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "q.json").read_text())
     assert "not-slower" not in [g["option"] for g in report["gates"]]
+
+
+@pytest.mark.parametrize(("options", "held"), [
+    ({}, True), ({"allow_slower": True}, False), ({"fail_if_slower": 1.5}, False),
+    ({"placement": "all"}, False), ({"preset": "horizon"}, False),
+])
+def test_who_is_held_to_the_gate(options: dict[str, Any], held: bool) -> None:
+    """Not a run that accepts a slower model, sets its own limit, or emulates a target's
+    arithmetic (placement "all", as the accelerator presets have it)."""
+    from qcal.config import CalibrationConfig
+
+    assert CalibrationConfig(**options).gates().not_slower is held
