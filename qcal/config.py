@@ -122,9 +122,7 @@ class CalibrationConfig:
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
     fail_if_slower: float | None = None  # quantized/float latency ratio at 1 and 2 threads
-    # Accept a quantized model slower than the float one (else the built-in not-slower gate
-    # fails the run; see qcal.accuracy.latency).
-    allow_slower: bool = False
+    allow_slower: bool = False  # else the built-in not-slower gate fails a slower model
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -237,8 +235,7 @@ class CalibrationConfig:
             target = ("accuracy-floor", 0.0)
         return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
                      self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target,
-                     # weight-only 4-bit saves memory, and placement "all" emulates a
-                     # target's arithmetic: neither is about this CPU's speed
+                     # weight-only saves memory, placement "all" emulates: not about speed
                      not_slower=(not self.allow_slower and self.fail_if_slower is None
                                  and self.weight_only is None and self.placement_mode != "all"),
                      coverage_floor=(self.min_coverage if self.fallback and self.weight_only is None
