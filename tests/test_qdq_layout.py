@@ -771,15 +771,16 @@ def _quantize(values: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
     return np.clip(steps, 0, 255)
 
 
-@pytest.mark.parametrize("op_type", ["HardSwish", "HardSigmoid"])
-def test_the_integer_forms_compute_what_they_document(op_type: str) -> None:
+@pytest.mark.parametrize(("op_type", "beta"), [("HardSwish", None), ("HardSigmoid", 0.5),
+                                              ("HardSigmoid", 0.0), ("HardSigmoid", -0.25)])
+def test_the_integer_forms_compute_what_they_document(op_type: str, beta: float | None) -> None:
     """Every one of the 256 input codes: the rewritten pair computes the documented arithmetic
     (numpy, below), onnxruntime's fused integer kernels agree with it to a code, and
     both stay within a code (HardSigmoid) or two (HardSwish, whose gate x + 3 is rounded to 8
     bits) of the node it replaces."""
     from qcal.graph.qdq._integer_forms import write_integer_forms
 
-    attributes = {"alpha": 0.2, "beta": 0.5} if op_type == "HardSigmoid" else {}
+    attributes = {"alpha": 0.2, "beta": beta} if op_type == "HardSigmoid" else {}
     y_scale = 1 / 255 if op_type == "HardSigmoid" else 0.03
     model = _between_pair(op_type, y_scale, **attributes)
     original = _codes(model, optimized=False)
@@ -789,8 +790,10 @@ def test_the_integer_forms_compute_what_they_document(op_type: str) -> None:
     written, fused = _codes(model, optimized=False), _codes(model, optimized=True)
 
     x = ((np.arange(256) - 120) * np.float32(0.05)).astype(np.float32)
-    if op_type == "HardSigmoid":  # one Add of beta / alpha, quantized with scale y_scale / alpha
-        shift = np.float32(255 * np.float32(2.5 / 255))
+    if beta is not None:  # one Add of beta / alpha, quantized with scale y_scale / alpha
+        # the constant: the extreme code of its sign, scale |beta / alpha| / 255 (0: code 0)
+        step = np.float32(abs(float(np.float32(beta)) / float(np.float32(0.2))) / 255)
+        shift = np.float32(np.sign(beta) * 255 * step)
         expected = _quantize(x + shift, float(np.float32(y_scale)) / float(np.float32(0.2)), 0)
     else:  # x + 3 on [0, min(6, 3 + the top of x)], times x, quantized with scale 6 * y_scale
         gate_scale = np.float32(min(6.0, 3.0 + 135 * np.float32(0.05)) / 255)

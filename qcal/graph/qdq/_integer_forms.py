@@ -170,7 +170,7 @@ def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: fl
               dtype: int) -> tuple[str, list[onnx.NodeProto]]:
     """`value` as one 8-bit code (the extreme code of its sign) and its DequantizeLinear."""
     low, high = _EIGHT_BITS[dtype]
-    code, zero = (high, low) if value >= 0 else (low, high)
+    code, zero = (high, low) if value > 0 else (low, high) if value < 0 else (low, low)
     scale = abs(value) / (high - low) if value else 1.0
     codes = _code(names, graph, f"{node}_constant_quantized", code, dtype)
     zero_point = _code(names, graph, f"{node}_constant_zero_point", zero, dtype)
