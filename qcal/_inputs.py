@@ -23,6 +23,7 @@ from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
 from qcal.numerics.errors import ConfigError, DataError
 from qcal.numerics.observers import MinMaxStats
+from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import build_preset
 
 
@@ -38,18 +39,29 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         placement=config.placement_mode,
         # Emulation ("all") fuses as the target does; "auto" as onnxruntime can.
         fuse_activations=config.placement_mode != "auto" or _zero_at_floor(config),
+        integer_forms=_activation_type(config) == onnx.TensorProto.UINT8,
     )
 
 
 def _zero_at_floor(config: CalibrationConfig) -> bool:
     """Whether the preset quantizes a range starting at 0 with the lowest code as zero point,
     as onnxruntime needs to drop a Relu/Clip before a QuantizeLinear (`SelectionRules`)."""
-    recipe = build_preset(config.preset, config.preset_options).activation
-    stats = MinMaxStats(np.array(0.0, np.float32), np.array(1.0, np.float32))
-    onnx_qparams = recipe.to_onnx(recipe.qparams(stats))
+    onnx_qparams = _unit_range_qparams(config)
     lowest = 0 if onnx_qparams.dtype == onnx.TensorProto.UINT8 else -128
     return onnx_qparams.dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.INT8) and bool(
         np.all(np.asarray(onnx_qparams.zero_point) == lowest))
+
+
+def _activation_type(config: CalibrationConfig) -> int:
+    """The ONNX type of the preset's activation codes."""
+    return int(_unit_range_qparams(config).dtype)
+
+
+def _unit_range_qparams(config: CalibrationConfig) -> OnnxQParams:
+    """The ONNX parameters the preset gives activations in [0, 1]."""
+    recipe = build_preset(config.preset, config.preset_options).activation
+    stats = MinMaxStats(np.array(0.0, np.float32), np.array(1.0, np.float32))
+    return recipe.to_onnx(recipe.qparams(stats))
 
 
 def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:

@@ -737,6 +737,12 @@ def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
     emulated = _run(model, tmp_path, x, fallback=False, placement="all").model
     kept = Counter(n.op_type for n in emulated.graph.node)
     assert kept["HardSwish"] == 1 and kept["HardSigmoid"] == 1
+    # int8 codes (the tensorflow preset): onnxruntime converts them to uint8 for its x86
+    # kernels only where a QuantizeLinear has one reader, and HardSwish's form reads x twice,
+    # so it stays a node there, and the Conv writing x stays integer
+    signed = _run(model, tmp_path, x, fallback=False, preset="tensorflow").model
+    assert Counter(n.op_type for n in signed.graph.node)["HardSwish"] == 1
+    assert _optimized_ops(signed, tmp_path)["QLinearConv"] == 3
 
 
 def _between_pair(op_type: str, y_scale: float, **attributes: float) -> onnx.ModelProto:

@@ -42,6 +42,11 @@ from qcal.graph.structure import (
 )
 from qcal.graph.traps import Traps, find_traps
 
+_NO_INTEGER_FORM = (
+    "placement auto: no integer kernel for it, and its integer form (`OpRule.integer_form`) needs "
+    "uint8 activations: with int8 ones onnxruntime converts a pair to the uint8 its x86 kernels "
+    "take only where the QuantizeLinear has one reader")
+
 
 def plan_quantization(model: onnx.ModelProto, rules: SelectionRules) -> QuantPlan:
     """Decide, by `OP_RULES` and `rules`, which nodes and tensors of `model` to quantize.
@@ -93,14 +98,17 @@ class _Planner(_Selection):
             find_traps(graph, self._index, self._types, self._constant)
             if rules.default_exclusions else Traps()
         )
+        auto = rules.placement == "auto" and rules.op_types is None
         for node in graph.node:
             rule, reason = self._select(node)
+            if rule is not None and rule.integer_form and auto and not rules.integer_forms:
+                rule, reason = None, _NO_INTEGER_FORM
             if rule is not None:
                 self._selected[node.name] = rule
             else:
                 self._skips[node.name] = reason
         self._placed = Placement()
-        if rules.placement == "auto" and rules.op_types is None:
+        if auto:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
                                  self._constant, loop_body=loop_body)
             for name, reason in self._placed.nodes.items():
@@ -175,7 +183,7 @@ class _Planner(_Selection):
         reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
         found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
         if rule.integer_form and self._rules.placement == "auto" and self._rules.op_types is None:
-            found.integer_forms.add(node.name)
+            found.integer_forms.add(node.name)  # only with uint8 codes (_NO_INTEGER_FORM)
 
     def _activation_inputs(self, node: onnx.NodeProto) -> list[str]:
         """The float activations (not constants) `node` reads at the inputs its rule quantizes."""

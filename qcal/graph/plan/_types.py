@@ -24,6 +24,9 @@ class SelectionRules:
             onnxruntime drops the Relu/Clip only when that QuantizeLinear's range starts at the
             activation's floor, i.e. when a range from 0 gets the lowest code as zero point
             (asymmetric activations); otherwise the compute node would run in float.
+        integer_forms: placement "auto" writes HardSwish and HardSigmoid in integer operators
+            (`OpRule.integer_form`); with activations of another type than uint8 it leaves
+            them float instead.
     """
 
     op_types: frozenset[str] | None = None
@@ -34,6 +37,7 @@ class SelectionRules:
     default_exclusions: bool = True
     placement: str = "auto"
     fuse_activations: bool = True
+    integer_forms: bool = True
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ DequantizeLinear ``x`` and its output's QuantizeLinear (parameters ``s``, ``z``)
 
 The constant of each Add is an 8-bit code with a DequantizeLinear, as the integer Add needs.
 Elsewhere (a graph output, a float reader, per-axis or float16 parameters, an output range
-that does not start at 0) the node stays as written, in float between its pair.
+that does not start at 0) the node stays as written, in float between its pair. The planner
+asks for these forms only with uint8 activations (`SelectionRules.integer_forms`).
 """
 
 from __future__ import annotations
