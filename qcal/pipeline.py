@@ -320,9 +320,7 @@ def calibrate(
         timings.seconds.update(speed.figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,
-                        None if accuracy.fallback is None else accuracy.fallback.reached,
-                        None if speed is None else speed.worst_ratio,
-                        () if speed is None else speed.clearly_slower)
+                        None if accuracy.fallback is None else accuracy.fallback.reached, speed)
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import worst_agreement
+from qcal.accuracy.latency import SideBySide
 from qcal.numerics.errors import AccuracyGateError
 
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
@@ -91,8 +92,7 @@ def check_gates(
     comparison: Comparison | None,
     coverage: Coverage,
     fallback_reached: bool | None = None,
-    latency_ratio: float | None = None,
-    clearly_slower: tuple[int, ...] = (),
+    speed: SideBySide | None = None,
 ) -> list[GateResult]:
     """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage, latency).
 
@@ -145,13 +145,13 @@ def check_gates(
     if gates.fail_if_slower is not None:
         results.append(GateResult(
             "fail-if-slower", "quantized/float latency, worst of 1 and 2 threads (x)",
-            gates.fail_if_slower, latency_ratio,
-            latency_ratio is not None and latency_ratio <= gates.fail_if_slower and not broken))
-    if gates.not_slower and clearly_slower and latency_ratio is not None:
-        threads = " and ".join(str(t) for t in clearly_slower)
+            gates.fail_if_slower, None if speed is None else speed.worst_ratio,
+            speed is not None and speed.worst_ratio <= gates.fail_if_slower and not broken))
+    if gates.not_slower and speed is not None and speed.clearly_slower:
+        threads = " and ".join(str(t) for t in speed.clearly_slower)
         results.append(GateResult(
             "not-slower", f"quantized/float latency on this machine, slower at {threads} "
-            f"thread{'s' * (clearly_slower != (1,))} (x)", 1.0, latency_ratio, False))
+            f"thread{'s' * (speed.clearly_slower != (1,))} (x)", 1.0, speed.worst_ratio, False))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"
