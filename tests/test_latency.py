@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from qcal.accuracy import latency
-from qcal.accuracy.latency import Latency, SideBySide, measure_latency
+from qcal.accuracy.latency import Latency, SideBySide, time_side_by_side
 from qcal.cli import main
 from qcal.numerics import errors
 
@@ -34,14 +34,16 @@ def test_the_chance_of_losing_is_the_binomial_tail() -> None:
 
 
 @pytest.mark.timing_verdict
-@pytest.mark.parametrize(("quantized", "lost", "slower"), [
-    (1.10, 45, True),   # lost 45 of 50 pairs: a fair coin does that one time in a million
-    (1.10, 33, False),  # 33 of 50: one time in 100, within the noise
-    (1.01, 50, False),  # every pair, but by less than two measurements of one model differ
-    (0.90, 0, False),
+@pytest.mark.parametrize(("quantized", "blocks", "lost", "slower"), [
+    (1.10, 10, 10, True),   # every one of 10 blocks: a fair coin does that one time in 1024
+    (1.10, 10, 9, False),   # 9 of 10: one time in 93, within the noise
+    (1.10, 30, 24, True),   # 24 of 30: one time in 1400
+    (1.04, 30, 30, False),  # every block, but by less than two measurements of one model differ
+    (0.90, 10, 0, False),
 ])
-def test_slower_means_beyond_the_noise(quantized: float, lost: int, slower: bool) -> None:
-    assert Latency(1.0, quantized, 50, lost).clearly_slower is slower
+def test_slower_means_beyond_the_noise(quantized: float, blocks: int, lost: int,
+                                       slower: bool) -> None:
+    assert Latency(1.0, quantized, 5 * blocks, blocks, lost).clearly_slower is slower
 
 
 @pytest.mark.timing_verdict
@@ -50,10 +52,9 @@ def test_a_model_timed_against_itself_is_not_slower() -> None:
     must be "not slower" (the test fails one run in a thousand by design, at most)."""
     model = onnx.load(DIGITS)
     feed = {"image": np.load(ROOT / "sample_models" / "digits_cnn.calib.npz")["image"][:1]}
-    for threads in (1, 2):
-        timed = measure_latency(model, model, feed, providers=("CPUExecutionProvider",),
-                                threads=threads, budget=0.3)
-        assert timed.pairs >= 3 and not timed.clearly_slower, timed
+    timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
+                              threads=(1, 2))
+    assert timed.clearly_slower == () and len(timed.figures) == 4, timed
 
 
 def _slower(*args: Any, **kwargs: Any) -> SideBySide:
