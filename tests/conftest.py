@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
 
 from qcal.accuracy import latency
 
-_NOISE_LEVEL = latency._NOISE_LEVEL
+_TOLERANCE = latency._TOLERANCE
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -16,9 +17,11 @@ def _no_timing_verdicts() -> Iterator[None]:
     """Tests assert behaviour, never speed (these machines are noisy, and most test models are
     small enough for Q/DQ to cost more than integer kernels save): the built-in not-slower gate,
     whose verdict is a timing, never fails a run in this process unless the test is marked
-    `timing_verdict`. A `qcal` subprocess is not patched: such tests pass --allow-slower."""
+    `timing_verdict` (and the latency check stops after the few dozen pairs a figure needs). A
+    `qcal` subprocess is not patched: the suite's subprocesses calibrate the sample digits CNN,
+    which runs faster quantized."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(latency, "_NOISE_LEVEL", 0.0)
+        patch.setattr(latency, "_TOLERANCE", math.inf)  # every model as fast as float
         yield
 
 
@@ -26,4 +29,4 @@ def _no_timing_verdicts() -> Iterator[None]:
 def _timing_verdict_when_marked(request: pytest.FixtureRequest,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     if request.node.get_closest_marker("timing_verdict") is not None:
-        monkeypatch.setattr(latency, "_NOISE_LEVEL", _NOISE_LEVEL)
+        monkeypatch.setattr(latency, "_TOLERANCE", _TOLERANCE)

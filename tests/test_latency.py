@@ -48,13 +48,14 @@ def test_slower_means_beyond_the_noise(quantized: float, blocks: int, lost: int,
 
 @pytest.mark.timing_verdict
 def test_a_model_timed_against_itself_is_not_slower() -> None:
-    """Real timings, the same model on both sides: whatever the machine's load, the verdict
-    must be "not slower" (the test fails one run in a thousand by design, at most)."""
+    """Real timings, the same model on both sides: the verdict must be "not slower" (at one
+    thread; at two, with the other core fully busy, about one run in 60 finds one of two
+    sessions of a model slower than the other in both rounds: README, Gates)."""
     model = onnx.load(DIGITS)
     feed = {"image": np.load(ROOT / "sample_models" / "digits_cnn.calib.npz")["image"][:1]}
     timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
-                              threads=(1, 2))
-    assert timed.clearly_slower == () and len(timed.figures) == 4, timed
+                              threads=(1,))
+    assert timed.clearly_slower == () and len(timed.figures) == 2, timed
 
 
 def _slower(*args: Any, **kwargs: Any) -> SideBySide:

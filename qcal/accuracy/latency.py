@@ -28,9 +28,10 @@ from qcal.calibration.runtime import create_session
 __all__ = ["Latency", "SideBySide", "measure_latency", "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
-# Timing goes on for the whole budget (a burst of load on the machine then slows a few of many
-# blocks rather than most of a few), up to this many pairs.
-_MIN_PAIRS, _MAX_PAIRS = 3, 10_000
+# A model as fast as float is timed for this many pairs (its figure); one that looks slower for
+# the whole budget (a burst of load on the machine then slows a few of many blocks rather than
+# most of a few), up to the most.
+_MIN_PAIRS, _FIGURE_PAIRS, _MAX_PAIRS = 3, 50, 10_000
 _BLOCK = 5  # timed runs of one model in a row
 # A model that looks slower but not beyond the noise yet is timed for up to this many times
 # the budget and the pairs.
@@ -94,7 +95,7 @@ class SideBySide:
 def measure_latency(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
     *, providers: tuple[str, ...], threads: int = 1, budget: float = _BUDGET_SECONDS,
-    quantized_first: bool = False,
+    quantized_first: bool = False, fill: bool = False,
 ) -> Latency:
     """Both models at `threads` intra-op threads, in alternating blocks, for at most about
     `budget` seconds.
@@ -102,7 +103,8 @@ def measure_latency(
     Each block runs one model once untimed and then `_BLOCK` times timed, the two models taking
     turns at going first; a block's median is compared with that of the other model's block next
     to it (`Latency.clearly_slower`), and a model that looks slower but not beyond the noise yet
-    is timed for longer (`_EXTENSION`). The threads of both sessions sleep when idle: two pools
+    is timed for longer (`_EXTENSION`); one that does not stops after `_FIGURE_PAIRS`, unless
+    `fill` asks for the whole budget (the `--fail-if-slower` gate's median). The threads of both sessions sleep when idle: two pools
     spinning on a 2-core machine made the same model time 0.75x or 1.3x itself at 2 threads, by
     which session was made first (`quantized_first` makes the quantized model's first), where
     without spinning it times 0.98-1.02x (the untimed run lets the other session's threads
@@ -130,11 +132,18 @@ def measure_latency(
         latency = Latency(statistics.median(times[0]), statistics.median(times[1]),
                           len(times[0]), len(medians[0]),
                           sum(q > f for f, q in zip(*medians)))
-        elapsed = time.perf_counter() - started
-        if len(times[0]) < _MIN_PAIRS or (elapsed < budget and len(times[0]) < _MAX_PAIRS):
+        elapsed, pairs = time.perf_counter() - started, len(times[0])
+        if pairs < _MIN_PAIRS:
             continue
-        undecided = latency.ratio > _TOLERANCE and not latency.clearly_slower
-        if not undecided or elapsed >= _EXTENSION * budget or len(times[0]) >= _MAX_PAIRS:
+        if latency.ratio <= _TOLERANCE and not fill:
+            # as fast as float: the report's figure needs a few dozen pairs at most
+            if pairs >= _FIGURE_PAIRS or elapsed >= budget:
+                return latency
+            continue
+        # Looks slower: the whole budget (a burst of load then slows a few of many blocks),
+        # and more while not beyond the noise yet.
+        limit = budget if latency.clearly_slower or fill else _EXTENSION * budget
+        if elapsed >= limit or pairs >= _MAX_PAIRS:
             return latency
 
 
@@ -153,10 +162,10 @@ def time_side_by_side(
         # of two sessions of the same model 10 % slower than the other throughout a round
         # (1 round of 60 at 2 threads).
         rounds = [measure_latency(float_model, quant_model, feed, providers=providers,
-                                  threads=count, budget=budget / 2)]
+                                  threads=count, budget=budget / 2, fill=for_gate)]
         if rounds[0].clearly_slower:
             rounds.append(measure_latency(float_model, quant_model, feed, providers=providers,
-                                          threads=count, budget=budget / 2,
+                                          threads=count, budget=budget / 2, fill=for_gate,
                                           quantized_first=True))
         unit = "thread" if count == 1 else "threads"
         float_s = statistics.fmean(r.float_seconds for r in rounds)
