@@ -104,8 +104,8 @@ def check_gates(
     figures, so when it fails, every other gate fails with it. With the fallback on, so is the
     coverage floor ("coverage-floor"): a model with Conv/MatMul/Gemm nodes of which less than
     that share runs in integers is no quantized model to hand over silently. And unless allowed,
-    a quantized model that the latency check found slower beyond the noise at any of the thread
-    counts in `clearly_slower` ("not-slower"): quantization that costs time is no gain to hand
+    a quantized model that the latency check (`speed`) found slower beyond the noise at a thread
+    count ("not-slower"): quantization that costs time is no gain to hand
     over silently either. Those two are results only when they fail.
     """
     results: list[GateResult] = []

@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -34,7 +34,7 @@ _BUDGET_SECONDS = 1.0
 _MIN_PAIRS, _FIGURE_PAIRS, _MAX_PAIRS = 3, 50, 10_000
 _BLOCK = 5  # timed runs of one model in a row
 # A model that looks slower but not beyond the noise yet is timed for up to this many times
-# the budget and the pairs.
+# the budget.
 _EXTENSION = 3
 # The quantized model is slower beyond the noise when its blocks' medians lost more of the
 # block pairs than a fair coin would one time in this many (a sign test, whatever the timing
@@ -50,13 +50,14 @@ _TOLERANCE = 1.05
 
 @dataclass(frozen=True)
 class Latency:
-    """Median seconds per run of each model at one thread, over `pairs` interleaved runs."""
+    """Median seconds per run of each model, over `pairs` interleaved runs in `blocks` pairs of
+    blocks, of which the quantized model's median was the longer in `blocks_lost`."""
 
     float_seconds: float
     quantized_seconds: float
     pairs: int
-    blocks: int = 0  # pairs of blocks
-    blocks_lost: int = 0  # those whose quantized median was the longer
+    blocks: int = 0
+    blocks_lost: int = 0
 
     @property
     def ratio(self) -> float:
@@ -70,8 +71,8 @@ class Latency:
 
 
 def _chance_of_losing(pairs: int, lost: int) -> float:
-    """The chance that a model as fast as the other loses at least `lost` of `pairs` runs."""
-    # in integers: 2.0 ** pairs overflows a float past 1023 pairs (the gate takes up to 2000)
+    """The chance that a model as fast as the other loses at least `lost` of `pairs` blocks."""
+    # in integers: 2.0 ** pairs overflows a float past 1023 pairs of blocks
     return sum(math.comb(pairs, k) for k in range(lost, pairs + 1)) / (1 << pairs)
 
 
@@ -87,9 +88,9 @@ class SideBySide:
             timing noise (`Latency.clearly_slower`).
     """
 
-    figures: dict[str, float] = field(default_factory=dict)
-    worst_ratio: float = 0.0
-    clearly_slower: tuple[int, ...] = ()
+    figures: dict[str, float]
+    worst_ratio: float
+    clearly_slower: tuple[int, ...]
 
 
 def measure_latency(
@@ -104,8 +105,10 @@ def measure_latency(
     turns at going first; a block's median is compared with that of the other model's block next
     to it (`Latency.clearly_slower`), and a model that looks slower but not beyond the noise yet
     is timed for longer (`_EXTENSION`); one that does not stops after `_FIGURE_PAIRS`, unless
-    `fill` asks for the whole budget (the `--fail-if-slower` gate's median). The threads of both sessions sleep when idle: two pools
-    spinning on a 2-core machine made the same model time 0.75x or 1.3x itself at 2 threads, by
+    `fill` asks for the whole budget (the `--fail-if-slower` gate's median). Where to stop is
+    judged at doubling pair counts and at the deadline: the medians cost a sort of every time
+    taken, which judged after every block took over half of a small model's budget. The
+    threads of both sessions sleep when idle: two pools spinning on a 2-core machine made the same model time 0.75x or 1.3x itself at 2 threads, by
     which session was made first (`quantized_first` makes the quantized model's first), where
     without spinning it times 0.98-1.02x (the untimed run lets the other session's threads
     settle)."""
@@ -119,6 +122,7 @@ def measure_latency(
     times: list[list[float]] = [[], []]
     medians: list[list[float]] = [[], []]  # of each block
     started = time.perf_counter()
+    deadline, judge_at = budget, _MIN_PAIRS
     while True:
         for i in (0, 1) if len(medians[0]) % 2 == 0 else (1, 0):
             sessions[i].run(names[i], dict(feed))
@@ -129,12 +133,14 @@ def measure_latency(
                 block.append(time.perf_counter() - begin)
             times[i] += block
             medians[i].append(statistics.median(block))
-        latency = Latency(statistics.median(times[0]), statistics.median(times[1]),
-                          len(times[0]), len(medians[0]),
-                          sum(q > f for f, q in zip(*medians)))
         elapsed, pairs = time.perf_counter() - started, len(times[0])
-        if pairs < _MIN_PAIRS:
+        if pairs < judge_at and elapsed < deadline and pairs < _MAX_PAIRS:
             continue
+        judge_at = max(_FIGURE_PAIRS, 2 * pairs)
+        latency = Latency(statistics.median(times[0]), statistics.median(times[1]), pairs,
+                          len(medians[0]), sum(q > f for f, q in zip(*medians)))
+        if pairs >= _MAX_PAIRS:
+            return latency
         if latency.ratio <= _TOLERANCE and not fill:
             # as fast as float: the report's figure needs a few dozen pairs at most
             if pairs >= _FIGURE_PAIRS or elapsed >= budget:
@@ -142,8 +148,8 @@ def measure_latency(
             continue
         # Looks slower: the whole budget (a burst of load then slows a few of many blocks),
         # and more while not beyond the noise yet.
-        limit = budget if latency.clearly_slower or fill else _EXTENSION * budget
-        if elapsed >= limit or pairs >= _MAX_PAIRS:
+        deadline = budget if latency.clearly_slower or fill else _EXTENSION * budget
+        if elapsed >= deadline:
             return latency
 
 
