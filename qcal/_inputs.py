@@ -29,6 +29,7 @@ from qcal.numerics.presets import build_preset
 
 def _selection_rules(config: CalibrationConfig) -> SelectionRules:
     skipped = {name for name, o in config.tensors.items() if o.skip}
+    unit = _unit_range_qparams(config)
     return SelectionRules(
         op_types=frozenset(config.op_types) if config.op_types else None,
         exclude_op_types=frozenset(config.exclude_op_types),
@@ -38,23 +39,18 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
         default_exclusions=config.default_exclusions,
         placement=config.placement_mode,
         # Emulation ("all") fuses as the target does; "auto" as onnxruntime can.
-        fuse_activations=config.placement_mode != "auto" or _zero_at_floor(config),
-        integer_forms=_activation_type(config) == onnx.TensorProto.UINT8,
+        fuse_activations=config.placement_mode != "auto" or _zero_at_floor(unit),
+        integer_forms=unit.dtype == onnx.TensorProto.UINT8,
     )
 
 
-def _zero_at_floor(config: CalibrationConfig) -> bool:
-    """Whether the preset quantizes a range starting at 0 with the lowest code as zero point,
-    as onnxruntime needs to drop a Relu/Clip before a QuantizeLinear (`SelectionRules`)."""
-    onnx_qparams = _unit_range_qparams(config)
+def _zero_at_floor(onnx_qparams: OnnxQParams) -> bool:
+    """Whether the preset's parameters for [0, 1] (`_unit_range_qparams`) have the lowest code as
+    zero point, as onnxruntime needs to drop a Relu/Clip before a QuantizeLinear
+    (`SelectionRules`)."""
     lowest = 0 if onnx_qparams.dtype == onnx.TensorProto.UINT8 else -128
     return onnx_qparams.dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.INT8) and bool(
         np.all(np.asarray(onnx_qparams.zero_point) == lowest))
-
-
-def _activation_type(config: CalibrationConfig) -> int:
-    """The ONNX type of the preset's activation codes."""
-    return int(_unit_range_qparams(config).dtype)
 
 
 def _unit_range_qparams(config: CalibrationConfig) -> OnnxQParams:

@@ -58,6 +58,14 @@ def test_a_model_timed_against_itself_is_not_slower() -> None:
     assert timed.clearly_slower == () and len(timed.figures) == 2, timed
 
 
+def _calibrate(folder: Path, name: str, *flags: str) -> tuple[Any, dict[str, Any]]:
+    """`qcal calibrate` of the digits CNN on 8 samples: the CLI's result and the report."""
+    result = CliRunner().invoke(main, [
+        "calibrate", str(DIGITS), "--limit", "8", "-o", str(folder / f"{name}.onnx"),
+        "--report", str(folder / f"{name}.json"), "-q", *flags])
+    return result, json.loads((folder / f"{name}.json").read_text())
+
+
 def _slower(*args: Any, **kwargs: Any) -> SideBySide:
     figures = {"latency_float_1_thread": 1e-4, "latency_quantized_1_thread": 1.3e-4,
                "latency_float_2_threads": 1e-4, "latency_quantized_2_threads": 1.2e-4}
@@ -72,13 +80,7 @@ def test_a_slower_model_exits_7_unless_allowed(tmp_path: Path,
     limit of the user's own (--fail-if-slower), accepts it."""
     monkeypatch.setattr("qcal.pipeline.time_side_by_side", _slower)
 
-    def run(name: str, *flags: str) -> tuple[Any, dict[str, Any]]:
-        result = CliRunner().invoke(main, [
-            "calibrate", str(DIGITS), "--limit", "8", "-o", str(tmp_path / f"{name}.onnx"),
-            "--report", str(tmp_path / f"{name}.json"), "-q", *flags])
-        return result, json.loads((tmp_path / f"{name}.json").read_text())
-
-    result, report = run("default")
+    result, report = _calibrate(tmp_path, "default")
     assert result.exit_code == errors.AccuracyGateError.exit_code
     assert (tmp_path / "default.onnx").exists()
     (line,) = result.stderr.strip().splitlines()
@@ -86,7 +88,7 @@ def test_a_slower_model_exits_7_unless_allowed(tmp_path: Path,
     (gate,) = [g for g in report["gates"] if g["option"] == "not-slower"]
     assert gate["value"] == pytest.approx(1.3) and not gate["passed"]
     for name, flags in (("allowed", ["--allow-slower"]), ("limit", ["--fail-if-slower", "2"])):
-        result, report = run(name, *flags)
+        result, report = _calibrate(tmp_path, name, *flags)
         assert result.exit_code == 0, result.output
         assert "not-slower" not in [g["option"] for g in report["gates"]]
 
@@ -98,11 +100,8 @@ def test_a_run_found_as_fast_records_no_speed_gate(tmp_path: Path,
     the run passes and its report lists no not-slower gate."""
     monkeypatch.setattr("qcal.pipeline.time_side_by_side",
                         lambda *args, **kwargs: SideBySide(_slower().figures, 1.3, ()))
-    result = CliRunner().invoke(main, [
-        "calibrate", str(DIGITS), "--limit", "8", "-o", str(tmp_path / "q.onnx"),
-        "--report", str(tmp_path / "q.json"), "-q"])
+    result, report = _calibrate(tmp_path, "q")
     assert result.exit_code == 0, result.output
-    report = json.loads((tmp_path / "q.json").read_text())
     assert "not-slower" not in [g["option"] for g in report["gates"]]
 
 

@@ -114,6 +114,4 @@ def restrict_plan(
             nodes.append(dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
         else:
             nodes.append(NodeDecision(decision.node, decision.op_type, False, why))
-    quantized = {d.node for d in nodes if d.quantized}
-    return QuantPlan(tuple(activations), weights, biases, tuple(nodes),
-                     plan.integer_forms & quantized)
+    return QuantPlan(tuple(activations), weights, biases, tuple(nodes), plan.integer_forms)

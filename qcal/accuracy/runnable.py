@@ -256,7 +256,7 @@ def _within(replanned: QuantPlan, plan: QuantPlan, floated: frozenset[str]) -> Q
         weights=tuple(w for w in replanned.weights if (w.tensor, w.node) in weights),
         biases=tuple(b for b in replanned.biases if (b.tensor, b.node) in biases),
         nodes=tuple(decisions),
-        integer_forms=plan.integer_forms & {d.node for d in decisions if d.quantized},
+        integer_forms=plan.integer_forms,
     )
 
 

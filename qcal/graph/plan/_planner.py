@@ -98,17 +98,18 @@ class _Planner(_Selection):
             find_traps(graph, self._index, self._types, self._constant)
             if rules.default_exclusions else Traps()
         )
-        auto = rules.placement == "auto" and rules.op_types is None
+        # placement "auto" as asked (an explicit op-type list quantizes every selected node)
+        self._auto = rules.placement == "auto" and rules.op_types is None
         for node in graph.node:
             rule, reason = self._select(node)
-            if rule is not None and rule.integer_form and auto and not rules.integer_forms:
+            if rule is not None and rule.integer_form and self._auto and not rules.integer_forms:
                 rule, reason = None, _NO_INTEGER_FORM
             if rule is not None:
                 self._selected[node.name] = rule
             else:
                 self._skips[node.name] = reason
         self._placed = Placement()
-        if auto:
+        if self._auto:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
                                  self._constant, loop_body=loop_body)
             for name, reason in self._placed.nodes.items():
@@ -182,7 +183,7 @@ class _Planner(_Selection):
             found.biases.append(bias)
         reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
         found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
-        if rule.integer_form and self._rules.placement == "auto" and self._rules.op_types is None:
+        if rule.integer_form and self._auto:
             found.integer_forms.add(node.name)  # only with uint8 codes (_NO_INTEGER_FORM)
 
     def _activation_inputs(self, node: onnx.NodeProto) -> list[str]:

@@ -130,9 +130,10 @@ class NodeDecision:
 class QuantPlan:
     """What to quantize: targets sorted by tensor name, node decisions in graph order.
 
-    `integer_forms` names the quantized nodes (HardSwish, HardSigmoid: `OpRule.integer_form`)
-    that the Q/DQ writer spells in operators onnxruntime runs on integers, where it finds the
-    node between its input's DequantizeLinear and its output's QuantizeLinear. Only placement
+    `integer_forms` names the nodes (HardSwish, HardSigmoid: `OpRule.integer_form`) that the Q/DQ
+    writer spells in operators onnxruntime runs on integers, where it finds the node still
+    quantized (a plan restricted later keeps the names) and between its input's
+    DequantizeLinear and its output's QuantizeLinear. Only placement
     "auto" asks for it: "all" emulates a target's arithmetic, which quantizes only the node's
     input and output.
     """

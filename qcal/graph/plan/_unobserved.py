@@ -91,6 +91,4 @@ def leave_unobserved_float(
             reason = "; ".join([decision.reason, *notes[decision.node]])
             decision = NodeDecision(decision.node, decision.op_type, decision.quantized, reason)
         decisions.append(decision)
-    quantized = {d.node for d in decisions if d.quantized}
-    return QuantPlan(tuple(activations), weights, biases, tuple(decisions),
-                     plan.integer_forms & quantized)
+    return QuantPlan(tuple(activations), weights, biases, tuple(decisions), plan.integer_forms)

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
-from qcal.graph.qdq._codes import integer_tensor
+from qcal.graph.qdq._codes import _BYTE_TYPES, _INTEGER_TYPES, integer_tensor
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -43,8 +43,6 @@ from qcal.graph.structure import (
 
 __all__ = ["write_integer_forms"]
 
-_EIGHT_BITS: dict[int, tuple[int, int]] = {
-    TensorProto.UINT8: (0, 255), TensorProto.INT8: (-128, 127)}
 # An output range may end above 1 by float32 rounding of its scale (255 x (1 / 255)).
 _ONE = 1.0 + 1e-6
 
@@ -87,7 +85,7 @@ def _spell(
     if pair is None:
         return None
     dequantize, quantize, x_scale, x_zero, y_scale, y_zero, dtype = pair
-    low, high = _EIGHT_BITS[dtype]
+    _, low, high = _INTEGER_TYPES[dtype]
     x, replaced = dequantize.output[0], quantize.input[1]
     if node.op_type == "HardSigmoid":
         alpha, beta = float_attribute(node, "alpha", 0.2), float_attribute(node, "beta", 0.5)
@@ -152,7 +150,7 @@ def _scalar_params(node: onnx.NodeProto, index: UseIndex) -> tuple[float, int, i
         return None
     scale, zero = index.constant(node.input[1]), index.constant(node.input[2])
     if (scale is None or zero is None or scale.data_type != TensorProto.FLOAT
-            or zero.data_type not in _EIGHT_BITS):
+            or zero.data_type not in _BYTE_TYPES):
         return None
     scales, zeros = tensor_array(scale), tensor_array(zero)
     if scales.size != 1 or zeros.size != 1:
@@ -170,7 +168,7 @@ def _requantize(quantize: onnx.NodeProto, value: str, scale: float, names: NameA
 def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: float,
               dtype: int) -> tuple[str, list[onnx.NodeProto]]:
     """`value` as one 8-bit code (the extreme code of its sign) and its DequantizeLinear."""
-    low, high = _EIGHT_BITS[dtype]
+    _, low, high = _INTEGER_TYPES[dtype]
     code, zero = (high, low) if value > 0 else (low, high) if value < 0 else (low, low)
     scale = abs(value) / (high - low) if value else 1.0
     codes = _code(names, graph, f"{node}_constant_quantized", code, dtype)

@@ -95,7 +95,8 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         self._activations = tuple(sorted(plan.activations, key=lambda t: t.tensor))
         self._weights = tuple(sorted(plan.weights, key=lambda t: (t.tensor, t.node)))
         self._biases = tuple(sorted(plan.biases, key=lambda t: (t.tensor, t.node)))
-        self._integer_forms = plan.integer_forms
+        # A plan restricted later (fallback, repairs) keeps the names: the quantized ones count.
+        self._integer_forms = plan.integer_forms & {d.node for d in plan.nodes if d.quantized}
         # This plan's alone: `activations` may hold parameters for more (an earlier plan's).
         self._activation_qparams = {t.tensor: activations[t.tensor] for t in self._activations
                                     if t.tensor in activations}
