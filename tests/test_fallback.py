@@ -732,3 +732,50 @@ def test_the_error_of_a_conv_whose_relu_is_fused_is_localised_at_that_conv() -> 
     harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [(feed, 4)]).tensors}
     assert harm["w2"] > 0.01 and harm["r1"] == harm["w2"]
     assert harm.get("w1", 0.0) == 0.0 and harm.get("w3", 0.0) < 0.01 * harm["w2"]
+
+
+def test_an_error_passed_on_element_by_element_is_localised_where_it_was_made() -> None:
+    """Conv -> Add 3 -> Clip -> Mul (a hardswish without its /6) -> depthwise Conv: a channel of
+    small values, rounded at the first Conv's output, is magnified by its large depthwise weight.
+    The error jumps at the depthwise Conv; the Conv output whose rounding it is, read only
+    through element-by-element nodes, takes that jump too (keeping the depthwise input float
+    alone would leave the rounding in place)."""
+    from qcal.accuracy.localise import localise_error
+
+    rng = np.random.default_rng(43)
+    three, zero, six = (np.array(v, np.float32) for v in (3.0, 0.0, 6.0))
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="pointwise"),
+        helper.make_node("Add", ["c1", "three"], ["a1"], name="add"),
+        helper.make_node("Clip", ["a1", "zero", "six"], ["k1"], name="clip"),
+        helper.make_node("Mul", ["c1", "k1"], ["h1"], name="mul"),
+        helper.make_node("Conv", ["h1", "w2"], ["d1"], name="depthwise", group=2,
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["d1"], ["y"], name="pool"),
+    ]
+    weights = {
+        "w1": np.array([[[[0.02]], [[0.0]]], [[[0.0]], [[5.0]]]], np.float32),
+        "w2": np.stack([np.full((1, 3, 3), 40.0), np.full((1, 3, 3), 0.01)]).astype(np.float32),
+        "three": three, "zero": zero, "six": six,
+    }
+    model, _ = prepare_model(build_model(nodes, [float_input("x", ["N", 2, 8, 8])], ["y"],
+                                         weights))
+    plan = plan_quantization(model, SelectionRules())
+    assert {"c1", "h1"} <= {a.tensor for a in plan.activations}
+    # The quantized model as far as c1 goes: its readers see it rounded on an 8-bit grid set
+    # by its large channel, which leaves the small channel a few steps.
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    graph = rounded.graph
+    graph.initializer.extend([numpy_helper.from_array(np.array(0.1, np.float32), "c1_s"),
+                              numpy_helper.from_array(np.array(128, np.uint8), "c1_z")])
+    for node in graph.node:
+        node.input[:] = ["c1_dq" if v == "c1" else v for v in node.input]
+    graph.node.insert(1, helper.make_node("QuantizeLinear", ["c1", "c1_s", "c1_z"], ["c1_q"]))
+    graph.node.insert(2, helper.make_node("DequantizeLinear", ["c1_q", "c1_s", "c1_z"],
+                                          ["c1_dq"]))
+    feed = {"x": rng.uniform(-1.0, 1.0, (4, 2, 8, 8)).astype(np.float32)}
+    harm = {s.tensor: s.harm for s in localise_error(model, rounded, plan, [(feed, 4)]).tensors}
+    assert harm["h1"] > 0.1
+    assert harm["c1"] == harm["h1"]  # the rounding made at c1, magnified at the depthwise Conv
+    assert harm.get("x", 0.0) < 1e-3 * harm["h1"]  # upstream of the first Conv: none of it

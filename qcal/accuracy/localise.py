@@ -5,7 +5,11 @@ activation of the main graph exposed as an output. Both models compute these ten
 writer keeps each producer's output and sends its readers through the pair), so their difference
 is the error that has reached that point: `r_t = Σ(q - f)² / Σf²` per tensor. A quantized node
 whose output carries much more error than its inputs is where error jumps: its quantized inputs
-and weights (what it reads through Q/DQ) take the jump as their harm. Measured on data, this
+and weights (what it reads through Q/DQ) take the jump as their harm, and so do the quantized
+tensors its inputs are computed from element by element (an Add, Clip, Mul or Softmax between a
+Conv's quantized output and a depthwise Conv passes each channel's rounding on unmixed: the jump
+appears at the depthwise Conv, but keeping its input float alone leaves that rounding in place).
+Measured on data, this
 finds the tensors whose error is amplified downstream (denominators, exp and pow inputs,
 differences of nearly equal quantities) however an exporter spells them, at the cost of two
 passes. The fallback then confirms on the real QDQ model, as with per-tensor sensitivity.
@@ -23,7 +27,7 @@ from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import FUSED_ACTIVATIONS
-from qcal.graph.structure import UseIndex, exposing
+from qcal.graph.structure import COMPUTE_OPS, UseIndex, exposing, static_shapes
 
 __all__ = ["localise_error"]
 
@@ -45,7 +49,8 @@ def localise_error(
     outputs = [o.name for o in float_model.graph.output]
     watched = sorted(({a.tensor for a in plan.activations} & produced & quant_produced)
                      - set(outputs)) + outputs
-    ratios, samples = _error_ratios(float_model, quant_model, watched, batches, providers)
+    ratios, shapes, samples = _error_ratios(float_model, quant_model, watched, batches,
+                                            providers)
 
     harm: dict[str, float] = {}
     inputs_of = {n.name: [v for v in n.input if v] for n in float_model.graph.node}
@@ -60,11 +65,13 @@ def localise_error(
     # A Conv whose Relu/Clip onnxruntime fuses writes a float tensor, not watched: its error
     # is read where that activation writes (the activation adds none of its own).
     through = _through_fused_activations(float_model.graph, set(ratios))
+    upstream = _ElementwiseSources(float_model.graph, shapes, reads)
     for node in quantized:
         after = max((ratios.get(through.get(v, v), 0.0) for v in outputs_of[node]), default=0.0)
         before = max((ratios.get(v, 0.0) for v in inputs_of[node]), default=0.0)
         jump = max(0.0, after - before)
-        for tensor in reads.get(node, ()):
+        sources = upstream.of(reads.get(node, set())) if jump > 0.0 else set()
+        for tensor in reads.get(node, set()) | sources:
             harm[tensor] = max(harm.get(tensor, 0.0), jump)
     roles = {a.tensor: "activation" for a in plan.activations}
     roles.update({w.tensor: "weight" for w in plan.weights})
@@ -75,6 +82,56 @@ def localise_error(
     ]
     found.sort(key=lambda s: (-s.harm, s.tensor))
     return SensitivityResult(samples, tuple(found), method="error-jump")
+
+
+class _ElementwiseSources:
+    """The quantized tensors a value is computed from element by element.
+
+    A node passes its inputs' rounding on unmixed when each of its inputs, as seen on the data
+    (constants as stored), broadcasts to its output's shape: Add, Mul, Clip, Sigmoid, a
+    per-channel scale, Softmax. A compute op (Conv, MatMul, Gemm: shapes can line up by
+    chance), a pool, a Concat, a Resize or a Reshape mixes or moves elements, and the walk stops
+    there; so does it at a value whose shape is not known.
+    """
+
+    def __init__(self, graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]],
+                 reads: Mapping[str, set[str]]) -> None:
+        self._index = UseIndex.build(graph)
+        self._shapes = shapes
+        self._reads = reads
+
+    def of(self, tensors: set[str]) -> set[str]:
+        """Quantized tensors upstream of `tensors` through element-by-element nodes (float
+        values between them followed too)."""
+        found: set[str] = set()
+        seen = set(tensors)
+        stack = sorted(tensors)
+        while stack:
+            node = self._index.producer.get(stack.pop())
+            if node is None or not self._elementwise(node):
+                continue
+            found |= self._reads.get(node.name, set())
+            for value in node.input:
+                if value and value not in seen and value not in self._index.initializers:
+                    seen.add(value)
+                    stack.append(value)
+        return found
+
+    def _elementwise(self, node: onnx.NodeProto) -> bool:
+        outputs = [v for v in node.output if v]
+        if node.op_type in COMPUTE_OPS or len(outputs) != 1 or outputs[0] not in self._shapes:
+            return False
+        out = self._shapes[outputs[0]]
+        inputs = [v for v in node.input if v]
+        return bool(inputs) and all(
+            v in self._shapes and _broadcasts(self._shapes[v], out) for v in inputs)
+
+
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `to` without changing it (numpy's rule, one way)."""
+    if len(shape) > len(to):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
 
 
 def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dict[str, str]:
@@ -92,20 +149,26 @@ def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dic
 def _error_ratios(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, names: list[str],
     batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...],
-) -> tuple[dict[str, float], int]:
+) -> tuple[dict[str, float], dict[str, tuple[int, ...]], int]:
     """Tensor -> noise energy over signal energy of the quantized model's value, over the
-    elements both compute finite; and the number of samples."""
+    elements both compute finite; tensor -> its shape in the first run (the watched ones as
+    computed, the others as declared); and the number of samples."""
     float_session = create_session(exposing(float_model, names), providers=providers,
                                    threads=COMPARE_THREADS, what="float model")
     quant_session = create_session(exposing(quant_model, names), providers=providers,
                                    threads=COMPARE_THREADS, what="quantized model")
     signal = dict.fromkeys(names, 0.0)
     noise = dict.fromkeys(names, 0.0)
+    shapes: dict[str, tuple[int, ...]] = {}
     samples = 0
     for feed, n in batches:
+        if samples == 0:
+            shapes.update(static_shapes(float_model.graph, feed))
         floats = float_session.run(names, dict(feed))
         quants = quant_session.run(names, dict(feed))
         for name, f, q in zip(names, floats, quants):
+            if samples == 0:
+                shapes[name] = tuple(np.shape(f))
             f64 = np.asarray(f, dtype=np.float64).ravel()
             q64 = np.asarray(q, dtype=np.float64).ravel()
             if f64.shape != q64.shape:
@@ -116,4 +179,4 @@ def _error_ratios(
             noise[name] += float((q64 - f64) @ (q64 - f64))
         samples += n
     ratios = {name: noise[name] / signal[name] if signal[name] > 0 else 0.0 for name in names}
-    return ratios, samples
+    return ratios, shapes, samples
