@@ -173,10 +173,12 @@ def _error_ratios(
             q64 = np.asarray(q, dtype=np.float64).ravel()
             if f64.shape != q64.shape:
                 continue
-            both = np.isfinite(f64) & np.isfinite(q64)
-            f64, q64 = f64[both], q64[both]
+            error = q64 - f64  # not finite where either is not
+            if not np.isfinite(error).all():
+                both = np.isfinite(f64) & np.isfinite(q64)
+                f64, error = f64[both], error[both]
             signal[name] += float(f64 @ f64)
-            noise[name] += float((q64 - f64) @ (q64 - f64))
+            noise[name] += float(error @ error)
         samples += n
     ratios = {name: noise[name] / signal[name] if signal[name] > 0 else 0.0 for name in names}
     return ratios, shapes, samples
