@@ -201,11 +201,59 @@ def test_a_softmax_of_opset_12_upgraded_by_the_converter_is_still_per_position()
 
 
 def test_hidden_states_of_rank_3_have_no_agreement() -> None:
-    """A linear layer's [N, T, D] output is hidden states, not scores: SQNR and cosine only."""
+    """An [N, T, D] output computed element by element (hidden states, a residual sum) is not
+    scores: SQNR and cosine only."""
     x, a, b = _sequence_data()
     out = compare_models(_sequence_model(a, "Identity"), _sequence_model(b, "Identity"),
                          [({"x": x}, 4)]).outputs[0]
     assert out.top1_agreement is None and out.sqnr_db is not None
+
+
+def _linear_sequence_model(factor: np.ndarray, *, bias: bool, output: str = "y",
+                           residual: bool = False) -> onnx.ModelProto:
+    """[N, T, 5] -> MatMul by diag(factor) (then its bias added on its own, or the input added
+    back as a residual) -> Reshape to [N * T, 1, 5]: a CRNN's logits written as [T, N, classes]."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="linear")]
+    last = "m"
+    if bias or residual:
+        nodes.append(helper.make_node("Add", ["x" if residual else "b", "m"], ["a"], name="add"))
+        last = "a"
+    nodes.append(helper.make_node("Reshape", [last, "shape"], [output], name="reshape"))
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(np.diag(factor).astype(np.float32), "w"),
+                     onnx.numpy_helper.from_array(np.full(5, 0.25, np.float32), "b"),
+                     onnx.numpy_helper.from_array(np.array([-1, 1, 5], np.int64), "shape")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_layers_logits_of_rank_3_are_compared_per_position(bias: bool) -> None:
+    """A recognizer or tagger exported without its softmax ([T, N, classes] logits from a
+    MatMul, its bias added on its own or not) is decoded by every position's argmax: its
+    agreement counts positions, as an independent argmax says."""
+    x, a, b = _sequence_data()
+    expected = float(np.mean(np.argmax(x * a + 0.25 * bias, -1)
+                             == np.argmax(x * b + 0.25 * bias, -1)))
+    assert 0.0 < expected < 1.0
+    out = compare_models(_linear_sequence_model(a, bias=bias),
+                         _linear_sequence_model(b, bias=bias), [({"x": x}, 4)]).outputs[0]
+    assert out.top1_agreement == pytest.approx(expected)
+
+
+def test_a_residual_sum_or_an_output_named_as_hidden_states_has_no_agreement() -> None:
+    """The same MatMul added back to its input (a residual block's hidden states), or named
+    `last_hidden_state` as exporters name them: values, not decisions."""
+    x, a, b = _sequence_data()
+    for kwargs in ({"bias": False, "residual": True},
+                   {"bias": True, "output": "last_hidden_state"}):
+        out = compare_models(_linear_sequence_model(a, **kwargs),  # type: ignore[arg-type]
+                             _linear_sequence_model(b, **kwargs),  # type: ignore[arg-type]
+                             [({"x": x}, 4)]).outputs[0]
+        assert out.top1_agreement is None and out.sqnr_db is not None, kwargs
 
 
 def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() -> None:

@@ -304,8 +304,10 @@ def test_activations_below_the_presets_smallest_step_stay_float(tmp_path: Path) 
          "U": rng.standard_normal((16, 4)).astype(np.float32)},
     )
     data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 2, 8)).astype(np.float32))
-    # mm2 reads float values: a model this small falls under the coverage floor.
-    report = calibrate_cli(tmp_path, model, data, "--min-coverage", "0")
+    # mm2 reads float values: a model this small falls under the coverage floor. Its output, a
+    # linear layer's [N, 2, 4], is read per position: a random network's near-ties there are
+    # not what this test is about (its SQNR is checked below).
+    report = calibrate_cli(tmp_path, model, data, "--min-coverage", "0", "--no-fallback")
     quantized_tensors = {t["name"] for t in report["tensors"] if t["role"] == "activation"}
     assert {"x", "h", "v"} <= quantized_tensors and not {"t", "u"} & quantized_tensors
     reasons = {n["name"]: n["reason"] for n in report["nodes"]}

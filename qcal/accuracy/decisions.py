@@ -9,11 +9,15 @@ read how, and at which shapes:
   LogSoftmax: one argmax per sample (a convolutional head's class maps reach it through a
   global pooling, a Relu or a 1x1 Conv and a flatten);
 * a softmax over the last axis of a higher rank (a CTC recognizer's ``[N, T, classes]``, a token
-  classifier): one argmax per position, since that is how such an output is decoded;
+  classifier): one argmax per position, since that is how such an output is decoded; and so is
+  a linear layer's output of a higher rank (a MatMul or Gemm, or its bias added on its own,
+  through reshapes): the same heads exported without their softmax, whose logits a CTC decoder
+  or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier);
 * a Sigmoid's output, any shape: every element is a yes/no at 0.5 (voice activity per frame,
   multi-label tags, a detector's objectness).
 
-A linear layer's output of a higher rank is hidden states, not scores. Reshapes, casts and a
+Hidden states are a normalization's or a residual Add's output, not a linear layer's; an
+exporter that names them (`last_hidden_state`) is taken at its word below. Reshapes, casts and a
 scaling by a positive constant (a temperature) in between change no decision. An output named as
 a value (an embedding, hidden states, features, a pooled output, boxes, coordinates, keypoints,
 depth) holds none, whatever computes it. An output none of these rules reads may still be a
@@ -68,16 +72,19 @@ class DecisionRule:
         threshold: a sigmoid's probabilities, each a yes/no at 0.5.
         softmax_axis: for a softmax (or the version converter's spelling of an old one), the
             axis it normalizes; its positions are decisions when that is the last axis.
+        linear: a linear layer's scores over the last axis; its positions are decisions.
     """
 
     threshold: bool = False
     softmax_axis: int | None = None
+    linear: bool = False
 
     def applies(self, shape: tuple[int, ...]) -> bool:
         """Whether an output of this shape holds decisions under the rule."""
         if self.threshold:
             return len(shape) > 0
-        last = self.softmax_axis is not None and self.softmax_axis in (-1, len(shape) - 1)
+        last = self.linear or (self.softmax_axis is not None
+                               and self.softmax_axis in (-1, len(shape) - 1))
         return is_classifier_like(shape, per_position=last and len(shape) > 2)
 
     def count(self, x: np.ndarray, y: np.ndarray) -> tuple[int, int, np.ndarray | None]:
@@ -102,6 +109,8 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     producer = {v: n for n in model.graph.node for v in n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     positive = _positive_scalars(model)
+    constants = ({t.name for t in model.graph.initializer}
+                 | {n.output[0] for n in model.graph.node if n.op_type == "Constant"})
     found = {}
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
@@ -128,8 +137,24 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             found[output.name] = DecisionRule(threshold=True)
         elif node.op_type in _SCORE_OPS:
             found[output.name] = DecisionRule(
-                softmax_axis=_softmax_axis(node, producer, opset, reshaped))
+                softmax_axis=_softmax_axis(node, producer, opset, reshaped),
+                linear=not pooled and _linear(node, producer, constants))
     return found
+
+
+def _linear(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+            constants: set[str]) -> bool:
+    """A MatMul or Gemm, or a constant added to a MatMul's output (its bias, as exporters that
+    split Linear write it)."""
+    if node.op_type in ("MatMul", "Gemm"):
+        return True
+    if node.op_type != "Add" or len(node.input) != 2:
+        return False
+    a, b = node.input
+    if b in constants:
+        a, b = b, a
+    computed = producer.get(b)
+    return a in constants and computed is not None and computed.op_type == "MatMul"
 
 
 def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> bool:
