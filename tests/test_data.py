@@ -466,7 +466,12 @@ def test_fixed_batch_that_data_cannot_fill(tmp_path: Path) -> None:
     source = open_npz(tmp_path, [fixed], image=images(8))  # rows of 1, model wants 4
     with pytest.raises(DataError) as err:
         validate_data(source, [fixed])
-    assert_one_line_naming(err, "data.npz", "'image'", "size 1 on axis 0", "expects 4")
+    assert_one_line_naming(err, "data.npz", "'image'", "size 1 on axis 0", "expects 4",
+                           "array of rank 5")
+    # What the message says to do works: each sample whole, on one more axis.
+    whole = open_npz(tmp_path, [fixed], image=images(8).reshape(2, 4, 3, 4, 4))
+    validate_data(whole, [fixed])
+    assert [s["image"].shape for s in whole.samples()] == [(4, 3, 4, 4)] * 2
 
 
 def test_npz_arrays_of_different_lengths(tmp_path: Path) -> None:

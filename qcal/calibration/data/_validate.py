@@ -42,9 +42,13 @@ def _check_array(spec: InputSpec, info: ArrayInfo) -> None:
         )
     for axis, (found, want) in enumerate(zip(info.shape, spec.shape)):
         if isinstance(want, int) and found != want:
+            hint = ""
+            if axis == 0 and found == 1 and want > 1:  # rows of an .npz, a fixed batch
+                hint = (f"; for a fixed batch of {want}, give each sample whole: an .npz array"
+                        f" of rank {len(spec.shape) + 1} (samples x[i]) or a folder of .npz files")
             raise DataError(
                 f"{where} has size {found} on axis {axis} (shape {info.shape}), model expects"
-                f" {want} (shape {_shape_str(spec)})"
+                f" {want} (shape {_shape_str(spec)}){hint}"
             )
 
 
