@@ -234,6 +234,30 @@ def test_values_onnx_cannot_type_are_typed_by_onnxruntime(tmp_path: Path) -> Non
     assert worst_sqnr(report) > 20
 
 
+def test_a_value_onnxruntime_gives_no_shape_is_not_declared_a_scalar(tmp_path: Path) -> None:
+    """scikit-learn's exporter starts with ai.onnx.ml's Scaler, whose output neither onnx nor
+    onnxruntime shapes (onnxruntime says [] as for a scalar): typed without a shape, the MatMul
+    reading it still loads and is quantized (declared rank 0, onnxruntime refused the model)."""
+    rng = np.random.default_rng(6)
+    nodes = [
+        helper.make_node("Scaler", ["x"], ["scaled"], name="scaler", domain="ai.onnx.ml",
+                         offset=[0.5] * 4, scale=[2.0] * 4),
+        helper.make_node("MatMul", ["scaled", "W"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes, "sklearn", [float_input("x", ["N", 4])], [float_input("y", ["N", 2])],
+        [numpy_helper.from_array(rng.standard_normal((4, 2)).astype(np.float32), "W")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)]
+    )
+    model.ir_version = 8
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, data)
+    assert {n["name"]: n for n in report["nodes"]}["mm"]["quantized"]
+    assert worst_sqnr(report) > 20
+
+
 # ---------------------------------------------------------------------- several inputs/outputs
 
 

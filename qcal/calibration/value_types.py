@@ -50,7 +50,9 @@ def complete_value_types(
         elem_type = _element_type(value.type)
         if value.name not in wanted or elem_type is None:
             continue
-        shape = None if value.shape is None else [
+        # onnxruntime says [] for a value it has no shape for (an ai.onnx.ml Scaler's output)
+        # as for a scalar: declared rank 0, the value's readers would refuse it.
+        shape = None if not value.shape else [
             d if isinstance(d, (int, str)) else None for d in value.shape]
         graph.value_info.append(onnx.helper.make_tensor_value_info(value.name, elem_type, shape))
         typed += 1
