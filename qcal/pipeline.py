@@ -71,6 +71,7 @@ from qcal.graph.files.large import (
     WeightFile,
     has_external_data,
     load_external_data,
+    weight_bytes,
 )
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.files.save import data_path, needs_external_data, stage_model
@@ -306,9 +307,11 @@ def calibrate(
         exactness_notes = [*exactness_notes, warning]
     coverage = measure_coverage(prepared, plan, macs, integer_anyway)
     speed = None
-    # A large model is timed only for the --fail-if-slower gate: two more sessions would
-    # double memory (so the built-in not-slower gate is not checked on it).
-    if weight_file is None or config.fail_if_slower is not None:
+    # A model of large weights is timed only for the --fail-if-slower gate: two more sessions
+    # would double memory (so the built-in not-slower gate is not checked on it). Small weights
+    # kept in a file of their own (torch.onnx's dynamo exporter writes them so) are timed.
+    if (weight_file is None or config.fail_if_slower is not None
+            or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
         with timings.stage("latency"):
             # The float model as timed states the shapes the quantized one does (in place: the
             # prepared model's last use, and a copy would hold its weights twice).
@@ -389,6 +392,9 @@ def _replan(
 def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSink:
     names = numeric_outputs(model)
     return OutputSink(tuple(names), partial(reference.keep, names))
+
+
+_TIMED_WEIGHT_BYTES = 256 << 20  # float weights up to which a model in files is timed
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

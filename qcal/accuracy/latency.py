@@ -113,7 +113,7 @@ def measure_latency(
     without spinning it times 0.98-1.02x (the untimed run lets the other session's threads
     settle)."""
     order = [(float_model, "float model"), (quant_model, "quantized model")]
-    made = [create_session(m, providers=providers, threads=threads, what=what)
+    made = [create_session(m, providers=providers, threads=threads, what=what, repack=True)
             for m, what in (order[::-1] if quantized_first else order)]
     sessions = made[::-1] if quantized_first else made  # float first, as `times` holds them
     names = [[o.name for o in s.get_outputs()] for s in sessions]

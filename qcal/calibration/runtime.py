@@ -62,6 +62,7 @@ def create_session(
     node_order: bool = False,
     optimize: bool = True,
     spin: bool = False,
+    repack: bool = False,
     optimized_to: Path | None = None,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
@@ -76,7 +77,9 @@ def create_session(
     timings of what a deployment sees and for runs with little work between them.
 
     Initializers kept in files (see `qcal.graph.files.large`) are mapped by onnxruntime from their
-    files, not copied, and not repacked either: the session holds no second copy of them.
+    files, not copied, and not repacked either: the session holds no second copy of them. With
+    `repack`, onnxruntime repacks them as it does for any deployed model (a copy of each weight
+    in its kernels' layout), for timings: its integer kernels run much slower on unpacked weights.
     With `optimized_to`, onnxruntime also writes the graph it will run there (after its fusions).
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]
@@ -94,7 +97,7 @@ def create_session(
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes", str(1 << 20))
     try:
-        model_bytes = _mapping_weights(model, options, what)
+        model_bytes = _mapping_weights(model, options, what, repack=repack)
         if model_bytes is not None:
             return ort.InferenceSession(model_bytes, sess_options=options, providers=list(providers))
         with tempfile.TemporaryDirectory(prefix="qcal-") as tmp:
@@ -112,7 +115,7 @@ def create_session(
 
 
 def _mapping_weights(
-    model: onnx.ModelProto, options: ort.SessionOptions, what: str
+    model: onnx.ModelProto, options: ort.SessionOptions, what: str, *, repack: bool
 ) -> bytes | None:
     """The bytes onnxruntime gets for `model`, with `options` set to map its initializers kept
     in files (absolute locations, which onnxruntime refuses: it gets them relative to the root
@@ -136,8 +139,8 @@ def _mapping_weights(
     options.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", roots.pop()
     )
-    # Prepacking would keep a repacked copy of every weight besides the mapped file.
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    if not repack:  # prepacking keeps a repacked copy of every weight besides the mapped file
+        options.add_session_config_entry("session.disable_prepacking", "1")
     model_bytes = copy.SerializeToString()
     return model_bytes
 

@@ -195,6 +195,12 @@ def has_external_data(model: onnx.ModelProto) -> bool:
     return any(is_external(tensor) for tensor in model.graph.initializer)
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the main graph's initializers, those in files counted by their length."""
+    return sum(external_file(t)[2] if is_external(t) else t.ByteSize()
+               for t in model.graph.initializer)
+
+
 def read_external(tensor: onnx.TensorProto, chunk_bytes: int = _READ_CHUNK_BYTES) -> Iterator[bytes]:
     """The bytes of a tensor kept in a file, `chunk_bytes` at a time."""
     path, offset, length = external_file(tensor)
