@@ -135,3 +135,41 @@ def test_the_quantized_conv_reads_the_codes_directly(tmp_path: Path) -> None:
     assert optimized["QuantizeLinear"] == 1  # the model's input only
     (reference,), (got,) = run(model, _feed()), run(quantized, _feed())
     assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
+
+
+def _nhwc_pad_transpose_conv(pads: list[int], *, extra_reader: bool = False) -> onnx.ModelProto:
+    """x [N, 9, 9, 4] (NHWC) -> Pad -> Transpose to NCHW -> Conv (stride 2) -> y, as tf2onnx
+    writes a Keras ZeroPadding2D before a strided convolution (and Relu(Transpose) -> z)."""
+    rng = np.random.default_rng(3)
+    inits = {"pads": np.array(pads, np.int64),
+             "w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32)}
+    nodes = [
+        helper.make_node("Pad", ["x", "pads"], ["padded"], name="pad"),
+        helper.make_node("Transpose", ["padded"], ["nchw"], name="to_nchw", perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["nchw", "w"], ["y"], name="conv", strides=[2, 2]),
+    ]
+    outputs = ["y"]
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["nchw"], ["z"], name="relu"))
+        outputs.append("z")
+    return build_model(nodes, [float_input("x", ["N", 9, 9, 4])], outputs, inits)
+
+
+def test_a_zero_pad_before_a_transpose_to_a_conv_is_folded_with_the_permuted_pads() -> None:
+    """NHWC pads [0, 1, 0, 0, 0, 1, 1, 0] (top 1; bottom 1, right 1) become the NCHW Conv's
+    pads [1, 0, 1, 1]; the Transpose then reads the unpadded input."""
+    nhwc_pads = [0, 1, 0, 0, 0, 1, 1, 0]
+    model = _nhwc_pad_transpose_conv(nhwc_pads)
+    prepared, steps = prepare_model(model)
+    assert [s.name for s in steps if s.name == "fold-pad"] == ["fold-pad"]
+    assert _ops(prepared)["Pad"] == 0 and _ops(prepared)["Transpose"] == 1
+    (folded,) = [n for n in prepared.graph.node if n.op_type == "Conv"]
+    assert [list(a.ints) for a in folded.attribute if a.name == "pads"] == [[1, 0, 1, 1]]
+    feed = {"x": np.random.default_rng(4).standard_normal((2, 9, 9, 4)).astype(np.float32)}
+    (reference,), (got,) = run(model, feed), run(prepared, feed)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+    # Padding a Transpose's batch or channel axis, or a Transpose something else reads: kept.
+    for kept in (_nhwc_pad_transpose_conv([0, 0, 0, 1, 0, 0, 0, 0]),
+                 _nhwc_pad_transpose_conv(nhwc_pads, extra_reader=True)):
+        prepared, _ = prepare_model(kept)
+        assert _ops(prepared)["Pad"] == 1

@@ -3,8 +3,9 @@ same zeros).
 
 Exporters write explicit Pad nodes for padding a Conv attribute could hold: tf2onnx for a
 Keras ``ZeroPadding2D`` or a strided "same" convolution's uneven padding, torch for some
-padding modes. onnxruntime folds such a Pad into a float Conv itself, but not into an integer
-one: quantized, the Pad would stay a float node between a DequantizeLinear and a
+padding modes; tf2onnx may put a Transpose between (the Pad in NHWC, the Conv in NCHW: the pads
+then follow the Transpose's permutation). onnxruntime folds such a Pad into a float Conv itself,
+but not into an integer one: quantized, the Pad would stay a float node between a DequantizeLinear and a
 QuantizeLinear (three nodes where there were none; a Keras MobileNet ran 1.27x its float
 latency with four of them). The result is exact: the Conv pads with the same zeros.
 """
@@ -21,6 +22,7 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import StepResult
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
+    Use,
     UseIndex,
     drop_unread_initializers,
     drop_value_info,
@@ -30,10 +32,11 @@ __all__ = ["FoldPad"]
 
 
 class FoldPad:
-    """Fold each Pad of the main graph that adds zeros on spatial axes only, in constant mode,
-    and whose output only Conv nodes read, as their input (not a graph output). Its pads (and
-    axes, constant value) must be initializers; each Conv must pad explicitly (``auto_pad``
-    NOTSET or VALID) and have as many spatial axes as the padded input."""
+    """Fold each Pad of the main graph that adds zeros in constant mode, and whose output only
+    Conv nodes read as their input (on spatial axes only), or Transposes that only such Convs
+    read (on the axes that become spatial); never a graph output. Its pads (and axes, constant
+    value) must be initializers; each Conv must pad explicitly (``auto_pad`` NOTSET or VALID)
+    and have as many spatial axes as the padded input."""
 
     name: ClassVar[str] = "fold-pad"
 
@@ -41,26 +44,27 @@ class FoldPad:
         graph = model.graph
         index = UseIndex.build(graph)
         removed: set[int] = set()  # positions of the folded Pads
+        moved: set[str] = set()  # Transpose outputs that lost the padding
         for position, node in enumerate(graph.node):
-            spatial = _zero_spatial_pads(node, index)
-            if spatial is None:
+            pads = _zero_pads(node, index)
+            if pads is None or node.output[0] in index.graph_outputs:
                 continue
             readers = index.uses.get(node.output[0], [])
-            convs = [use.node for use in readers]
-            if (
-                not readers
-                or node.output[0] in index.graph_outputs
-                or any(use.slot != 0 for use in readers)  # a subgraph read too
-                or not all(_pads_explicitly(conv) for conv in convs)
-            ):
+            folds = [f for f in (_fold(use, pads, index) for use in readers) if f is not None]
+            if not readers or len(folds) != len(readers):
                 continue
-            for conv in convs:
-                _add_pads(conv, spatial)
-                conv.input[0] = node.input[0]
+            for use, fold in zip(readers, folds):
+                for conv, spatial in fold:
+                    _add_pads(conv, spatial)
+                    if use.node is conv:
+                        conv.input[0] = node.input[0]
+                if use.node.op_type == "Transpose":
+                    use.node.input[0] = node.input[0]
+                    moved.add(use.node.output[0])
             removed.add(position)
         if not removed:
             return StepResult(model, False)
-        dropped = {graph.node[p].output[0] for p in removed}
+        dropped = {graph.node[p].output[0] for p in removed} | moved
         constants = {v for p in removed for v in graph.node[p].input[1:] if v}
         kept = [n for p, n in enumerate(graph.node) if p not in removed]
         del graph.node[:]
@@ -71,9 +75,43 @@ class FoldPad:
         return StepResult(model, True, f"folded {count} Pad{'s' * (count != 1)} into Conv")
 
 
-def _zero_spatial_pads(node: onnx.NodeProto, index: UseIndex) -> list[int] | None:
-    """The pads a zero-padding Pad adds to the spatial axes (begins, then ends, as a Conv's
-    `pads`), or None when `node` is not such a Pad."""
+def _fold(use: Use, pads: tuple[np.ndarray, np.ndarray],
+          index: UseIndex) -> list[tuple[onnx.NodeProto, list[int]]] | None:
+    """The Convs a read of the Pad's output reaches and the spatial pads each adds, or None
+    when that read cannot take the padding: a Conv's data input, or a Transpose whose output
+    only such Convs read (the pads permuted as it permutes the axes)."""
+    begins, ends = pads
+    if use.slot != 0:  # a subgraph's read, or not the data input
+        return None
+    node = use.node
+    if node.op_type == "Transpose" and node.domain in DEFAULT_DOMAINS:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"),
+                    list(range(begins.size))[::-1])
+        if sorted(perm) != list(range(begins.size)) or node.output[0] in index.graph_outputs:
+            return None
+        begins, ends = begins[perm], ends[perm]
+        convs = index.uses.get(node.output[0], [])
+        if not convs or any(u.slot != 0 or not _pads_explicitly(u.node) for u in convs):
+            return None
+        spatial = _spatial(begins, ends)
+        return None if spatial is None else [(u.node, spatial) for u in convs]
+    spatial = _spatial(begins, ends)
+    if spatial is None or not _pads_explicitly(node):
+        return None
+    return [(node, spatial)]
+
+
+def _spatial(begins: np.ndarray, ends: np.ndarray) -> list[int] | None:
+    """A Conv's `pads` (begins, then ends, of the spatial axes) for padding of an NC... input,
+    or None when it pads the batch or channel axis, or the input has no spatial axis."""
+    if begins.size < 3 or begins[:2].any() or ends[:2].any():
+        return None
+    return [int(v) for v in (*begins[2:], *ends[2:])]
+
+
+def _zero_pads(node: onnx.NodeProto, index: UseIndex) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (begins, ends) per axis a zero-padding Pad adds, or None when `node` is not such a
+    Pad."""
     if node.op_type != "Pad" or node.domain not in DEFAULT_DOMAINS or len(node.output) != 1:
         return None
     if any(a.name == "mode" and a.s not in (b"", b"constant") for a in node.attribute):
@@ -90,10 +128,9 @@ def _zero_spatial_pads(node: onnx.NodeProto, index: UseIndex) -> list[int] | Non
         return None  # pads of some axes only (opset 18): the input's rank is not known here
     pads = pads.astype(np.int64).ravel()
     rank = pads.size // 2
-    begins, ends = pads[:rank], pads[rank:]
-    if rank < 3 or np.any(pads < 0) or begins[:2].any() or ends[:2].any():
+    if rank < 3 or np.any(pads < 0):
         return None
-    return [int(v) for v in (*begins[2:], *ends[2:])]
+    return pads[:rank], pads[rank:]
 
 
 def _constant(node: onnx.NodeProto, slot: int, index: UseIndex) -> np.ndarray | None:
