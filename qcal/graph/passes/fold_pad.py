@@ -4,10 +4,11 @@ same zeros).
 Exporters write explicit Pad nodes for padding a Conv attribute could hold: tf2onnx for a
 Keras ``ZeroPadding2D`` or a strided "same" convolution's uneven padding, torch for some
 padding modes; tf2onnx may put a Transpose between (the Pad in NHWC, the Conv in NCHW: the pads
-then follow the Transpose's permutation). onnxruntime folds such a Pad into a float Conv itself,
-but not into an integer one: quantized, the Pad would stay a float node between a DequantizeLinear and a
-QuantizeLinear (three nodes where there were none; a Keras MobileNet ran 1.27x its float
-latency with four of them). The result is exact: the Conv pads with the same zeros.
+then follow the Transpose's permutation). onnxruntime folds such a Pad into a float Conv
+itself, but not into an integer one: quantized, the Pad would stay a float node between a
+DequantizeLinear and a QuantizeLinear (three nodes where there were none; a Keras MobileNet ran
+1.27x its float latency with four of them). The result is exact: the Conv pads with the same
+zeros.
 """
 
 from __future__ import annotations
