@@ -309,7 +309,8 @@ def calibrate(
     speed = None
     # A model of large weights is timed only for the --fail-if-slower gate: two more sessions
     # would double memory (so the built-in not-slower gate is not checked on it). Small weights
-    # kept in a file of their own (torch.onnx's dynamo exporter writes them so) are timed.
+    # in a file of their own (torch.onnx's dynamo exporter writes a model of a few MB so) are
+    # timed.
     if (weight_file is None or config.fail_if_slower is not None
             or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
         with timings.stage("latency"):
