@@ -100,8 +100,9 @@ def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
     ops = _optimized_ops(quantized, tmp_path)
     # Only the HardSigmoid (no integer kernel) stays float, with one pair around it, and the
     # last Conv, which writes the model's output in float from integer inputs. The Div by 6 is
-    # gone: folded into the scale of the DequantizeLinear that the next Mul reads.
-    assert ops["QLinearConv"] == 2 and ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 3
+    # gone: folded into the scale of the DequantizeLinear that the next Mul reads; so is the
+    # Mul by the scalar 1.3 after it.
+    assert ops["QLinearConv"] == 2 and ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 2
     assert not {"FusedConv", "Add", "Mul", "Clip", "Relu", "Div"} & set(ops), ops
     assert ops["HardSigmoid"] == 1 and ops["Conv"] == 1
     # Q: input, HardSigmoid; DQ: HardSigmoid, and the last Conv's three inputs.
@@ -127,12 +128,15 @@ def test_plan_shares_parameters_across_data_movement() -> None:
     assert targets["pooled"].same_as == "shifted" and targets["pooled"].divisor == 1.0
     # The Div by 6 of hard-swish: its output takes the Mul's parameters, scale divided by 6.
     assert targets["hs"].same_as == "m1" and targets["hs"].divisor == 6.0
-    shared = {"pooled", "hs"}
+    # The Mul by 1.3 after it: a division by 1 / 1.3, shared the same way.
+    assert targets["scaled"].same_as == "m1"
+    assert targets["scaled"].divisor == pytest.approx(6.0 / np.float32(1.3), rel=1e-12)
+    shared = {"pooled", "hs", "scaled"}
     assert all(t.same_as is None for name, t in targets.items() if name not in shared)
     # Clip after Add is left to the QuantizeLinear: the tensor between them is not quantized.
     assert "a1" not in targets and "r6" in targets
     roles = {w.tensor: w.role for w in plan.weights}
-    assert roles["w1"] == "weight" and roles["three"] == "operand" and roles["scale"] == "operand"
+    assert roles["w1"] == "weight" and roles["three"] == "operand" and "scale" not in roles
 
 
 def test_shared_outputs_take_the_source_parameters(tmp_path: Path) -> None:
@@ -810,3 +814,46 @@ def test_the_integer_forms_compute_what_they_document(op_type: str, beta: float 
     assert np.abs(written - expected).max() <= 1 and (written == expected).mean() >= 0.99
     assert np.abs(fused - written).max() <= 1
     assert np.abs(written - original).max() <= (1 if op_type == "HardSigmoid" else 2)
+
+
+@pytest.mark.parametrize("constant_first", [False, True])
+def test_a_mul_by_a_positive_constant_scalar_is_folded_like_a_division(
+    tmp_path: Path, constant_first: bool
+) -> None:
+    """Keras writes hard-swish as x * (relu6(x + 3) * (1 / 6)): the Mul by 1/6 takes its
+    input's codes with the scale multiplied by 1/6, and goes, as the Div by 6 of
+    x * relu6(x + 3) / 6 does; the model computes the same values. A scalar written first,
+    Mul(1/6, r), is an ordinary quantized Mul."""
+    rng = np.random.default_rng(7)
+    sixth = ["sixth", "r6"] if constant_first else ["r6", "sixth"]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c1", "three"], ["a1"], name="add3"),
+        helper.make_node("Clip", ["a1", "zero", "six"], ["r6"], name="relu6"),
+        helper.make_node("Mul", sixth, ["gate"], name="times_sixth"),
+        helper.make_node("Mul", ["c1", "gate"], ["hs"], name="mul"),
+        helper.make_node("Conv", ["hs", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["y"], name="conv3"),
+    ]
+    inits = {
+        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
+                              "3": ((4, 8, 1, 1), 0.3)}),
+        "three": np.array(3.0, np.float32), "zero": np.array(0.0, np.float32),
+        "six": np.array(6.0, np.float32), "sixth": np.array(1 / 6, np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
+    x = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
+    result = _run(model, tmp_path, x, fallback=False)
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    multiplications = [n for n in result.model.graph.node if n.name == "times_sixth"]
+    if constant_first:
+        assert decisions["times_sixth"]["quantized"] and multiplications
+    else:
+        assert decisions["times_sixth"]["quantized"] and not multiplications  # folded away
+        tensors = {t["name"]: t for t in result.report["tensors"]}
+        scale = {name: float(np.ravel(tensors[name]["onnx"]["scale"])[0]) for name in ("gate", "r6")}
+        assert scale["gate"] == pytest.approx(scale["r6"] / 6, rel=1e-6)
+    reference = _outputs(model, x[:4])
+    error = np.abs(_outputs(result.model, x[:4]) - reference).max()
+    assert error < 0.05 * np.abs(reference).max()

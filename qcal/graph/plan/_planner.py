@@ -13,7 +13,7 @@ import onnx.defs
 from qcal.graph.files.large import tensor_array
 from qcal.graph.parameters import parameter_tensors
 from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, added_bias_of, place
-from qcal.graph.plan._rules import OpRule
+from qcal.graph.plan._rules import MUL_BY_CONSTANT, OP_RULES, OpRule
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (
     _Found,
@@ -100,8 +100,15 @@ class _Planner(_Selection):
         )
         # placement "auto" as asked (an explicit op-type list quantizes every selected node)
         self._auto = rules.placement == "auto" and rules.op_types is None
+        shaped = [v for v in (*graph.input, *graph.value_info, *graph.output)
+                  if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")]
+        self._ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in shaped}
+        self._static = {v.name for v in shaped
+                        if all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
         for node in graph.node:
             rule, reason = self._select(node)
+            if rule is OP_RULES["Mul"] and self._scalar(node, MUL_BY_CONSTANT) is not None:
+                rule = MUL_BY_CONSTANT
             if rule is not None and rule.integer_form and self._auto and not rules.integer_forms:
                 rule, reason = None, _NO_INTEGER_FORM
             if rule is not None:
@@ -116,11 +123,6 @@ class _Planner(_Selection):
                 del self._selected[name]
                 self._skips[name] = reason
         self._fused = self._fused_tensors()
-        shaped = [v for v in (*graph.input, *graph.value_info, *graph.output)
-                  if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")]
-        self._ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in shaped}
-        self._static = {v.name for v in shaped
-                        if all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
 
     def plan(self) -> QuantPlan:
         found = _Found()
@@ -247,8 +249,15 @@ class _Planner(_Selection):
     def _divisor(self, node: onnx.NodeProto) -> float | None:
         """The positive finite scalar constant `node` divides by, or None (not such a node)."""
         rule = self._selected.get(node.name)
-        if rule is None or not rule.divides_by_constant or len(node.input) < 2:
+        return None if rule is None else self._scalar(node, rule)
+
+    def _scalar(self, node: onnx.NodeProto, rule: OpRule) -> float | None:
+        """What `node` divides by under `rule` (a positive finite constant scalar, its input 1;
+        its reciprocal for a Mul), or None."""
+        if not rule.divides_by_constant or len(node.input) < 2:
             return None
+        if self._constant(node.input[0]) is not None:
+            return None  # both constant: nothing to quantize
         constant = self._constant(node.input[1])
         if constant is None or constant.data_type not in FLOAT_TYPES:
             return None
@@ -258,7 +267,9 @@ class _Planner(_Selection):
         if values.ndim and values.ndim > self._ranks.get(node.input[0], -1):
             return None  # a divisor of higher (or unknown) rank may broadcast to a new shape
         value = float(values.reshape(()))
-        return value if math.isfinite(value) and value > 0 else None
+        if not (math.isfinite(value) and value > 0):
+            return None
+        return 1.0 / value if rule.by_reciprocal else value
 
     def _targets(self, node: onnx.NodeProto, rule: OpRule) -> _NodeTargets | str:
         """What `node` quantizes under `rule`, or why it cannot be quantized."""

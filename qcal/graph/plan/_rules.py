@@ -52,6 +52,7 @@ class OpRule:
             input 1 is a positive constant scalar c; its output then takes input 0's parameters
             with the scale divided by c, and the division is folded into the output's
             DequantizeLinear (``DQ(q, s, z) / c = DQ(q, s / c, z)``): nothing left to run.
+            With `by_reciprocal`, the node multiplies by input 1 (a division by 1 / c).
         integer_form: onnxruntime has no integer kernel for the op, but under placement "auto"
             the Q/DQ writer spells it, between its input's DequantizeLinear and its output's
             QuantizeLinear, as an Add (and a Mul) that onnxruntime runs on integers
@@ -68,7 +69,18 @@ class OpRule:
     bias: int | None = None
     fuses_activation: bool = False
     divides_by_constant: bool = False
+    by_reciprocal: bool = False
     integer_form: bool = False
+
+
+# A Mul whose B is a positive constant scalar c: a division by 1 / c, folded as a Div is
+# (keras's hard-swish x * (relu6(x + 3) * (1 / 6)), a Rescaling layer, GELU's 0.5).
+MUL_BY_CONSTANT = OpRule(
+    "input A and the output, B a positive constant scalar c: the output takes A's parameters "
+    "with the scale multiplied by c, which removes the multiplication",
+    divides_by_constant=True,
+    by_reciprocal=True,
+)
 
 
 def _data_rule(what: str) -> OpRule:
@@ -115,7 +127,9 @@ OP_RULES: Mapping[str, OpRule] = {
         fuses_activation=True,
     ),
     "Mul": OpRule(
-        "both inputs (constants per tensor, in the activation type) and the output",
+        "both inputs (constants per tensor, in the activation type) and the output; by a "
+        "positive constant scalar c (as B): A and the output, which takes A's parameters with "
+        "the scale multiplied by c, which removes the multiplication",
         inputs=(0, 1),
         fuses_activation=True,
     ),
@@ -169,7 +183,8 @@ in its range, and onnxruntime then runs them on the integers (float readers of s
 read its DequantizeLinear, which holds the same values). The output of a Div by a positive
 constant scalar c takes its input's parameters with the scale divided by c: the
 DequantizeLinear of the input's codes with that scale is the quotient, and the Div is removed
-(as in the x * relu6(x + 3) / 6 of hard-swish). Constants at quantized inputs are
+(as in the x * relu6(x + 3) / 6 of hard-swish); a Mul by a positive constant scalar c likewise,
+with the scale multiplied by c (Keras writes x * (relu6(x + 3) * (1 / 6))). Constants at quantized inputs are
 stored pre-quantized: at a weight input with the weight scheme, elsewhere (Add, Mul, Concat,
 a constant MatMul A) per tensor with the activation scheme, whose type the integer kernels need.
 """

@@ -1,7 +1,7 @@
 """Divisions folded into a DequantizeLinear scale: the output of a Div by a positive constant
 scalar, quantized with its input's parameters and the scale divided by the constant, is the
 DequantizeLinear of the input's codes with that scale (``DQ(q, s, z) / c = DQ(q, s / c, z)``),
-so the Div goes."""
+so the Div goes; so does a Mul by a positive constant scalar (a division by its reciprocal)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class _DivisionFolder(_ActivationWriter):
     back to when its source got no pair)."""
 
     def _folds(self, scopes: _Scopes) -> dict[str, tuple[str, onnx.NodeProto]]:
-        """Activation -> (its source, the Div) for the outputs of a Div by a positive constant
-        scalar that reads its input quantized, when the output's parameters are the input's
+        """Activation -> (its source, the Div) for the outputs of a Div (or Mul) by a positive
+        constant scalar that reads its input quantized, when the output's parameters are the input's
         with the scale divided by the constant: ``DQ(q, s, z) / c = DQ(q, s / c, z)``, so the
         output's DequantizeLinear reads the input's codes and nothing is left to divide."""
         folds: dict[str, tuple[str, onnx.NodeProto]] = {}
@@ -38,13 +38,17 @@ class _DivisionFolder(_ActivationWriter):
             if (
                 rewrite is None
                 or producer is None
-                or producer.op_type != "Div"
+                or producer.op_type not in ("Div", "Mul")
                 or producer.domain not in DEFAULT_DOMAINS
                 or len(producer.input) != 2
             ):
                 continue
+            if producer.op_type == "Mul" and target.same_as is None:
+                continue  # a Mul the plan quantizes as such (its B may be stored as codes)
             source = self._planned_inputs.get(producer.name, tuple(producer.input))[0]
             divisor = _positive_scalar(scopes.initializer(producer.input[1]))
+            if divisor is not None and producer.op_type == "Mul":
+                divisor = 1.0 / divisor
             if (
                 divisor is None
                 or producer.input[1] in rewrite.index.graph_inputs  # may be fed another value
@@ -116,7 +120,7 @@ class _DivisionFolder(_ActivationWriter):
 
 def _positive_scalar(constant: onnx.TensorProto | None) -> float | None:
     """The value of a one-element float constant if it is finite and positive, else None."""
-    if constant is None or constant.data_type not in _FLOAT_TYPES:
+    if constant is None or constant.data_type not in _FLOAT_TYPES or np.prod(constant.dims) != 1:
         return None
     values = tensor_array(constant)
     if values.size != 1:
