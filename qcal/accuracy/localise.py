@@ -64,8 +64,9 @@ def localise_error(
         reads.setdefault(weight.node, set()).add(weight.tensor)
     # A Conv whose Relu/Clip onnxruntime fuses writes a float tensor, not watched: its error
     # is read where that activation writes (the activation adds none of its own).
-    through = _through_fused_activations(float_model.graph, set(ratios))
-    upstream = _ElementwiseSources(float_model.graph, shapes, reads)
+    index = UseIndex.build(float_model.graph)
+    through = _through_fused_activations(float_model.graph, index, set(ratios))
+    upstream = _ElementwiseSources(index, shapes, reads)
     for node in quantized:
         after = max((ratios.get(through.get(v, v), 0.0) for v in outputs_of[node]), default=0.0)
         before = max((ratios.get(v, 0.0) for v in inputs_of[node]), default=0.0)
@@ -94,9 +95,9 @@ class _ElementwiseSources:
     there; so does it at a value whose shape is not known.
     """
 
-    def __init__(self, graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]],
+    def __init__(self, index: UseIndex, shapes: Mapping[str, tuple[int, ...]],
                  reads: Mapping[str, set[str]]) -> None:
-        self._index = UseIndex.build(graph)
+        self._index = index
         self._shapes = shapes
         self._reads = reads
 
@@ -134,10 +135,10 @@ def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     return all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
 
 
-def _through_fused_activations(graph: onnx.GraphProto, watched: set[str]) -> dict[str, str]:
+def _through_fused_activations(graph: onnx.GraphProto, index: UseIndex,
+                                watched: set[str]) -> dict[str, str]:
     """Unwatched tensor -> the watched output of the Relu/Clip that alone reads it (through a
-    chain of them)."""
-    index = UseIndex.build(graph)
+    chain of them); `index` is the graph's."""
     found: dict[str, str] = {}
     for value in (v for node in graph.node for v in node.output if v and v not in watched):
         end, _ = index.follow(value, FUSED_ACTIVATIONS, until=watched)

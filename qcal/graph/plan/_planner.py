@@ -105,16 +105,22 @@ class _Planner(_Selection):
         self._ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in shaped}
         self._static = {v.name for v in shaped
                         if all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
+        self._divisors: dict[str, float] = {}  # node -> the positive scalar it divides by
         for node in graph.node:
             rule, reason = self._select(node)
-            if rule is OP_RULES["Mul"] and self._scalar(node, MUL_BY_CONSTANT) is not None:
-                rule = MUL_BY_CONSTANT
+            # a Mul by a positive constant scalar is a division by its reciprocal
+            dividing = MUL_BY_CONSTANT if rule is OP_RULES["Mul"] else rule
+            divisor = None if dividing is None else self._scalar(node, dividing)
+            if divisor is not None:
+                rule = dividing
             if rule is not None and rule.integer_form and self._auto and not rules.integer_forms:
                 rule, reason = None, _NO_INTEGER_FORM
-            if rule is not None:
-                self._selected[node.name] = rule
-            else:
+            if rule is None:
                 self._skips[node.name] = reason
+                continue
+            self._selected[node.name] = rule
+            if divisor is not None:
+                self._divisors[node.name] = divisor
         self._placed = Placement()
         if self._auto:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
@@ -248,8 +254,7 @@ class _Planner(_Selection):
 
     def _divisor(self, node: onnx.NodeProto) -> float | None:
         """The positive finite scalar constant `node` divides by, or None (not such a node)."""
-        rule = self._selected.get(node.name)
-        return None if rule is None else self._scalar(node, rule)
+        return self._divisors.get(node.name) if node.name in self._selected else None
 
     def _scalar(self, node: onnx.NodeProto, rule: OpRule) -> float | None:
         """What `node` divides by under `rule` (a positive finite constant scalar, its input 1;

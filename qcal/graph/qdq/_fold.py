@@ -36,15 +36,15 @@ class _DivisionFolder(_ActivationWriter):
             rewrite = scopes.defined.get(tensor)
             producer = None if rewrite is None else rewrite.index.producer.get(tensor)
             if (
-                rewrite is None
+                target.same_as is None  # observed: not a division the plan folds (a Mul it
+                # quantizes as such may hold its B as codes)
+                or rewrite is None
                 or producer is None
                 or producer.op_type not in ("Div", "Mul")
                 or producer.domain not in DEFAULT_DOMAINS
                 or len(producer.input) != 2
             ):
                 continue
-            if producer.op_type == "Mul" and target.same_as is None:
-                continue  # a Mul the plan quantizes as such (its B may be stored as codes)
             source = self._planned_inputs.get(producer.name, tuple(producer.input))[0]
             divisor = _positive_scalar(scopes.initializer(producer.input[1]))
             if divisor is not None and producer.op_type == "Mul":

@@ -92,18 +92,20 @@ def _spell(
         clips = y_zero == low and (high - y_zero) * y_scale <= _ONE  # its range in [0, 1]
         if not (alpha > 0 and np.isfinite(beta) and clips):
             return None
-        shift, shift_nodes = _constant(names, graph, node.name, beta / alpha, dtype)
+        shift = _constant(names, graph, node.name, beta / alpha, dtype)
         gate = names.allocate(f"{node.name}_shifted")
-        add = helper.make_node("Add", [x, shift], [gate], name=names.allocate(f"{node.name}_Add"))
+        add = helper.make_node("Add", [x, shift.output[0]], [gate],
+                               name=names.allocate(f"{node.name}_Add"))
         _requantize(quantize, gate, y_scale / alpha, names, graph)
-        return [*shift_nodes, add], replaced
+        return [shift, add], replaced
     # HardSwish: x * clip(x + 3, 0, 6) / 6
     top = min(6.0, 3.0 + (high - x_zero) * x_scale)
     if top <= 0:
         return None  # x never above -3: the output is 0 (left as written)
-    three, three_nodes = _constant(names, graph, node.name, 3.0, dtype)
+    three = _constant(names, graph, node.name, 3.0, dtype)
     shifted = names.allocate(f"{node.name}_shifted")
-    add = helper.make_node("Add", [x, three], [shifted], name=names.allocate(f"{node.name}_Add"))
+    add = helper.make_node("Add", [x, three.output[0]], [shifted],
+                           name=names.allocate(f"{node.name}_Add"))
     gate_scale = _initializer(names, graph, f"{node.name}_gate_scale",
                               np.asarray(top / (high - low), np.float32))
     gate_zero = _code(names, graph, f"{node.name}_gate_zero_point", low, dtype)
@@ -118,7 +120,7 @@ def _spell(
     product = names.allocate(f"{node.name}_product")
     mul = helper.make_node("Mul", [x, gate], [product], name=names.allocate(f"{node.name}_Mul"))
     _requantize(quantize, product, y_scale * 6.0, names, graph)
-    return [*three_nodes, add, quantize_gate, dequantize_gate, mul], replaced
+    return [three, add, quantize_gate, dequantize_gate, mul], replaced
 
 
 def _between_pair(
@@ -166,19 +168,17 @@ def _requantize(quantize: onnx.NodeProto, value: str, scale: float, names: NameA
 
 
 def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: float,
-              dtype: int) -> tuple[str, list[onnx.NodeProto]]:
-    """`value` as one 8-bit code (the extreme code of its sign) and its DequantizeLinear."""
+              dtype: int) -> onnx.NodeProto:
+    """The DequantizeLinear of `value` as one 8-bit code (the extreme code of its sign)."""
     _, low, high = _INTEGER_TYPES[dtype]
     code, zero = (high, low) if value > 0 else (low, high) if value < 0 else (low, low)
     scale = abs(value) / (high - low) if value else 1.0
     codes = _code(names, graph, f"{node}_constant_quantized", code, dtype)
     zero_point = _code(names, graph, f"{node}_constant_zero_point", zero, dtype)
     scale_name = _initializer(names, graph, f"{node}_constant_scale", np.asarray(scale, np.float32))
-    output = names.allocate(f"{node}_constant")
-    dequantize = helper.make_node(
-        "DequantizeLinear", [codes, scale_name, zero_point], [output],
+    return helper.make_node(
+        "DequantizeLinear", [codes, scale_name, zero_point], [names.allocate(f"{node}_constant")],
         name=names.allocate(f"{node}_constant_DequantizeLinear"))
-    return output, [dequantize]
 
 
 def _code(names: NameAllocator, graph: onnx.GraphProto, base: str, value: int, dtype: int) -> str:
