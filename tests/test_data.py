@@ -157,6 +157,75 @@ def test_npz_dir_sorted_by_name_with_varying_shapes(tmp_path: Path) -> None:
     assert [s["image"].shape[-1] for s in collect(source)] == [4, 6, 8]
 
 
+# ------------------------------------------------------------------------------------ npy files
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_npy_file_gives_what_the_same_array_in_an_npz_gives(tmp_path: Path, batch: int | None
+                                                            ) -> None:
+    x = np.asfortranarray(images(5, batch)) if batch else images(5, batch)
+    np.save(tmp_path / "images.npy", x)
+    source = open_data(tmp_path / "images.npy", model_path=tmp_path / MODEL, inputs=[IMAGE])
+    validate_data(source, [IMAGE])
+    got = collect(source)
+    assert source.num_samples() == 5 and not source.is_synthetic
+    expected = [x[i] if batch else x[i : i + 1] for i in range(5)]
+    assert len(got) == 5 and all(list(s) == ["image"] for s in got)
+    for sample, want in zip(got, expected, strict=True):
+        assert sample["image"].dtype == np.float32
+        np.testing.assert_array_equal(sample["image"], want)
+
+
+def test_npy_dir_one_sample_per_file_beside_npz_files(tmp_path: Path) -> None:
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    for size, name in ((6, "b.npy"), (4, "a.npz"), (8, "c.NPY")):
+        array = np.full((1, 3, size, size), size, np.float32)
+        if name.endswith(".npz"):
+            np.savez(folder / name, image=array)
+        else:
+            with open(folder / name, "wb") as fp:
+                np.lib.format.write_array(fp, array)
+    source = open_data(folder, model_path=tmp_path / MODEL, inputs=[IMAGE_DYN])
+    validate_data(source, [IMAGE_DYN])
+    assert [s["image"].shape[-1] for s in collect(source)] == [4, 6, 8]
+    assert [float(s["image"].max()) for s in collect(source)] == [4.0, 6.0, 8.0]
+
+
+def test_npy_for_a_model_of_several_inputs_names_them(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", images(2))
+    with pytest.raises(DataError) as err:
+        open_data(tmp_path / "x.npy", model_path=tmp_path / MODEL, inputs=[IMAGE, MASK])
+    assert_one_line_naming(err, "x.npy", "2 inputs", "'image'", "'mask'", ".npz")
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    np.save(folder / "0.npy", images(1))
+    source = open_data(folder, model_path=tmp_path / MODEL, inputs=[IMAGE, MASK])
+    with pytest.raises(DataError) as err:
+        validate_data(source, [IMAGE, MASK])
+    assert_one_line_naming(err, "0.npy", "2 inputs")
+
+
+def test_npy_object_truncated_and_garbage_files_are_refused(tmp_path: Path) -> None:
+    objects = np.empty(2, dtype=object)
+    objects[:] = [np.zeros(3), "x"]
+    np.save(tmp_path / "evil.npy", objects, allow_pickle=True)
+    with pytest.raises(DataError) as err:
+        open_data(tmp_path / "evil.npy", model_path=tmp_path / MODEL, inputs=[IMAGE])
+    assert_one_line_naming(err, "evil.npy", "object")
+    (tmp_path / "junk.npy").write_bytes(b"not an array")
+    with pytest.raises(DataError) as err:
+        open_data(tmp_path / "junk.npy", model_path=tmp_path / MODEL, inputs=[IMAGE])
+    assert_one_line_naming(err, "junk.npy")
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, images(4))
+    (tmp_path / "cut.npy").write_bytes(buffer.getvalue()[: -(3 * 4 * 4 * 4 + 10)])
+    source = open_data(tmp_path / "cut.npy", model_path=tmp_path / MODEL, inputs=[IMAGE])
+    with pytest.raises(DataError) as err:
+        collect(source)
+    assert_one_line_naming(err, "cut.npy", "truncated")
+
+
 # ------------------------------------------------------------------------------ onnx test data
 
 

@@ -23,7 +23,7 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("-o", "--output", type=_path, help="QDQ model to write [default: ./<stem>.qdq.onnx]")
 @click.option("--report", type=_path, help="JSON report to write [default: ./<stem>.qcal.json]")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-@click.option("--data", type=_path, help=".npz file, folder of .npz samples, or test_data_set folder(s).")
+@click.option("--data", type=_path, help=".npz file (.npy for a one-input model), folder of such samples, or test_data_set folder(s).")
 @click.option("--eval-data", type=_path, help="Data to compare float and quantized outputs on.")
 @click.option("--labels", type=_path, help=".npy integer labels for --eval-data (adds accuracy).")
 @click.option("--synthetic", type=int, metavar="N", help="Calibrate on N random samples (not real data!).")

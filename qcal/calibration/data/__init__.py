@@ -12,8 +12,11 @@ Formats (`open_data`):
   full feed per sample). Members are read row by row from the zip stream, stored or deflated:
   only one sample per input is in memory. Exception: a member saved in Fortran order has no
   contiguous rows and is read whole (logged as a warning).
-- A folder of ``.npz`` files, one sample (full feed) each, in file-name order; shapes may differ
-  between samples. Each file is read when its turn comes.
+- ``.npy`` file, for a model with one input: that input's array, read as the same array in an
+  ``.npz`` file.
+- A folder of ``.npz`` (or, for a model with one input, ``.npy``) files, one sample (full feed)
+  each, in file-name order; shapes may differ between samples. Each file is read when its turn
+  comes.
 - ONNX model-zoo folders ``test_data_set_K/input_J.pb`` (J = position among the model inputs; if
   every file of a set names a model input in its ``name`` field, the names are used instead), in
   numeric order of K. Each file is read when its turn comes.
@@ -24,7 +27,7 @@ fields of the TensorProto files (tensor payloads are skipped, not read). Values 
 for NaN/Inf here (too costly); `find_nonfinite` names the culprit once a problem shows up.
 
 Layout: `_source` (sample and source types, name matching shared by every reader), one reader
-module per format (`_npz_file`, `_npz_dir` over the ``.npy``-in-zip reading of `_npy`,
+module per format (`_npz_file`, `_npz_dir` over the ``.npy`` reading of `_npy`, in zips or plain,
 `_onnx_test_data`, `_synthetic`), `_open` (the entry point that picks the reader), `_validate`
 (checks against the model inputs, non-finite values) and `_batches` (joining samples).
 """

@@ -1,7 +1,10 @@
-"""Reading ``.npy`` members of zip (``.npz``) files without unpickling: headers alone, a whole
-member, or one axis-0 row at a time from the zip stream (so only one row is in memory).
+"""Reading ``.npy`` arrays without unpickling, as members of zip (``.npz``) files or as plain
+``.npy`` files: headers alone, a whole array, or one axis-0 row at a time from the stream (so only
+one row is in memory).
 
-Shared by the two ``.npz`` readers (one file of many samples, a folder of one-sample files).
+A plain ``.npy`` file holds one unnamed array: it is read as an archive of one member named after
+the model's only input (`_open_arrays`, `_read_headers`), so the two readers (one file of many
+samples, a folder of one-sample files) take both kinds alike.
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ import contextlib
 import logging
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +36,34 @@ class _NpyHeader:
 
 
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+NPY_SUFFIX = ".npy"
+
+
+class _Arrays(Protocol):
+    """Where a file's arrays are read from: an open zip file, or a plain .npy file."""
+
+    def open(self, member: str) -> IO[bytes]: ...
+
+
+class _NpyFile:
+    """A plain .npy file as an archive of one member (whatever the member's name)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def open(self, member: str) -> IO[bytes]:
+        return open(self.path, "rb")  # closed by the caller, as a zip member is
+
+
+def _single_input_key(path: Path, names: Sequence[str]) -> str:
+    """The key of a plain .npy file's one array: the model's only input."""
+    if len(names) != 1:
+        raise DataError(
+            f"{path}: a .npy file holds one array but the model has {len(names)} inputs"
+            f" ({', '.join(repr(n) for n in names)}); save an .npz file with one array per input"
+            " name"
+        )
+    return names[0]
 
 
 @contextlib.contextmanager
@@ -45,6 +76,26 @@ def _open_zip(path: Path) -> Iterator[zipfile.ZipFile]:
         raise DataError(f"{path}: not a readable .npz file ({_one_line(err)})") from None
     with zf:
         yield zf
+
+
+@contextlib.contextmanager
+def _open_arrays(path: Path) -> Iterator[_Arrays]:
+    """The arrays of an .npz file, or of a plain .npy file."""
+    if path.suffix.lower() != NPY_SUFFIX:
+        with _open_zip(path) as zf:
+            yield zf
+        return
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    yield _NpyFile(path)
+
+
+def _members(arrays: _Arrays, names: Sequence[str]) -> dict[str, str]:
+    """The member of each array, by key: those of a zip; a plain .npy file's one array."""
+    if isinstance(arrays, _NpyFile):
+        return {_single_input_key(arrays.path, names): arrays.path.name}
+    assert isinstance(arrays, zipfile.ZipFile)
+    return {n[: -len(NPY_SUFFIX)]: n for n in arrays.namelist() if n.endswith(NPY_SUFFIX)}
 
 
 def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[int, ...], bool]:
@@ -67,6 +118,20 @@ def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[i
             " save numeric arrays instead"
         )
     return dtype, tuple(int(d) for d in shape), bool(fortran_order)
+
+
+def _read_headers(path: Path, names: Sequence[str]) -> dict[str, _NpyHeader]:
+    """The headers of an .npz file's members, or of a plain .npy file's array keyed by the
+    model's only input (of `names`, the model's inputs)."""
+    if path.suffix.lower() != NPY_SUFFIX:
+        return _read_npz_headers(path)
+    key = _single_input_key(path, names)
+    try:
+        with open(path, "rb") as fp:
+            dtype, shape, fortran = _read_npy_header(fp, str(path))
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({_one_line(err)})") from None
+    return {key: _NpyHeader(path.name, dtype, shape, fortran)}
 
 
 def _read_npz_headers(path: Path) -> dict[str, _NpyHeader]:
@@ -110,9 +175,9 @@ def _read_exact(
     return out if dtype.isnative else out.astype(_native(dtype))
 
 
-def _read_member(zf: zipfile.ZipFile, path: Path, key: str, member: str) -> npt.NDArray[Any]:
-    """One whole .npy member, without unpickling."""
-    origin = f"{path}: array {key!r}"
+def _read_member(zf: _Arrays, path: Path, key: str, member: str) -> npt.NDArray[Any]:
+    """One whole .npy member (or plain .npy file), without unpickling."""
+    origin = _origin(path, key)
     try:
         with zf.open(member) as fp:
             dtype, shape, fortran = _read_npy_header(fp, origin)
@@ -122,10 +187,11 @@ def _read_member(zf: zipfile.ZipFile, path: Path, key: str, member: str) -> npt.
 
 
 class _RowReader:
-    """Reads the axis-0 rows of one .npy member in order, one row at a time."""
+    """Reads the axis-0 rows of one .npy member (or plain .npy file) in order, one row at a
+    time."""
 
-    def __init__(self, zf: zipfile.ZipFile, path: Path, key: str, header: _NpyHeader) -> None:
-        self._origin = f"{path}: array {key!r}"
+    def __init__(self, zf: _Arrays, path: Path, key: str, header: _NpyHeader) -> None:
+        self._origin = _origin(path, key)
         try:
             self._fp = zf.open(header.member)
         except _READ_ERRORS as err:
@@ -153,3 +219,8 @@ class _RowReader:
     def close(self) -> None:
         self._fp.close()
         self._whole = None
+
+
+def _origin(path: Path, key: str) -> str:
+    """How errors name an array: a plain .npy file is its one array."""
+    return str(path) if path.suffix.lower() == NPY_SUFFIX else f"{path}: array {key!r}"

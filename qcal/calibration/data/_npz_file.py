@@ -1,7 +1,8 @@
-"""Reader of a single ``.npz`` file: one array per model input, axis 0 = sample.
+"""Reader of a single ``.npz`` file: one array per model input, axis 0 = sample; or of a single
+``.npy`` file, the array of a model with one input.
 
 An array of the model input's rank gives samples ``x[i:i+1]``; one of rank + 1 gives ``x[i]``.
-Rows are streamed from the zip (see `qcal.calibration.data._npy`).
+Rows are streamed from the file (see `qcal.calibration.data._npy`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qcal.calibration.data._npy import _open_zip, _read_npz_headers, _RowReader
+from qcal.calibration.data._npy import _open_arrays, _read_headers, _RowReader
 from qcal.calibration.data._source import (
     ArrayInfo,
     Feed,
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class NpzSource:
-    """One .npz file, one array per model input, axis 0 = sample; read row by row."""
+    """One .npz file, one array per model input, axis 0 = sample (or one .npy file, the array
+    of a model with one input); read row by row."""
 
     kind = "npz"
     is_synthetic = False
@@ -39,12 +41,13 @@ class NpzSource:
         """Read the member headers (not the data) and count the samples.
 
         Raises:
-            DataError: unreadable file, object arrays, or arrays of different lengths.
+            DataError: unreadable file, object arrays, arrays of different lengths, or a .npy
+                file for a model of several inputs.
         """
         self.path: Path | None = path
         self._file = path
         self._inputs = tuple(inputs)
-        self._headers = _read_npz_headers(path)
+        self._headers = _read_headers(path, [spec.name for spec in inputs])
         counts = {key: h.shape[0] for key, h in self._headers.items() if h.shape}
         if len(set(counts.values())) > 1:
             ordered = sorted(counts.items(), key=lambda kv: kv[1])
@@ -95,7 +98,7 @@ class NpzSource:
         return self._stream(self._adds_batch_axis())
 
     def _stream(self, adds: dict[str, bool]) -> Iterator[Feed]:
-        with _open_zip(self._file) as zf, contextlib.ExitStack() as stack:
+        with _open_arrays(self._file) as zf, contextlib.ExitStack() as stack:
             readers = {}
             for spec in self._inputs:
                 reader = _RowReader(zf, self._file, spec.name, self._headers[spec.name])

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qcal.calibration.data._npy import NPY_SUFFIX
 from qcal.calibration.data._npz_dir import NpzDirSource, _npz_files
 from qcal.calibration.data._npz_file import NpzSource
 from qcal.calibration.data._onnx_test_data import (
@@ -30,26 +31,27 @@ def _open_path(path: Path, inputs: Sequence[InputSpec], limit: int | None) -> Da
     if not path.exists():
         raise DataError(f"{path}: calibration data not found")
     if not path.is_dir():
-        if path.suffix.lower() == ".npz":
+        if path.suffix.lower() in (".npz", NPY_SUFFIX):
             return NpzSource(path, inputs, limit=limit)
         raise DataError(
-            f"{path}: unsupported data file; expected an .npz file, a folder of .npz files or"
-            " test_data_set_* folder(s)"
+            f"{path}: unsupported data file; expected an .npz file (a .npy file for a model with"
+            " one input), a folder of such files or test_data_set_* folder(s)"
         )
     if _input_pb_files(path):
         return OnnxTestDataSource(path, [path], inputs, limit=limit)
     sets, npzs = _test_data_sets(path), _npz_files(path)
     if sets and npzs:
         raise DataError(
-            f"{path}: holds both .npz files and test_data_set_* folders; point --data at one kind"
+            f"{path}: holds both .npz/.npy files and test_data_set_* folders; point --data at one"
+            " kind"
         )
     if sets:
         return OnnxTestDataSource(path, sets, inputs, limit=limit)
     if npzs:
         return NpzDirSource(path, inputs, limit=limit)
     raise DataError(
-        f"{path}: no calibration data in this folder; expected .npz files, input_J.pb files or"
-        " test_data_set_* folders"
+        f"{path}: no calibration data in this folder; expected .npz (or .npy) files, input_J.pb"
+        " files or test_data_set_* folders"
     )
 
 
@@ -85,7 +87,8 @@ def open_data(
     """Open the calibration data at `path`, or find it beside the model, or make it up.
 
     Args:
-        path: an .npz file, a folder of .npz files, a test_data_set_K folder or a folder of them;
+        path: an .npz file (a .npy file for a model with one input), a folder of such files
+            (one sample each), a test_data_set_K folder or a folder of them;
             None looks beside `model_path` for ``<stem>.calib.npz``, then ``test_data_set_*``.
         model_path: the model the data is for (where discovery looks).
         inputs: the model's inputs (decide how .npz arrays are split and how .pb files map).
