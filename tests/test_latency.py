@@ -58,6 +58,21 @@ def test_a_model_timed_against_itself_is_not_slower() -> None:
     assert timed.clearly_slower == () and len(timed.figures) == 2, timed
 
 
+def test_figures_keep_the_ratio_of_a_model_of_microseconds(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The report's figures are what the summary divides: a model of 6.4 us quantized to 6.9 us
+    is 1.08x, not the 1.17x (or 1.00x) of figures rounded to microseconds."""
+    monkeypatch.setattr(latency, "measure_latency",
+                        lambda *args, **kwargs: Latency(6.4e-6, 6.9e-6, 50, 10, 6))
+    model = onnx.load(DIGITS)
+    timed = time_side_by_side(model, model, {}, providers=("CPUExecutionProvider",),
+                              threads=(1, 2))
+    for unit in ("1_thread", "2_threads"):
+        ratio = timed.figures[f"latency_quantized_{unit}"] / timed.figures[f"latency_float_{unit}"]
+        assert ratio == pytest.approx(6.9 / 6.4, rel=1e-4)
+    assert timed.worst_ratio == pytest.approx(6.9 / 6.4, rel=1e-9)
+
+
 def _calibrate(folder: Path, name: str, *flags: str) -> tuple[Any, dict[str, Any]]:
     """`qcal calibrate` of the digits CNN on 8 samples: the CLI's result and the report."""
     result = CliRunner().invoke(main, [

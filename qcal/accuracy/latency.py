@@ -81,8 +81,9 @@ class SideBySide:
     """Both models timed at each thread count.
 
     Attributes:
-        figures: the report's timings (seconds, microsecond precision,
-            ``latency_float_1_thread``, ``latency_quantized_2_threads``, ...).
+        figures: the report's timings (seconds, nanosecond precision: a model of a few
+            microseconds keeps its ratio; ``latency_float_1_thread``,
+            ``latency_quantized_2_threads``, ...).
         worst_ratio: quantized/float median latency, the worse of the thread counts.
         clearly_slower: the thread counts at which the quantized model is slower beyond the
             timing noise (`Latency.clearly_slower`).
@@ -176,8 +177,8 @@ def time_side_by_side(
         unit = "thread" if count == 1 else "threads"
         float_s = statistics.fmean(r.float_seconds for r in rounds)
         quant_s = statistics.fmean(r.quantized_seconds for r in rounds)
-        figures[f"latency_float_{count}_{unit}"] = round(float_s, 6)
-        figures[f"latency_quantized_{count}_{unit}"] = round(quant_s, 6)
+        figures[f"latency_float_{count}_{unit}"] = round(float_s, 9)
+        figures[f"latency_quantized_{count}_{unit}"] = round(quant_s, 9)
         worst = max(worst, quant_s / float_s if float_s > 0 else 1.0)
         if all(r.clearly_slower for r in rounds):
             slower.append(count)
