@@ -416,6 +416,41 @@ def test_a_linear_relu_mlp_between_float_ops_runs_as_integer_gemms(tmp_path: Pat
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("activation", ["Relu", "Clip"])
+def test_a_matmul_relu_mlp_on_tokens_between_float_ops_runs_in_integers(
+    tmp_path: Path, activation: str
+) -> None:
+    """MatMul -> Relu -> MatMul -> Relu on 3-D inputs (tokens, no bias: a bias-free MLP)
+    before a float ReduceMean. onnxruntime turns a MatMul on dequantized inputs into an integer
+    MatMulIntegerToFloat only when no Relu or Clip reads its output: with the last activation's
+    output float, both MatMuls were kept float and none of the model's compute ran in integers.
+    The activation's output is quantized instead, as a Gemm's is."""
+    rng = np.random.default_rng(13)
+    bounds = ["lo", "hi"] if activation == "Clip" else []
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["m1"], name="fc1"),
+        helper.make_node(activation, ["m1", *bounds], ["r1"], name="act1"),
+        helper.make_node("MatMul", ["r1", "w2"], ["m2"], name="fc2"),
+        helper.make_node(activation, ["m2", *bounds], ["r2"], name="act2"),
+        helper.make_node("ReduceMean", ["r2"], ["y"], name="pool", axes=[1]),
+    ]
+    inits = {
+        "w1": rng.standard_normal((32, 48)).astype(np.float32) * 0.3,
+        "w2": rng.standard_normal((48, 24)).astype(np.float32) * 0.2,
+        "lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 16, 32])], ["y"], inits)
+    x = rng.standard_normal((16, 1, 16, 32)).astype(np.float32)
+    result = _run(model, tmp_path, x, fallback=False)
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["fc1"] and decisions["fc2"], result.report["nodes"]
+    assert result.report["coverage"]["macs_quantized_fraction"] == 1.0
+    ops = _optimized_ops(result.model, tmp_path)
+    assert not {"MatMul", "FusedMatMul"} & set(ops), ops
+    expected, actual = _outputs(model, x[:, 0]), _outputs(result.model, x[:, 0])
+    assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
+
+
 def test_a_linear_relu_before_a_float_transposed_convolution_stays_integer(tmp_path: Path) -> None:
     """A VAE's decoder: Gemm -> Relu -> Reshape -> ConvTranspose. Planned first with the
     Reshape between quantized anchors, the ConvTranspose then turns out float (onnxruntime has

@@ -34,8 +34,8 @@ softmax, GELU, recurrent state). So under "auto":
   (`added_bias_of`), never a serving node: quantized, it would cost an integer Add and a
   requantization, and hold the bias in 8 bits;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
-  ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm with a fused
-  Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels with a float
+  ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm or MatMul
+  with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels with a float
   output, so attention logits and final logits stay float;
 * every other node stays float.
 
@@ -261,12 +261,14 @@ QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
     "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
 
 
-# A Gemm whose Relu/Clip onnxruntime fuses writes integers whoever reads the activation's
-# output. Left float, onnxruntime fuses the pair into a float FusedGemm before its QDQ fusion
-# sees them and runs it on dequantized weights (then the check against its graph keeps the Gemm
-# float, and the Gemm before it that fed it quantized: a Linear-ReLU MLP between float ops went
-# all float); quantized after the activation, the pair runs as one integer QGemm.
-_QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm"})
+# A Gemm or MatMul whose Relu/Clip onnxruntime fuses writes integers whoever reads the
+# activation's output. Left float, onnxruntime fuses a Gemm and its activation into a float
+# FusedGemm before its QDQ fusion sees them, and turns a MatMul into its integer
+# MatMulIntegerToFloat only when no Relu or Clip reads its output: either runs on dequantized
+# weights (then the check against its graph keeps it float, and the layer before it that fed
+# it quantized: a Linear-ReLU MLP between float ops went all float, on 2-D inputs as Gemms and
+# on tokens as MatMuls); quantized after the activation, the pair runs as one integer kernel.
+_QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm", "MatMul"})
 
 
 # A MatMul or Gemm of two activations (attention scores and context) stays float: with both
