@@ -5,8 +5,18 @@ ReduceProd(Gather(Shape(kernel), axes))))``: the new shape is computed at run ti
 kernel's own shape, so the reshaped kernel reaches its Gemm as a computed value, and qcal planned
 that Gemm as a product of two activations (kept float under placement auto, quantized per tensor
 at every run under "all"). onnxruntime folds such chains when it loads the model. Folded here,
-`fold-constant-weights` then stores the reshaped kernel as the weight it is. Only integer results of
-shape operators are folded: their arithmetic is exact, so the model computes what it did.
+`fold-constant-weights` then stores the reshaped kernel as the weight it is. Only integer and
+boolean results of shape operators are folded, and float scalars: their arithmetic is exact (or
+one IEEE operation), so the model computes what it did.
+
+As onnxruntime does, a Shape (or Size) of a tensor whose shape inference finds fully static (an
+input of static shape, and what follows from it) is a constant too. TorchScript exports compute
+shapes at run time from the tensors they reshape (a Swin's windows, a MobileViT's patches, the
+Expand that broadcasts a BERT-like encoder's token types): left to run, shape inference gave
+their MatMuls' inputs a free first axis, the planner expected no Gemm of a MatMul and its bias
+Add where onnxruntime, folding the same chains, formed one, and the Gemm then ran in float on
+dequantized weights. Folded here, the chains that follow fold too, and inference runs again
+(`_ROUNDS`).
 """
 
 from __future__ import annotations
@@ -15,10 +25,12 @@ from typing import ClassVar
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
+from qcal.graph.files.large import light_copy
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
 from qcal.graph.passes._folding import evaluate_node, fold_into_initializers, tensor_size
+from qcal.graph.passes._inference import infer_shapes
 from qcal.graph.structure import DEFAULT_DOMAINS, default_opset
 
 __all__ = ["FoldConstantShapes"]
@@ -28,10 +40,22 @@ _SHAPE_OPS = frozenset({
     "Shape", "Size", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast",
     "ReduceProd", "ReduceSum", "ReduceMin", "ReduceMax", "Add", "Sub", "Mul", "Div", "Neg",
     "Abs", "Range", "Max", "Min", "Equal", "Where", "Expand", "Tile", "ConstantOfShape",
+    "Mod", "Transpose", "Flatten", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not",
+    "And", "Or", "Sign", "Ceil", "Floor", "Round",
 })
-_INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+_EXACT_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+# Shape computations that go through floats (torch's `math.ceil(height / patch) * patch`, as a
+# Cast, Div, Ceil, Mul, Cast chain) fold where their values are scalars: each a single IEEE
+# operation, numpy computes what onnxruntime does. Larger float tensors are weights, not shapes.
+_FLOAT_SCALARS = 1
 # Shape arithmetic works on a handful of values: larger operands are left to onnxruntime.
 _MOST_VALUES = 4096
+# Rounds of shape inference and folding: each may make more shapes static (a shape folded
+# gives a Reshape a constant target, whose output's Shape folds in the next round).
+_ROUNDS = 8
+# Shape inference reads these weights' dims, not their bytes: larger ones are left out of its copy.
+_DETACH_BYTES = 1 << 12
 
 
 class FoldConstantShapes:
@@ -54,30 +78,78 @@ class FoldConstantShapes:
             return _evaluate(node, constants, opset)
 
         count = fold_into_initializers(model, value_of)
+        for _ in range(_ROUNDS):
+            read = _fold_static_shape_reads(model)
+            if not read:
+                break
+            count += read + fold_into_initializers(model, value_of)
         if not count:
             return StepResult(model, False)
         return StepResult(model, True, f"folded {count} shape computation{'s' * (count != 1)} "
                                        "on constants into initializers")
 
 
+def _shape_value(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
+    """What a Shape or Size node gives for an input of these dimensions."""
+    if node.op_type == "Size":
+        return np.array(int(np.prod(dims, dtype=np.int64)), np.int64)
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    start, end = attributes.get("start", 0), attributes.get("end")
+    return np.array(dims[start:end], np.int64)
+
+
+def _fold_static_shape_reads(model: onnx.ModelProto) -> int:
+    """Replace each main-graph Shape/Size of a computed tensor whose shape inference finds
+    static by an initializer; how many. Inference runs on a copy without the model's value_info
+    (what an exporter declared is not checked) and without large weights."""
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    outputs = {v.name for v in graph.output}
+    reads = [n for n in graph.node
+             if n.op_type in ("Shape", "Size") and n.domain in DEFAULT_DOMAINS and n.input
+             and n.input[0] not in constants and len(n.output) == 1 and n.output[0] not in outputs]
+    if not reads:
+        return 0
+    light, _ = light_copy(model, min_bytes=_DETACH_BYTES)
+    del light.graph.value_info[:]
+    try:
+        inferred = infer_shapes(light, strict=False).graph
+    except Exception:  # noqa: BLE001  the C++ inference raises assorted types: nothing folds
+        return 0
+    static: dict[str, list[int]] = {}
+    for value in (*inferred.input, *inferred.value_info):
+        shape = value.type.tensor_type.shape if value.type.HasField("tensor_type") else None
+        if (shape is not None and value.type.tensor_type.HasField("shape")
+                and all(d.HasField("dim_value") for d in shape.dim)):
+            static[value.name] = [int(d.dim_value) for d in shape.dim]
+    folded = {n.output[0]: _shape_value(n, static[n.input[0]]) for n in reads
+              if n.input[0] in static}
+    if not folded:
+        return 0
+    kept = [n for n in graph.node if not (n.output and n.output[0] in folded)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in folded.items())
+    return len(folded)
+
+
 def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
               opset: int) -> np.ndarray | None:
-    """The integer value `node` computes from the constants it reads, or None."""
+    """The integer value `node` computes from the constants it reads, or None (float scalars
+    too: `_FLOAT_SCALARS`)."""
     if node.op_type in ("Shape", "Size"):  # the dimensions alone: no data read
-        dims = [int(d) for d in constants[node.input[0]].dims]
-        if node.op_type == "Size":
-            return np.array(int(np.prod(dims, dtype=np.int64)), np.int64)
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        start, end = attributes.get("start", 0), attributes.get("end")
-        return np.array(dims[start:end], np.int64)
+        return _shape_value(node, [int(d) for d in constants[node.input[0]].dims])
     operands = [constants[v] for v in node.input if v]
-    if any(t.data_type not in _INTEGER_TYPES and t.data_type != onnx.TensorProto.BOOL
-           for t in operands) or any(tensor_size(t) > _MOST_VALUES for t in operands):
+    if any(tensor_size(t) > _MOST_VALUES or not (
+            t.data_type in _EXACT_TYPES
+            or (t.data_type in _FLOAT_TYPES and tensor_size(t) <= _FLOAT_SCALARS))
+           for t in operands):
         return None
     value = evaluate_node(node, constants, opset)
-    if value is None:
+    if value is None or value.size > _MOST_VALUES:
         return None
-    if value.dtype not in (np.int64, np.int32) or value.size > _MOST_VALUES:
-        return None
-    return value
-
+    # integers and booleans (a shape's comparison, the condition of a Where choosing dims)
+    if value.dtype in (np.int64, np.int32, np.bool_):
+        return value
+    return value if value.dtype in (np.float32, np.float64) and value.size <= _FLOAT_SCALARS \
+        else None

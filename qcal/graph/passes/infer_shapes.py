@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import onnx
-from onnx import shape_inference
 
-from qcal.graph.files.large import run_detached
 from qcal.graph.passes._base import StepResult
+from qcal.graph.passes._inference import infer_shapes
 from qcal.graph.structure import attribute_graphs, element_types
 
 __all__ = ["InferShapes", "infer_shapes"]
@@ -44,17 +43,6 @@ class InferShapes:
         if failure:
             detail = f"shape inference could not complete ({failure}); {detail}"
         return StepResult(model, True, detail)
-
-
-def infer_shapes(model: onnx.ModelProto, *, strict: bool) -> onnx.ModelProto:
-    """onnx shape inference (with data propagation) on a copy of a model of any size; the copy
-    has no large weights when the model is too large to serialize."""
-    def tool(light: onnx.ModelProto | bytes) -> onnx.ModelProto:
-        return shape_inference.infer_shapes(
-            light, check_type=False, strict_mode=strict, data_prop=True
-        )
-
-    return run_detached(model, tool, what="shape inference", reattach=False)
 
 
 def _copy_types(source: onnx.GraphProto, target: onnx.GraphProto) -> None:
