@@ -26,10 +26,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A conv net with a residual Add and a classifier, and 24 samples of data."""
     folder = tmp_path_factory.mktemp("determinism")
     rng = np.random.default_rng(11)
-    model = residual_classifier(rng, in_channels=3, channels=8, classes=5, side=12,
+    model = residual_classifier(rng, in_channels=8, channels=8, classes=5, side=12,
                                 second_scale=0.1, softmax=True)
     onnx.save(model, folder / "m.onnx")
-    np.savez(folder / "d.npz", x=rng.standard_normal((24, 3, 12, 12)).astype(np.float32))
+    np.savez(folder / "d.npz", x=rng.standard_normal((24, 8, 12, 12)).astype(np.float32))
     return folder / "m.onnx", folder / "d.npz"
 
 

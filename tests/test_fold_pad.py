@@ -52,8 +52,8 @@ def _ops(model: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in model.graph.node)
 
 
-def _feed() -> dict[str, np.ndarray]:
-    return {"x": np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype(np.float32)}
+def _feed(channels: int = 4) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(1).standard_normal((2, channels, 9, 9)).astype(np.float32)}
 
 
 @pytest.mark.parametrize("conv", [{}, {"pads": [1, 0, 0, 1]}, {"auto_pad": "VALID"}],
@@ -106,9 +106,9 @@ def test_the_quantized_conv_reads_the_codes_directly(tmp_path: Path) -> None:
     # QuantizeLinear, which onnxruntime runs as three nodes before the integer Conv.
     rng = np.random.default_rng(2)
     inits = {
-        "w0": (rng.standard_normal((4, 4, 1, 1)) * 0.5).astype(np.float32),
+        "w0": (rng.standard_normal((8, 8, 1, 1)) * 0.5).astype(np.float32),
         "pads": np.array(ZERO_PADS, np.int64),
-        "w": (rng.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32),
+        "w": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
         "w2": (rng.standard_normal((2, 8, 1, 1)) * 0.3).astype(np.float32),
     }
     nodes = [
@@ -119,9 +119,9 @@ def test_the_quantized_conv_reads_the_codes_directly(tmp_path: Path) -> None:
         helper.make_node("Relu", ["c"], ["r"], name="relu"),
         helper.make_node("Conv", ["r", "w2"], ["y"], name="head"),
     ]
-    model = build_model(nodes, [float_input("x", ["N", 4, 9, 9])], ["y"], inits)
+    model = build_model(nodes, [float_input("x", ["N", 8, 9, 9])], ["y"], inits)
     onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 4, 9, 9)).astype(np.float32))
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 9, 9)).astype(np.float32))
     quantized = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"),
                           enforce_gates=False).model
     options = ort.SessionOptions()
@@ -133,7 +133,7 @@ def test_the_quantized_conv_reads_the_codes_directly(tmp_path: Path) -> None:
     assert optimized["QLinearConv"] == 2  # conv0 and the padded conv (the head writes y)
     assert optimized["Pad"] == 0
     assert optimized["QuantizeLinear"] == 1  # the model's input only
-    (reference,), (got,) = run(model, _feed()), run(quantized, _feed())
+    (reference,), (got,) = run(model, _feed(8)), run(quantized, _feed(8))
     assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
 
 

@@ -423,9 +423,12 @@ def test_an_old_ir_model_is_converted_whole_and_says_so() -> None:
 # ------------------------------------------------------------------------------ unshare-biases
 
 
-def _shared_bias_convs(rng: np.random.Generator) -> onnx.ModelProto:
+def _shared_bias_convs(
+    rng: np.random.Generator, *, in_channels: int = 3, channels: int = 4
+) -> onnx.ModelProto:
     """Two Convs whose biases are one zero vector behind Identity nodes, as torch.onnx writes
-    the folded biases of freshly initialised BatchNormalizations."""
+    the folded biases of freshly initialised BatchNormalizations (under placement "auto" a Conv
+    of fewer than 8 input channels stays float)."""
     nodes = [
         helper.make_node("Identity", ["zero"], ["b1"], name="id1"),
         helper.make_node("Identity", ["zero"], ["b2"], name="id2"),
@@ -436,11 +439,11 @@ def _shared_bias_convs(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("GlobalAveragePool", ["r2"], ["y"], name="gap"),
     ]
     inits = {
-        "W1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
-        "W2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
-        "zero": np.zeros(4, np.float32),
+        "W1": rng.standard_normal((channels, in_channels, 3, 3)).astype(np.float32),
+        "W2": rng.standard_normal((channels, channels, 3, 3)).astype(np.float32),
+        "zero": np.zeros(channels, np.float32),
     }
-    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    return build_model(nodes, [float_input("x", ["N", in_channels, 8, 8])], ["y"], inits)
 
 
 def test_each_conv_gets_a_bias_of_its_own() -> None:
@@ -459,8 +462,8 @@ def test_shared_biases_are_quantized_for_each_conv(tmp_path: Path) -> None:
     """With a bias of its own, each Conv's bias is int32 at its own scale, and onnxruntime
     runs both as QLinearConv (a shared float bias left them in float on dequantized weights)."""
     rng = np.random.default_rng(9)
-    model = _shared_bias_convs(rng)
-    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    model = _shared_bias_convs(rng, in_channels=8, channels=8)
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 8, 8, 8)).astype(np.float32))
     biases = [t for t in result.report["tensors"] if t["role"] == "bias"]
     assert len(biases) == 2
     assert result.report["coverage"]["quantized_compute_nodes"] == 2
@@ -480,18 +483,18 @@ def test_a_bias_a_layer_norm_also_reads_is_copied_for_the_conv(tmp_path: Path) -
         helper.make_node("MatMul", ["n", "V"], ["y"], name="head"),
     ]
     inits = {
-        "W": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "W": rng.standard_normal((4, 8, 3, 3)).astype(np.float32),
         "V": rng.standard_normal((4, 5)).astype(np.float32),
         "zero": np.zeros(4, np.float32),
         "ones": np.ones(4, np.float32),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits, opset=17)
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits, opset=17)
     prepared, steps = prepare_model(model)
     assert _steps(steps)["unshare-biases"] == "gave 1 node a bias of their own"
     readers = {n.name: list(n.input) for n in prepared.graph.node}
     assert readers["norm"][2] == "zero" and readers["patch"][2] not in ("zero", "")
-    _assert_same_outputs(model, prepared, _feed(rng))
-    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    _assert_same_outputs(model, prepared, _feed(rng, (2, 8, 8, 8)))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((8, 8, 8, 8)).astype(np.float32))
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["patch"]["quantized"], decisions["patch"]["reason"]
 
@@ -548,7 +551,7 @@ def _weight_normalized_convs(rng: np.random.Generator) -> onnx.ModelProto:
     writes ``weight_norm`` (w = g * v / ||v||, the norm over all axes but the first), plus a
     constant mask tiled far beyond its operands' size that a third reader multiplies in."""
     nodes = []
-    for i, (out_ch, in_ch) in enumerate([(8, 3), (4, 8)], start=1):
+    for i, (out_ch, in_ch) in enumerate([(8, 8), (4, 8)], start=1):
         nodes += [
             helper.make_node("ReduceL2", [f"v{i}"], [f"n{i}"], name=f"norm{i}", axes=[1, 2, 3],
                              keepdims=1),
@@ -564,7 +567,7 @@ def _weight_normalized_convs(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("MatMul", ["f", "mask"], ["y"], name="masked"),
     ]
     inits = {
-        "v1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "v1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32),
         "g1": np.abs(rng.standard_normal((8, 1, 1, 1))).astype(np.float32) + 0.5,
         "b1": rng.standard_normal(8).astype(np.float32) * 0.1,
         "v2": rng.standard_normal((4, 8, 3, 3)).astype(np.float32),
@@ -573,7 +576,7 @@ def _weight_normalized_convs(rng: np.random.Generator) -> onnx.ModelProto:
         "m": rng.standard_normal((1, 1)).astype(np.float32),
         "reps": np.array([256, 300], np.int64),  # 76 800 values from one
     }
-    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
+    return build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
 
 
 def test_weights_computed_from_constants_are_stored_as_weights(tmp_path: Path) -> None:
@@ -596,9 +599,9 @@ def test_weights_computed_from_constants_are_stored_as_weights(tmp_path: Path) -
         want = g * v / np.sqrt((v * v).sum(axis=(1, 2, 3), keepdims=True))
         np.testing.assert_allclose(folded[f"w{i}"], want, rtol=1e-6)
     assert "mask" not in folded
-    _assert_same_outputs(model, prepared, _feed(rng))
+    _assert_same_outputs(model, prepared, _feed(rng, (2, 8, 8, 8)))
 
-    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 8, 8, 8)).astype(np.float32))
     records = {t["name"]: t for t in result.report["tensors"]}
     assert records["w1"]["role"] == records["w2"]["role"] == "weight"
     quantize_inputs = {n.input[0] for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
@@ -654,14 +657,14 @@ def _model_with_a_local_function(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "Wf", "Bf"], ["y"], name="head", transB=1),
     ]
-    inits = {"W1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+    inits = {"W1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3,
              "B1": rng.standard_normal(8).astype(np.float32) * 0.1,
              "W2": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.2,
              "B2": rng.standard_normal(16).astype(np.float32) * 0.1,
              "Wf": rng.standard_normal((10, 16)).astype(np.float32) * 0.3,
              "Bf": rng.standard_normal(10).astype(np.float32) * 0.1}
     tensors = [numpy_helper.from_array(a, n) for n, a in inits.items()]
-    graph = helper.make_graph(nodes, "blocks", [float_input("x", ["N", 3, 8, 8])],
+    graph = helper.make_graph(nodes, "blocks", [float_input("x", ["N", 8, 8, 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
                               tensors)
     model = helper.make_model(
@@ -685,9 +688,9 @@ def test_local_functions_are_inlined_so_their_convolutions_are_planned(tmp_path:
     assert _ops(prepared) == Counter({"Conv": 2, "Relu": 2, "GlobalAveragePool": 1,
                                       "Flatten": 1, "Gemm": 1})
     assert {o.domain for o in prepared.opset_import} == {""}
-    _assert_same_outputs(model, prepared, _feed(rng))
+    _assert_same_outputs(model, prepared, _feed(rng, (2, 8, 8, 8)))
 
-    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32))
+    result = _calibrated(model, tmp_path, x=rng.standard_normal((16, 8, 8, 8)).astype(np.float32))
     convs = [n for n in result.report["nodes"] if n["op_type"] == "Conv"]
     assert len(convs) == 2 and all(n["quantized"] for n in convs)
     assert result.report["coverage"]["quantized_compute_nodes"] == 3
@@ -695,5 +698,5 @@ def test_local_functions_are_inlined_so_their_convolutions_are_planned(tmp_path:
     onnx.checker.check_model(written)
     ops = Counter(n.op_type for n in written.graph.node)
     assert ops["Conv"] == 2 and ops["QuantizeLinear"] >= 2
-    feeds = _feed(rng)
+    feeds = _feed(rng, (2, 8, 8, 8))
     np.testing.assert_allclose(run(written, feeds)[0], run(model, feeds)[0], atol=0.1)

@@ -104,11 +104,11 @@ def test_a_model_ending_in_another_type_is_still_quantized(tail: str) -> None:
         helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
         last,
     ]
-    inits = {"w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
-             "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32)}
+    inits = {"w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32),
+             "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32)}
     output = helper.make_tensor_value_info(
         "y", TensorProto.FLOAT16 if tail == "Cast" else TensorProto.INT64, None)
-    model = build_model(nodes, [float_input("x", [1, 3, 8, 8])], [output], inits)
+    model = build_model(nodes, [float_input("x", [1, 8, 8, 8])], [output], inits)
     _, decisions, activations = _plan(model, "auto")
     assert decisions["conv1"] is True and decisions["conv2"] is True
     assert {"x", "r1"} <= activations
@@ -130,14 +130,14 @@ def _cnn_with_head() -> onnx.ModelProto:
         helper.make_node("Gemm", ["flat", "wf", "bf"], ["logits"], name="head", transB=1),
     ]
     inits = {
-        "w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
-        "b1": rng.standard_normal(4).astype(np.float32),
-        "w2": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
-        "b2": rng.standard_normal(4).astype(np.float32),
-        "wf": rng.standard_normal((5, 4 * 6 * 6)).astype(np.float32),
+        "w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32),
+        "b1": rng.standard_normal(8).astype(np.float32),
+        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32),
+        "b2": rng.standard_normal(8).astype(np.float32),
+        "wf": rng.standard_normal((5, 8 * 6 * 6)).astype(np.float32),
         "bf": rng.standard_normal(5).astype(np.float32),
     }
-    return build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["logits"], inits)
+    return build_model(nodes, [float_input("x", [1, 8, 6, 6])], ["logits"], inits)
 
 
 def test_auto_leaves_maxpool_float_and_quantizes_depthwise_convolutions() -> None:
@@ -147,14 +147,14 @@ def test_auto_leaves_maxpool_float_and_quantizes_depthwise_convolutions() -> Non
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("MaxPool", ["c1"], ["p1"], name="pool", kernel_shape=[1, 1]),
-        helper.make_node("Conv", ["p1", "wd"], ["d1"], name="depthwise", group=4,
+        helper.make_node("Conv", ["p1", "wd"], ["d1"], name="depthwise", group=8,
                          pads=[1, 1, 1, 1]),
         helper.make_node("Conv", ["d1", "w2"], ["c2"], name="pointwise"),
     ]
-    inits = {"w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
-             "wd": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
-             "w2": rng.standard_normal((4, 4, 1, 1)).astype(np.float32)}
-    model = build_model(nodes, [float_input("x", [1, 3, 6, 6])], ["c2"], inits)
+    inits = {"w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32),
+             "wd": rng.standard_normal((8, 1, 3, 3)).astype(np.float32),
+             "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", [1, 8, 6, 6])], ["c2"], inits)
     _, decisions, _ = _plan(model, "auto")
     assert decisions == {"conv1": True, "pool": False, "depthwise": True, "pointwise": True}
     _, everything, _ = _plan(model, "all")
@@ -292,7 +292,7 @@ def test_auto_keeps_float_a_grouped_convolution_whose_groups_are_narrow(
     per group; with a few channels per group those cost more than its float kernel, so under
     "auto" such a Conv stays float (and says why) while the Convs around it are quantized."""
     rng = np.random.default_rng(4)
-    groups = 4
+    groups = 8  # so the pointwise Conv reads 8 channels or more (a narrower one stays float)
     channels, out = groups * per_group_in, groups * per_group_out
     after = {
         "MaxPool": helper.make_node("MaxPool", ["g1"], ["m1"], name="pool", kernel_shape=[2, 2]),
@@ -308,11 +308,11 @@ def test_auto_keeps_float_a_grouped_convolution_whose_groups_are_narrow(
         after,
         helper.make_node("Conv", ["m1", "w2"], ["y"], name="pointwise"),
     ]
-    inits = {"w1": rng.standard_normal((channels, 3, 3, 3)).astype(np.float32),
+    inits = {"w1": rng.standard_normal((channels, 8, 3, 3)).astype(np.float32),
              "wg": rng.standard_normal((out, per_group_in, 3, 3)).astype(np.float32),
              "w2": rng.standard_normal((4, out, 1, 1)).astype(np.float32),
              "scales": np.array([1, 1, 2, 2], dtype=np.float32)}
-    model = build_model(nodes, [float_input("x", [1, 3, 8, 8])], ["y"], inits)
+    model = build_model(nodes, [float_input("x", [1, 8, 8, 8])], ["y"], inits)
     prepared, _ = prepare_model(model)
     plan = plan_quantization(prepared, SelectionRules(placement="auto"))
     decisions = {d.node: d for d in plan.nodes}

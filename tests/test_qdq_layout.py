@@ -61,9 +61,10 @@ def _conv_weights(rng: np.random.Generator, layers: dict[str, tuple[tuple[int, .
     return inits
 
 
-def _hard_swish_block(rng: np.random.Generator) -> onnx.ModelProto:
+def _hard_swish_block(rng: np.random.Generator, *, in_channels: int = 3) -> onnx.ModelProto:
     """conv -> hard-swish written out (Add 3, Clip 0..6, Mul, Div 6) -> scalar affine ->
-    max pool -> SE-style conv -> HardSigmoid -> Mul -> conv: PP-LCNet's building blocks."""
+    max pool -> SE-style conv -> HardSigmoid -> Mul -> conv: PP-LCNet's building blocks. Under
+    placement "auto" a first conv of fewer than 8 input channels stays float."""
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("Add", ["c1", "three"], ["a1"], name="add3"),
@@ -81,7 +82,7 @@ def _hard_swish_block(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("Conv", ["gated", "w3", "b3"], ["y"], name="conv3"),
     ]
     inits = {
-        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3),
+        **_conv_weights(rng, {"1": ((8, in_channels, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3),
                               "3": ((4, 8, 1, 1), 0.3)}),
         "three": np.array(3.0, np.float32),
         "zero": np.array(0.0, np.float32),
@@ -89,7 +90,7 @@ def _hard_swish_block(rng: np.random.Generator) -> onnx.ModelProto:
         "scale": np.array([1.3], np.float32),
         "bias": np.array([-0.2], np.float32),
     }
-    return build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
+    return build_model(nodes, [float_input("x", ["N", in_channels, 16, 16])], ["y"], inits)
 
 
 def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
 
 def test_plan_shares_parameters_across_data_movement() -> None:
     rng = np.random.default_rng(1)
-    prepared, _ = prepare_model(_hard_swish_block(rng))
+    prepared, _ = prepare_model(_hard_swish_block(rng, in_channels=8))
     auto = {t.tensor: t for t in plan_quantization(prepared, SelectionRules()).activations}
     # placement auto leaves the MaxPool float (onnxruntime's uint8 MaxPool is slow): its output
     # gets parameters of its own, for the Conv. The elementwise chain before it is quantized:
@@ -187,9 +188,13 @@ def test_graph_outputs_stay_float(tmp_path: Path) -> None:
 
 
 def _division_model(
-    rng: np.random.Generator, divisor: np.ndarray, outputs: tuple[str, ...] = ("y", "e")
+    rng: np.random.Generator, divisor: np.ndarray, outputs: tuple[str, ...] = ("y", "e"),
+    *, channels: tuple[int, int] = (3, 6),
 ) -> onnx.ModelProto:
-    """conv -> Relu6 -> Div -> conv, and the quotient also read by an Erf (no integer kernel)."""
+    """conv -> Relu6 -> Div -> conv, and the quotient also read by an Erf (no integer kernel);
+    `channels`: the input's and the first conv's output's (under placement "auto" a conv of
+    fewer than 8 input channels stays float)."""
+    inputs, middle = channels
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1"),
         helper.make_node("Clip", ["c1", "zero", "six"], ["r6"], name="relu6"),
@@ -198,12 +203,12 @@ def _division_model(
         helper.make_node("Erf", ["q"], ["e"], name="erf"),
     ]
     inits = {
-        **_conv_weights(rng, {"1": ((6, 3, 1, 1), 1.0), "2": ((4, 6, 1, 1), 1.0)}),
+        **_conv_weights(rng, {"1": ((middle, inputs, 1, 1), 1.0), "2": ((4, middle, 1, 1), 1.0)}),
         "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32),
         "divisor": divisor,
     }
-    return build_model(nodes, [float_input("x", ["N", 3, 8, 8])], list(outputs), inits)
+    return build_model(nodes, [float_input("x", ["N", inputs, 8, 8])], list(outputs), inits)
 
 
 def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Path) -> None:
@@ -258,11 +263,12 @@ def _all_outputs(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     [
         (np.array(-6.0, np.float32), "not a positive constant scalar"),
         (np.array(0.0, np.float32), "not a positive constant scalar"),
-        (np.full((1, 6, 1, 1), 6.0, np.float32), "not a positive constant scalar"),
+        (np.full((1, 8, 1, 1), 6.0, np.float32), "not a positive constant scalar"),
     ],
 )
 def test_division_by_anything_else_is_not_quantized(divisor: np.ndarray, why: str) -> None:
-    prepared, _ = prepare_model(_division_model(np.random.default_rng(6), divisor))
+    prepared, _ = prepare_model(_division_model(np.random.default_rng(6), divisor,
+                                                channels=(8, 8)))
     plan = plan_quantization(prepared, SelectionRules())
     decision = next(d for d in plan.nodes if d.node == "div")
     assert not decision.quantized and why in decision.reason
@@ -325,12 +331,12 @@ def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) 
         helper.make_node("Mul", ["c2", "m"], ["y"], name="scale"),
     ]
     inits = {
-        **_conv_weights(rng, {"": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}),
+        **_conv_weights(rng, {"": ((8, 8, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}),
         "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
-    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
     quantized = _run(model, tmp_path, x).model
     mean = next(n for n in quantized.graph.node if n.name == "mean")
     assert mean.input[0] != "r6"  # reads the DequantizeLinear
@@ -554,11 +560,11 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
         helper.make_node("Relu", ["c3"], ["y"], name="relu3"),
     ]
     inits = {
-        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
+        **_conv_weights(rng, {"1": ((8, 8, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
                               "3": ((4, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
-    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
     quantized = _run(model, tmp_path, x, preset=preset, fallback=False).model
     ops = _optimized_ops(quantized, tmp_path)
     # conv3 writes the graph output through its Relu, in float: onnxruntime runs it in float.
@@ -582,18 +588,18 @@ def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_pa
         helper.make_node("Conv", ["c2", "w3", "b3"], ["y"], name="conv3"),
     ]
     inits = {
-        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.5,
+        "w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.5,
         "b1": rng.standard_normal(8).astype(np.float32),
-        "w3": rng.standard_normal((2, 2, 1, 1)).astype(np.float32) * 0.5,
+        "w3": rng.standard_normal((2, 8, 1, 1)).astype(np.float32) * 0.5,
         "b3": rng.standard_normal(2).astype(np.float32),
-        "wt": rng.standard_normal((8, 4, 2, 2)).astype(np.float32) * 0.5,
-        "bt": rng.standard_normal(4).astype(np.float32),
-        "w2": rng.standard_normal((2, 4, 1, 1)).astype(np.float32) * 0.5,
-        "b2": rng.standard_normal(2).astype(np.float32),
+        "wt": rng.standard_normal((8, 8, 2, 2)).astype(np.float32) * 0.5,
+        "bt": rng.standard_normal(8).astype(np.float32),
+        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 0.5,
+        "b2": rng.standard_normal(8).astype(np.float32),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
-    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
-    result = _run(model, tmp_path, x, min_coverage=0.0)  # half the compute stays float here
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
+    result = _run(model, tmp_path, x, min_coverage=0.0)  # much of the compute stays float here
     decisions = {n["name"]: n for n in result.report["nodes"]}
     nodes = {n.name: n for n in result.model.graph.node}
     ops = _optimized_ops(result.model, tmp_path)
@@ -659,10 +665,10 @@ def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) 
         helper.make_node("GlobalAveragePool", ["r2"], ["y"], name="gap"),
     ]
     inits = {
-        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}, bias_scale=0.1),
+        **_conv_weights(rng, {"1": ((8, 8, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
-    x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
+    x = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
     quantized = _run(model, tmp_path, x, fallback=False).model
     pool = next(n for n in quantized.graph.node if n.name == "pool")
     assert pool.input[0] == "r1"
@@ -718,11 +724,11 @@ def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> N
         helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="gap"),
     ]
     inits = {
-        **_conv_weights(rng, {"0": ((8, 3, 3, 3), 0.5), "1": ((8, 8, 3, 3), 0.2),
+        **_conv_weights(rng, {"0": ((8, 8, 3, 3), 0.5), "1": ((8, 8, 3, 3), 0.2),
                               "2": ((8, 8, 3, 3), 0.2), "3": ((4, 8, 1, 1), 0.3)}, bias_scale=0.1),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
-    x = rng.standard_normal((8, 3, 16, 16)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits)
+    x = rng.standard_normal((8, 8, 16, 16)).astype(np.float32)
     result = _run(model, tmp_path, x, fallback=False)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["residual"]["quantized"] and not decisions["pool"]["quantized"]
@@ -747,9 +753,9 @@ def _hard_activation_block(rng: np.random.Generator) -> onnx.ModelProto:
         helper.make_node("Conv", ["gated", "w3", "b3"], ["c3"], name="conv3"),
         helper.make_node("Conv", ["c3", "w4", "b4"], ["y"], name="head"),
     ]
-    inits = _conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.4),
+    inits = _conv_weights(rng, {"1": ((8, 8, 3, 3), 0.5), "2": ((8, 8, 1, 1), 0.4),
                                 "3": ((8, 8, 1, 1), 0.3), "4": ((4, 8, 1, 1), 0.3)})
-    return build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], inits,
+    return build_model(nodes, [float_input("x", ["N", 8, 12, 12])], ["y"], inits,
                        opset=14)
 
 
@@ -761,7 +767,7 @@ def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
     Placement "all" emulates a target: the nodes stay, between their pairs."""
     rng = np.random.default_rng(21)
     model = _hard_activation_block(rng)
-    x = rng.standard_normal((16, 3, 12, 12)).astype(np.float32)
+    x = rng.standard_normal((16, 8, 12, 12)).astype(np.float32)
     written = _run(model, tmp_path, x, fallback=False).model
     onnx.checker.check_model(written)
     assert not {"HardSwish", "HardSigmoid"} & {n.op_type for n in written.graph.node}
@@ -872,13 +878,13 @@ def test_a_mul_by_a_positive_constant_scalar_is_folded_like_a_division(
         helper.make_node("Conv", ["r2", "w3", "b3"], ["y"], name="conv3"),
     ]
     inits = {
-        **_conv_weights(rng, {"1": ((8, 3, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
+        **_conv_weights(rng, {"1": ((8, 8, 3, 3), 0.5), "2": ((8, 8, 3, 3), 0.2),
                               "3": ((4, 8, 1, 1), 0.3)}),
         "three": np.array(3.0, np.float32), "zero": np.array(0.0, np.float32),
         "six": np.array(6.0, np.float32), "sixth": np.array(1 / 6, np.float32),
     }
-    model = build_model(nodes, [float_input("x", ["N", 3, 16, 16])], ["y"], inits)
-    x = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits)
+    x = rng.standard_normal((16, 8, 16, 16)).astype(np.float32)
     result = _run(model, tmp_path, x, fallback=False)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     multiplications = [n for n in result.model.graph.node if n.name == "times_sixth"]

@@ -52,7 +52,7 @@ def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray
 
 
 def _weights(rng: np.random.Generator, dtype: type) -> dict[str, np.ndarray]:
-    return {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(dtype),
+    return {"w1": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(dtype),
             "w2": (rng.standard_normal((4, 8, 3, 3)) * 0.3).astype(dtype)}
 
 
@@ -68,10 +68,10 @@ def test_a_float16_model_runs_its_convolutions_in_integers_as_reported(tmp_path:
         helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
         helper.make_node("Cast", ["r2"], ["y"], name="to_float", to=TensorProto.FLOAT),
     ]
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 3, 8, 8])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 8, 8, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     model = build_model(nodes, [x], [y], _weights(rng, np.float16))
-    data = rng.standard_normal((8, 3, 8, 8)).astype(np.float16)
+    data = rng.standard_normal((8, 8, 8, 8)).astype(np.float16)
     result = _calibrate(model, tmp_path, {"x": data})
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["conv1"]["quantized"] and decisions["conv2"]["quantized"]
@@ -106,9 +106,9 @@ def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: P
                          then_branch=branch("then", 1.0), else_branch=branch("else", -0.5)),
     ]
     flag = helper.make_tensor_value_info("flag", TensorProto.BOOL, [])
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8]), flag], ["y"],
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8]), flag], ["y"],
                         {"w1": weights["w1"]})
-    feeds = {"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+    feeds = {"x": rng.standard_normal((8, 8, 8, 8)).astype(np.float32),
              "flag": np.array([True, False] * 4)}
     result = _calibrate(model, tmp_path, feeds)
     decisions = {n["name"]: n for n in result.report["nodes"]}
@@ -123,7 +123,7 @@ def test_convolutions_inside_if_branches_are_not_reported_as_integer(tmp_path: P
     assert result.report["coverage"]["note"].startswith(
         "2 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies are not counted (0 of them")
     # Both branches compute with what the integer Conv wrote: outputs close to float.
-    feeds = {"x": np.random.default_rng(22).standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    feeds = {"x": np.random.default_rng(22).standard_normal((2, 8, 8, 8)).astype(np.float32)}
     for flag in (True, False):
         got = _outputs(result.model, {**feeds, "flag": np.array(flag)})
         want = _outputs(model, {**feeds, "flag": np.array(flag)})
@@ -187,12 +187,12 @@ def test_a_narrow_grouped_convolution_runs_in_float_between_integer_ones(
         helper.make_node("Conv", ["r2", "w2"], ["c3"], name="pointwise"),
         helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="average"),
     ]
-    weights = {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+    weights = {"w1": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
                "wg": (rng.standard_normal((16, 1, 3, 3)) * 0.3).astype(np.float32),
                "w2": (rng.standard_normal((4, 16, 1, 1)) * 0.3).astype(np.float32),
                "scales": np.array([1, 1, 2, 2], dtype=np.float32)}
-    model = build_model(nodes, [float_input("x", ["N", 3, 12, 12])], ["y"], weights)
-    data = rng.standard_normal((16, 3, 12, 12)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 12, 12])], ["y"], weights)
+    data = rng.standard_normal((16, 8, 12, 12)).astype(np.float32)
     result = _calibrate(model, tmp_path, {"x": data})
     decision = next(n for n in result.report["nodes"] if n["name"] == "multiplier")
     assert decision["quantized"] is (integer == 3)
@@ -256,11 +256,11 @@ def test_a_conv_kept_float_between_quantized_neighbours_is_reported_as_integer(
         helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
         helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="pool"),
     ]
-    weights = {"w1": (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+    weights = {"w1": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
                "w2": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
                "w3": (rng.standard_normal((4, 8, 1, 1)) * 0.3).astype(np.float32)}
-    model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], weights)
-    data = rng.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], weights)
+    data = rng.standard_normal((16, 8, 8, 8)).astype(np.float32)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=data)
     for exclude_tensors, integer in (((), 3), (("r1",), 2)):
@@ -276,3 +276,64 @@ def test_a_conv_kept_float_between_quantized_neighbours_is_reported_as_integer(
         ran = _ops_run(result.model, tmp_path)
         assert ran["QLinearConv"] == integer == \
             result.report["coverage"]["quantized_compute_nodes"], ran
+
+
+@pytest.mark.parametrize("channels", [1, 3, 7])
+def test_a_stem_with_few_input_channels_runs_in_float_before_integer_convolutions(
+    tmp_path: Path, channels: int
+) -> None:
+    """A Conv of one group with fewer than 8 input channels (an image's stem) stays float under
+    placement "auto": onnxruntime's integer kernel for it, with the QuantizeLinear of the model's
+    input, costs more than its float one. The input is not quantized at all, the Convs after it
+    run in integers, and the report counts what runs so."""
+    rng = np.random.default_rng(26)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1, 1, 1, 1],
+                         strides=[2, 2]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((16, channels, 3, 3)) * 0.4).astype(np.float32),
+               "w1": (rng.standard_normal((16, 16, 3, 3)) * 0.2).astype(np.float32),
+               "w2": (rng.standard_normal((8, 16, 3, 3)) * 0.2).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", channels, 16, 16])], ["y"], weights)
+    data = rng.standard_normal((16, channels, 16, 16)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert not decisions["stem"]["quantized"]
+    assert decisions["stem"]["reason"].startswith(
+        f"placement auto: a convolution with {channels} input channel")
+    assert decisions["conv1"]["quantized"] and decisions["conv2"]["quantized"]
+    assert "x" not in {t["name"] for t in result.report["tensors"]}
+    assert not [n for n in result.model.graph.node if "x" in n.input and n.op_type != "Conv"]
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["QLinearConv"] == 2 == result.report["coverage"]["quantized_compute_nodes"]
+    got, want = _outputs(result.model, {"x": data[:4]}), _outputs(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
+def test_a_narrow_convolution_between_integer_ones_is_quantized(tmp_path: Path) -> None:
+    """A Conv of 4 input channels read from a quantized Conv and writing straight (through a
+    Relu) into another: onnxruntime would quantize its weight itself, per tensor, and run its
+    integer kernel anyway, so qcal quantizes it, per channel."""
+    rng = np.random.default_rng(27)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="wide", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], name="narrow", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="last", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((4, 8, 3, 3)) * 0.3).astype(np.float32),
+               "w1": (rng.standard_normal((16, 4, 3, 3)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((8, 16, 3, 3)) * 0.2).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 8, 12, 12])], ["y"], weights)
+    data = rng.standard_normal((16, 8, 12, 12)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["wide"] and decisions["narrow"] and decisions["last"]
+    assert _ops_run(result.model, tmp_path)["QLinearConv"] == 3

@@ -31,7 +31,7 @@ def _conv_mlp(folder: Path, rng: np.random.Generator, *, head: bool) -> tuple[Pa
         helper.make_node("Conv", ["r1", "W2", "B2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
     ]
-    weights = {"W1": rng.normal(size=(8, 3, 3, 3)) * 0.3, "B1": rng.normal(size=8) * 0.1,
+    weights = {"W1": rng.normal(size=(8, 8, 3, 3)) * 0.3, "B1": rng.normal(size=8) * 0.1,
                "W2": rng.normal(size=(8, 8, 3, 3)) * 0.15, "B2": rng.normal(size=8) * 0.1}
     output = "r2"
     if head:
@@ -45,12 +45,12 @@ def _conv_mlp(folder: Path, rng: np.random.Generator, *, head: bool) -> tuple[Pa
                     "M": rng.normal(size=(24, 10)) * 0.2}
         output = "y"
     graph = helper.make_graph(
-        nodes, "conv_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 6, 6])],
+        nodes, "conv_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 6, 6])],
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["n", 10] if head else ["n", 8, 6, 6])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     onnx.checker.check_model(model)
-    noise = rng.normal(size=(48, 3, 8, 8))
+    noise = rng.normal(size=(48, 8, 8, 8))
     smooth = (noise[:, :, :6, :6] + noise[:, :, 1:7, 1:7] + noise[:, :, 2:, 2:]
               + noise[:, :, 1:7, :6] + noise[:, :, :6, 1:7])
     onnx.save(model, folder / "m.onnx")

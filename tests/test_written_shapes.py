@@ -106,11 +106,11 @@ def test_the_shapes_the_model_states_are_kept_and_no_others(tmp_path: Path) -> N
 
 
 def _conv_flattened_by_its_shape() -> onnx.ModelProto:
-    """x [1, 4, 8, 8] -> Conv -> Relu -> Reshape to (batch, -1) by the Conv output's own Shape
+    """x [1, 8, 8, 8] -> Conv -> Relu -> Reshape to (batch, -1) by the Conv output's own Shape
     -> MatMul: the Conv's integer output is read by a Shape node."""
     rng = np.random.default_rng(3)
     inits = {
-        "conv_w": (rng.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32),
+        "conv_w": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
         "conv_b": rng.standard_normal(8).astype(np.float32) * 0.1,
         "fc_w": (rng.standard_normal((8 * 8 * 8, 10)) * 0.05).astype(np.float32),
         "first": np.array([0], np.int64),
@@ -125,13 +125,13 @@ def _conv_flattened_by_its_shape() -> onnx.ModelProto:
         helper.make_node("Reshape", ["r", "flat_shape"], ["flat"], name="flatten"),
         helper.make_node("MatMul", ["flat", "fc_w"], ["y"], name="fc"),
     ]
-    return build_model(nodes, [float_input("x", ["batch", 4, 8, 8])],
+    return build_model(nodes, [float_input("x", ["batch", 8, 8, 8])],
                        [float_input("y", ["batch", 10])], inits)
 
 
 def test_a_shape_reader_reads_the_codes_not_a_dequantized_copy(tmp_path: Path) -> None:
     model = _conv_flattened_by_its_shape()
-    x = np.random.default_rng(4).standard_normal((16, 4, 8, 8)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((16, 8, 8, 8)).astype(np.float32)
     quantized = _calibrate(model, tmp_path, x)
     producer = {o: n for n in quantized.graph.node for o in n.output}
     shape = next(n for n in quantized.graph.node if n.op_type == "Shape")

@@ -139,14 +139,14 @@ def place(
             elif node.op_type in _PRODUCT_OPS:
                 placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
     nodes = [n for n in nodes if n.name not in placement.nodes]
-    slow = {n.name: why for n in nodes if (why := _slow_grouped_conv(n, index)) is not None}
+    slow = {n.name: why for n in nodes if (why := _slow_narrow_conv(n, index)) is not None}
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
     bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"
                and (anchor := added_bias_of(n, index, constant)) is not None}
     quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
     # dequantized and its output runs straight (through a Relu/Clip, or what it moves a
-    # QuantizeLinear up through) into a QuantizeLinear: such a grouped Conv would run in the
+    # QuantizeLinear up through) into a QuantizeLinear: such a narrow Conv would run in the
     # slow integer kernel anyway, with coarser weights.
     by_name = {n.name: n for n in nodes}
     sandwiched = {name for name in slow if _between_quantized(
@@ -289,19 +289,35 @@ _PRODUCT_OF_ACTIVATIONS = (
 # float kernel (one Conv with its Q/DQ, one thread: 1 input and 2 output channels per group
 # 6-11x, 2 and 2 5.5x, 4 and 4 2.3-3.1x, 8 and 8 0.8-1.4x).
 _MIN_CHANNELS_PER_GROUP = 8
+# Input channels below which a Conv of one group stays float (an image's 1 or 3, a waveform's
+# 1, a small network's narrow layers): its integer kernel, with the QuantizeLinear of its input
+# and the change to channels-last, costs more than its float one. A stem Conv (32 output
+# channels) before three integer 3x3 Convs of 32, the whole with the stem float against
+# quantized: 0.86-0.95x at 28-224 pixels with 1 or 3 input channels and 3x3 to 7x7 kernels (one
+# 1.02x), 0.93-1.04x with 4 and 6, 1.14-1.27x with 8 to 16 (the integer stem faster); a LeNet
+# (1 and 6 input channels, 28 x 28) 1.07x float with both float, 1.42x with the second
+# quantized, 2.4x with both.
+_MIN_INPUT_CHANNELS = 8
 
 
-def _slow_grouped_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
-    """Why a grouped Conv stays float under "auto", or None: a depthwise Conv (one input and
-    one output channel per group) has an integer kernel of its own; other grouped Convs with
-    few channels per group do not pay (_MIN_CHANNELS_PER_GROUP)."""
+def _slow_narrow_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
+    """Why a Conv with few channels stays float under "auto", or None: a depthwise Conv (one
+    input and one output channel per group) has an integer kernel of its own; other grouped
+    Convs with few channels per group (_MIN_CHANNELS_PER_GROUP), and Convs of one group with
+    few input channels (_MIN_INPUT_CHANNELS), do not pay."""
     if node.op_type != "Conv" or len(node.input) < 2:
         return None
     group = int_attribute(node, "group", 1)
     weight = index.constant(node.input[1])
-    if group <= 1 or weight is None or len(weight.dims) < 3 or weight.dims[0] % group:
+    if weight is None or len(weight.dims) < 3 or group < 1 or weight.dims[0] % group:
         return None
     inputs, outputs = weight.dims[1], weight.dims[0] // group
+    if group == 1:
+        if inputs >= _MIN_INPUT_CHANNELS:
+            return None
+        return (f"placement auto: a convolution with {inputs} input channel"
+                f"{'s' if inputs > 1 else ''}, whose integer kernel (with the quantization of "
+                "its input) is slower than its float kernel")
     if (inputs, outputs) == (1, 1) or min(inputs, outputs) >= _MIN_CHANNELS_PER_GROUP:
         return None
     return (f"placement auto: a grouped convolution with {inputs} input and {outputs} output "
