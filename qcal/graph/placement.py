@@ -19,8 +19,11 @@ softmax, GELU, recurrent state). So under "auto":
   than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
 * a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
   onnxruntime's integer kernel computes one narrow matrix product per group, several times its
-  float kernel (_MIN_CHANNELS_PER_GROUP). Unless its output runs straight into a quantized node:
-  onnxruntime then quantizes its weight itself (per tensor) and runs that kernel anyway;
+  float kernel (_MIN_CHANNELS_PER_GROUP); nor is a Conv of one group with few input channels
+  (an image's stem), whose integer kernel with the QuantizeLinear of its input costs more than
+  its float one (_MIN_INPUT_CHANNELS). Unless its input is dequantized and its output runs
+  straight into a quantized node: onnxruntime then quantizes its weight itself (per tensor) and
+  runs that kernel anyway;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish and HardSigmoid, which
   the Q/DQ writer spells as integer Add and Mul) is quantized only when it sits
@@ -35,8 +38,8 @@ softmax, GELU, recurrent state). So under "auto":
   requantization, and hold the bias in 8 bits;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
   ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm or MatMul
-  with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels with a float
-  output, so attention logits and final logits stay float;
+  with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels
+  with a float output, so attention logits and final logits stay float;
 * every other node stays float.
 
 Placement "all" quantizes every node that has a rule (full emulation of an integer target, as
