@@ -337,3 +337,23 @@ def test_a_narrow_convolution_between_integer_ones_is_quantized(tmp_path: Path) 
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["wide"] and decisions["narrow"] and decisions["last"]
     assert _ops_run(result.model, tmp_path)["QLinearConv"] == 3
+
+
+def test_a_one_dimensional_stem_on_a_waveform_runs_in_integers(tmp_path: Path) -> None:
+    """The narrow-stem rule is for 2-D Convs (onnxruntime's float kernel for them has blocked
+    channels): a 1-D Conv of one input channel with a long kernel runs faster in integers."""
+    rng = np.random.default_rng(28)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[38, 38], strides=[4]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1", pads=[1, 1]),
+        helper.make_node("GlobalAveragePool", ["c1"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((16, 1, 80)) * 0.1).astype(np.float32),
+               "w1": (rng.standard_normal((16, 16, 3)) * 0.2).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 1, 800])], ["y"], weights)
+    data = rng.standard_normal((8, 1, 800)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["stem"] and decisions["conv1"]
+    assert _ops_run(result.model, tmp_path)["QLinearConv"] == 2
