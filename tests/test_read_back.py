@@ -357,3 +357,45 @@ def test_a_one_dimensional_stem_on_a_waveform_runs_in_integers(tmp_path: Path) -
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["stem"] and decisions["conv1"]
     assert _ops_run(result.model, tmp_path)["QLinearConv"] == 2
+
+
+@pytest.mark.parametrize(("kernel", "quantized"), [(3, False), (5, False), (8, True), (16, True)])
+def test_a_stem_with_a_large_kernel_runs_in_integers(tmp_path: Path, kernel: int,
+                                                     quantized: bool) -> None:
+    """Few input channels but many taps per channel (a ViT's patch embedding: 3 channels,
+    16x16, stride 16) make a long enough product for the integer kernel to pay; a 3x3 or 5x5
+    stem stays float."""
+    rng = np.random.default_rng(29)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", strides=[kernel, kernel]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c1"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((32, 3, kernel, kernel)) * 0.1).astype(np.float32),
+               "w1": (rng.standard_normal((16, 32, 3, 3)) * 0.1).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 3, 64, 64])], ["y"], weights)
+    data = rng.standard_normal((8, 3, 64, 64)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert decisions["stem"] is quantized and decisions["conv1"]
+    assert _ops_run(result.model, tmp_path)["QLinearConv"] == 1 + quantized
+
+
+def test_a_three_dimensional_stem_runs_in_float(tmp_path: Path) -> None:
+    """A volume's first Conv3d of one channel, 3x3x3: onnxruntime's integer kernel took 15x its
+    float one on a 3-D UNet."""
+    rng = np.random.default_rng(30)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1] * 6),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1", pads=[1] * 6),
+        helper.make_node("GlobalAveragePool", ["c1"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((8, 1, 3, 3, 3)) * 0.3).astype(np.float32),
+               "w1": (rng.standard_normal((8, 8, 3, 3, 3)) * 0.2).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 1, 8, 8, 8])], ["y"], weights)
+    data = rng.standard_normal((8, 1, 8, 8, 8)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
+    assert not decisions["stem"] and decisions["conv1"]
