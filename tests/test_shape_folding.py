@@ -144,3 +144,23 @@ def test_folding_a_log_of_zero_prints_nothing(capfd: pytest.CaptureFixture[str])
     weight = next(t for t in prepared.graph.initializer if t.name == "weight")
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(weight),
                                   np.where(raw > 0, np.log(np.maximum(raw, 1e-30)), raw))
+
+
+def test_what_an_if_condition_is_computed_from_stays_computed() -> None:
+    """Made a constant, an If's condition lets onnxruntime inline the branch it picks and
+    check its shapes, which onnx's own AffineGrid expansion fails although the model runs: the
+    Size of a static input and its comparison stay as they are when an If reads the result."""
+    then_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
+                                    [float_input("t", [4])])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                                    [float_input("e", [4])])
+    nodes = [
+        helper.make_node("Size", ["x"], ["size"], name="size"),
+        helper.make_node("Equal", ["size", "four"], ["is_four"], name="is_four"),
+        helper.make_node("If", ["is_four"], ["y"], name="choose", then_branch=then_branch,
+                         else_branch=else_branch),
+    ]
+    model = build_model(nodes, [float_input("x", [4])], [float_input("y", [4])],
+                        {"four": np.array(4, np.int64)})
+    prepared, _ = prepare_model(model)
+    assert [n.name for n in prepared.graph.node] == ["size", "is_four", "choose"]

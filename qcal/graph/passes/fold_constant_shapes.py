@@ -69,17 +69,18 @@ class FoldConstantShapes:
         if model.ir_version < IR_INITIALIZERS_WITHOUT_INPUTS:  # initializers must be inputs
             return StepResult(model, False)
         opset = default_opset(model) or 1
+        conditions = _if_conditions(model.graph)
 
         def value_of(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
                      ) -> np.ndarray | None:
             if (node.op_type not in _SHAPE_OPS or node.domain not in DEFAULT_DOMAINS
-                    or len(node.output) != 1):
+                    or len(node.output) != 1 or node.output[0] in conditions):
                 return None
             return _evaluate(node, constants, opset)
 
         count = fold_into_initializers(model, value_of)
         for _ in range(_ROUNDS):
-            read = _fold_static_shape_reads(model)
+            read = _fold_static_shape_reads(model, conditions)
             if not read:
                 break
             count += read + fold_into_initializers(model, value_of)
@@ -98,16 +99,36 @@ def _shape_value(node: onnx.NodeProto, dims: list[int]) -> np.ndarray:
     return np.array(dims[start:end], np.int64)
 
 
-def _fold_static_shape_reads(model: onnx.ModelProto) -> int:
+def _if_conditions(graph: onnx.GraphProto) -> frozenset[str]:
+    """The values an If's condition is computed from in `graph` (the condition included): they
+    stay computed. Made constants, onnxruntime would inline the branch the If picks and check the
+    shapes there, which onnx's own AffineGrid expansion fails (its 2-D branch gives Range a [1]
+    bound) although the model as it stands runs."""
+    producer = {v: n for n in graph.node for v in n.output if v}
+    found: set[str] = set()
+    pending = [n.input[0] for n in graph.node if n.op_type == "If" and n.input]
+    while pending:
+        value = pending.pop()
+        if value in found:
+            continue
+        found.add(value)
+        node = producer.get(value)
+        if node is not None:
+            pending.extend(v for v in node.input if v)
+    return frozenset(found)
+
+
+def _fold_static_shape_reads(model: onnx.ModelProto, conditions: frozenset[str]) -> int:
     """Replace each main-graph Shape/Size of a computed tensor whose shape inference finds
-    static by an initializer; how many. Inference runs on a copy without the model's value_info
+    static by an initializer (not those an If's condition is computed from); how many. Inference runs on a copy without the model's value_info
     (what an exporter declared is not checked) and without large weights."""
     graph = model.graph
     constants = {t.name for t in graph.initializer}
     outputs = {v.name for v in graph.output}
     reads = [n for n in graph.node
              if n.op_type in ("Shape", "Size") and n.domain in DEFAULT_DOMAINS and n.input
-             and n.input[0] not in constants and len(n.output) == 1 and n.output[0] not in outputs]
+             and n.input[0] not in constants and len(n.output) == 1
+             and n.output[0] not in outputs and n.output[0] not in conditions]
     if not reads:
         return 0
     light, _ = light_copy(model, min_bytes=_DETACH_BYTES)
