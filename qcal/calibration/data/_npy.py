@@ -37,6 +37,13 @@ class _NpyHeader:
 
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
 NPY_SUFFIX = ".npy"
+# The files of arrays qcal reads: archives of named arrays, and plain arrays.
+ARRAY_SUFFIXES = (".npz", NPY_SUFFIX)
+
+
+def plain_npy(path: Path) -> bool:
+    """Whether `path` names a plain .npy file (one unnamed array), not an .npz archive."""
+    return path.suffix.lower() == NPY_SUFFIX
 
 
 class _Arrays(Protocol):
@@ -81,7 +88,7 @@ def _open_zip(path: Path) -> Iterator[zipfile.ZipFile]:
 @contextlib.contextmanager
 def _open_arrays(path: Path) -> Iterator[_Arrays]:
     """The arrays of an .npz file, or of a plain .npy file."""
-    if path.suffix.lower() != NPY_SUFFIX:
+    if not plain_npy(path):
         with _open_zip(path) as zf:
             yield zf
         return
@@ -123,7 +130,7 @@ def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[i
 def _read_headers(path: Path, names: Sequence[str]) -> dict[str, _NpyHeader]:
     """The headers of an .npz file's members, or of a plain .npy file's array keyed by the
     model's only input (of `names`, the model's inputs)."""
-    if path.suffix.lower() != NPY_SUFFIX:
+    if not plain_npy(path):
         return _read_npz_headers(path)
     key = _single_input_key(path, names)
     try:
@@ -223,4 +230,4 @@ class _RowReader:
 
 def _origin(path: Path, key: str) -> str:
     """How errors name an array: a plain .npy file is its one array."""
-    return str(path) if path.suffix.lower() == NPY_SUFFIX else f"{path}: array {key!r}"
+    return str(path) if plain_npy(path) else f"{path}: array {key!r}"

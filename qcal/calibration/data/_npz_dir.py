@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qcal.calibration.data._npy import (
-    NPY_SUFFIX,
+    ARRAY_SUFFIXES,
     _members,
     _open_arrays,
     _read_headers,
@@ -70,4 +70,4 @@ class NpzDirSource:
 
 def _npz_files(folder: Path) -> list[Path]:
     return [p for p in _visible(folder)
-            if p.suffix.lower() in (".npz", NPY_SUFFIX) and p.is_file()]
+            if p.suffix.lower() in ARRAY_SUFFIXES and p.is_file()]

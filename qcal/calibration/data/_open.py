@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qcal.calibration.data._npy import NPY_SUFFIX
+from qcal.calibration.data._npy import ARRAY_SUFFIXES
 from qcal.calibration.data._npz_dir import NpzDirSource, _npz_files
 from qcal.calibration.data._npz_file import NpzSource
 from qcal.calibration.data._onnx_test_data import (
@@ -31,7 +31,7 @@ def _open_path(path: Path, inputs: Sequence[InputSpec], limit: int | None) -> Da
     if not path.exists():
         raise DataError(f"{path}: calibration data not found")
     if not path.is_dir():
-        if path.suffix.lower() in (".npz", NPY_SUFFIX):
+        if path.suffix.lower() in ARRAY_SUFFIXES:
             return NpzSource(path, inputs, limit=limit)
         raise DataError(
             f"{path}: unsupported data file; expected an .npz file (a .npy file for a model with"

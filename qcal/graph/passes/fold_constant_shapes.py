@@ -45,6 +45,9 @@ _SHAPE_OPS = frozenset({
 })
 _EXACT_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})
 _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+_TYPES_OF = {np.dtype(np.int64): onnx.TensorProto.INT64, np.dtype(np.int32): onnx.TensorProto.INT32,
+             np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.float32): onnx.TensorProto.FLOAT,
+             np.dtype(np.float64): onnx.TensorProto.DOUBLE}
 # Shape computations that go through floats (torch's `math.ceil(height / patch) * patch`, as a
 # Cast, Div, Ceil, Mul, Cast chain) fold where their values are scalars: each a single IEEE
 # operation, numpy computes what onnxruntime does. Larger float tensors are weights, not shapes.
@@ -160,17 +163,18 @@ def _evaluate(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
     too: `_FLOAT_SCALARS`)."""
     if node.op_type in ("Shape", "Size"):  # the dimensions alone: no data read
         return _shape_value(node, [int(d) for d in constants[node.input[0]].dims])
-    operands = [constants[v] for v in node.input if v]
-    if any(tensor_size(t) > _MOST_VALUES or not (
-            t.data_type in _EXACT_TYPES
-            or (t.data_type in _FLOAT_TYPES and tensor_size(t) <= _FLOAT_SCALARS))
-           for t in operands):
+    if not all(_shape_like(t.data_type, tensor_size(t))
+               for t in (constants[v] for v in node.input if v)):
         return None
     value = evaluate_node(node, constants, opset)
-    if value is None or value.size > _MOST_VALUES:
+    if value is None or not _shape_like(_TYPES_OF.get(value.dtype, 0), value.size):
         return None
-    # integers and booleans (a shape's comparison, the condition of a Where choosing dims)
-    if value.dtype in (np.int64, np.int32, np.bool_):
-        return value
-    return value if value.dtype in (np.float32, np.float64) and value.size <= _FLOAT_SCALARS \
-        else None
+    return value
+
+
+def _shape_like(data_type: int, size: int) -> bool:
+    """Values shape arithmetic computes: a few integers or booleans (a shape's comparison, the
+    condition of a Where choosing dims), or a float scalar (`_FLOAT_SCALARS`)."""
+    if data_type in _EXACT_TYPES:
+        return size <= _MOST_VALUES
+    return data_type in _FLOAT_TYPES and size <= _FLOAT_SCALARS
