@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,6 +13,8 @@ from onnx import TensorProto, helper
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import compare_models
 from qcal.accuracy.gates import Gates, check_gates
+from qcal.config import CalibrationConfig
+from qcal.pipeline import calibrate
 
 
 def _scale_model(factor: float, op: str = "MatMul") -> onnx.ModelProto:
@@ -49,6 +52,25 @@ def test_identical_models_have_no_sqnr() -> None:
     data = [np.ones((2, 5), np.float32)]
     out = compare_models(_scale_model(2.0), _scale_model(2.0), (({"x": d}, 2) for d in data)).outputs[0]
     assert out.sqnr_db is None and out.max_abs_error == 0.0 and out.cosine == 1.0
+
+
+def test_an_output_the_float_model_keeps_at_zero_is_flagged(tmp_path: Path) -> None:
+    """A zero-initialised head: both models output 0, so their comparison says nothing; the
+    output is flagged (and the report warns, naming it), an output merely equal is not."""
+    data = [np.ones((2, 5), np.float32)]
+    zero = compare_models(_scale_model(0.0), _scale_model(0.0), (({"x": d}, 2) for d in data))
+    same = compare_models(_scale_model(2.0), _scale_model(2.0), (({"x": d}, 2) for d in data))
+    assert zero.outputs[0].float_all_zero and zero.outputs[0].sqnr_db is None
+    assert not same.outputs[0].float_all_zero
+    assert "float_all_zero" not in zero.outputs[0].to_json()
+    onnx.save(_scale_model(0.0), tmp_path / "zero.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(3).standard_normal((8, 5)).astype(
+        np.float32))
+    report = calibrate(tmp_path / "zero.onnx", CalibrationConfig(data=tmp_path / "calib.npz"),
+                       enforce_gates=False).report
+    expected = ("output 'y' is 0 on every evaluation sample in the float model: its comparison "
+                "with the quantized model says nothing of it")
+    assert [w for w in report["warnings"] if "is 0 on every evaluation sample" in w] == [expected]
 
 
 def test_sign_flip_breaks_agreement() -> None:

@@ -55,6 +55,9 @@ class OutputMetrics:
     nonfinite_float: int = 0       # non-finite elements in the float model's output
     nonfinite_quantized: int = 0   # ... in the quantized model's output
     nonfinite_introduced: int = 0  # non-finite in the quantized output where the float is finite
+    # The float model's output is 0 on every sample (a zero-initialised head): equal outputs
+    # then say nothing of the quantized model (the report warns; not a figure of its own).
+    float_all_zero: bool = False
 
     @property
     def broken(self) -> bool:
@@ -205,6 +208,8 @@ class _Accumulator:
             nonfinite_float=self.nonfinite_float,
             nonfinite_quantized=self.nonfinite_quantized,
             nonfinite_introduced=self.nonfinite_introduced,
+            float_all_zero=(not self.integer and self.signal == 0.0 and self.nonfinite_float == 0
+                            and self.batches > self.other_shape),
         )
 
 
