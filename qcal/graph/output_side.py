@@ -19,15 +19,5 @@ __all__ = ["output_side_tensors"]
 def output_side_tensors(graph: onnx.GraphProto) -> frozenset[str]:
     """The main graph's outputs and every tensor they read back to the nearest
     Conv/ConvTranspose/MatMul/Gemm (whose outputs are included, not their inputs)."""
-    producers = UseIndex.build(graph).producer
-    seen: set[str] = set()
-    stack = [output.name for output in graph.output]
-    while stack:
-        tensor = stack.pop()
-        if tensor in seen:
-            continue
-        seen.add(tensor)
-        node = producers.get(tensor)
-        if node is not None and node.op_type not in ANCHOR_OPS:
-            stack.extend(name for name in node.input if name)
-    return frozenset(seen)
+    return UseIndex.build(graph).upstream((output.name for output in graph.output),
+                                          through=lambda node: node.op_type not in ANCHOR_OPS)

@@ -7,7 +7,7 @@ y" and never a scan of ``graph.node`` by name.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -128,6 +128,22 @@ class UseIndex:
                 return value, readers[0]
             value = readers[0].output[0]
         return value, None
+
+    def upstream(self, values: Iterable[str],
+                 through: Callable[[onnx.NodeProto], bool] = lambda node: True) -> frozenset[str]:
+        """`values` and every value they are computed from, back through the nodes `through`
+        accepts (a node it refuses adds its output, not its inputs)."""
+        found: set[str] = set()
+        pending = list(values)
+        while pending:
+            value = pending.pop()
+            if value in found:
+                continue
+            found.add(value)
+            node = self.producer.get(value)
+            if node is not None and through(node):
+                pending.extend(v for v in node.input if v)
+        return frozenset(found)
 
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of `old` (subgraphs included) read `new` instead."""

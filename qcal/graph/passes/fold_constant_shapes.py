@@ -31,7 +31,7 @@ from qcal.graph.files.large import light_copy
 from qcal.graph.passes._base import IR_INITIALIZERS_WITHOUT_INPUTS, StepResult
 from qcal.graph.passes._folding import evaluate_node, fold_into_initializers, tensor_size
 from qcal.graph.passes._inference import infer_shapes
-from qcal.graph.structure import DEFAULT_DOMAINS, default_opset
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, default_opset
 
 __all__ = ["FoldConstantShapes"]
 
@@ -107,18 +107,8 @@ def _if_conditions(graph: onnx.GraphProto) -> frozenset[str]:
     stay computed. Made constants, onnxruntime would inline the branch the If picks and check the
     shapes there, which onnx's own AffineGrid expansion fails (its 2-D branch gives Range a [1]
     bound) although the model as it stands runs."""
-    producer = {v: n for n in graph.node for v in n.output if v}
-    found: set[str] = set()
-    pending = [n.input[0] for n in graph.node if n.op_type == "If" and n.input]
-    while pending:
-        value = pending.pop()
-        if value in found:
-            continue
-        found.add(value)
-        node = producer.get(value)
-        if node is not None:
-            pending.extend(v for v in node.input if v)
-    return frozenset(found)
+    return UseIndex.build(graph).upstream(
+        n.input[0] for n in graph.node if n.op_type == "If" and n.input)
 
 
 def _fold_static_shape_reads(model: onnx.ModelProto, conditions: frozenset[str]) -> int:

@@ -122,8 +122,5 @@ def _positive_scalar(constant: onnx.TensorProto | None) -> float | None:
     """The value of a one-element float constant if it is finite and positive, else None."""
     if constant is None or constant.data_type not in _FLOAT_TYPES or np.prod(constant.dims) != 1:
         return None
-    values = tensor_array(constant)
-    if values.size != 1:
-        return None
-    value = float(values.reshape(()))
+    value = float(tensor_array(constant).reshape(()))
     return value if np.isfinite(value) and value > 0 else None
