@@ -46,7 +46,8 @@ __all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_lik
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
 # Ops between scores and an output that keep each class's rank: shape changes, casts.
-_PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Cast"})
+_PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+                           "Cast"})
 # And between a Conv's class maps and an output: their global pooling, a Relu (order kept,
 # ties at 0 alike). Only there: pooled hidden states of a linear layer are an embedding.
 _CLASS_MAP_OPS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax",
@@ -115,31 +116,65 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
             continue
-        node = producer.get(output.name)
-        reshaped = pooled = False
-        while node is not None and node.input:
-            if node.op_type in _PASS_THROUGH:
-                reshaped = reshaped or node.op_type != "Identity"
-                node = producer.get(node.input[0])
-            elif node.op_type in _CLASS_MAP_OPS:
-                pooled = True
-                node = producer.get(node.input[0])
-            elif (node.op_type in ("Mul", "Div") and len(node.input) == 2
-                  and node.input[1] in positive):
-                node = producer.get(node.input[0])  # a temperature: the same argmax
-            elif node.op_type == "Mul" and len(node.input) == 2 and node.input[0] in positive:
-                node = producer.get(node.input[1])
-            else:
-                break
-        if node is None or (pooled and not _class_maps(node, producer)):
+        node, reshaped, pooled = _source(output.name, producer, positive)
+        if node is None:
             continue
         if node.op_type == "Sigmoid":
+            # Pooled too: a mean (or max) of probabilities is one, thresholded alike (a
+            # voice-activity model averaging its per-frame sigmoid over the chunk).
             found[output.name] = DecisionRule(threshold=True)
-        elif node.op_type in _SCORE_OPS:
+        elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer)):
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped),
                 linear=not pooled and _linear(node, producer, constants))
     return found
+
+
+def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[str],
+            ) -> tuple[onnx.NodeProto | None, bool, bool]:
+    """The node whose output reaches `value` through ops that keep decisions, and whether the
+    way reshaped or pooled it. Through an If, the branches' own ways, when every branch comes
+    from a Sigmoid (a streaming model choosing its path by the sample rate); other ops an If
+    returns are read as computed values."""
+    node = producer.get(value)
+    reshaped = pooled = False
+    while node is not None and node.input:
+        if node.op_type in _PASS_THROUGH:
+            reshaped = reshaped or node.op_type != "Identity"
+            value = node.input[0]
+        elif node.op_type in _CLASS_MAP_OPS:
+            pooled = True
+            value = node.input[0]
+        elif (node.op_type in ("Mul", "Div") and len(node.input) == 2
+              and node.input[1] in positive):
+            value = node.input[0]  # a temperature: the same argmax
+        elif node.op_type == "Mul" and len(node.input) == 2 and node.input[0] in positive:
+            value = node.input[1]
+        elif node.op_type == "If":
+            index = list(node.output).index(value)
+            return _branches_sigmoid(node, index, producer, positive), True, True
+        else:
+            break
+        node = producer.get(value)
+    return node, reshaped, pooled
+
+
+def _branches_sigmoid(node: onnx.NodeProto, index: int,
+                      producer: Mapping[str, onnx.NodeProto], positive: set[str],
+                      ) -> onnx.NodeProto | None:
+    """The Sigmoid of the If's first branch when its every branch's `index`-th output comes
+    from one (computed in the branch or in a scope around it); else None."""
+    found = []
+    for attribute in node.attribute:
+        if attribute.type != onnx.AttributeProto.GRAPH:
+            continue
+        branch = attribute.g
+        inner = {**producer, **{v: n for n in branch.node for v in n.output}}
+        source, _, _ = _source(branch.output[index].name, inner, positive)
+        if source is None or source.op_type != "Sigmoid":
+            return None
+        found.append(source)
+    return found[0] if found else None
 
 
 def _linear(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
