@@ -12,6 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import compare_models
+from qcal.accuracy.localise import localise_error
+from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
 
 _OPSET = [helper.make_opsetid("", 17)]
 
@@ -82,3 +84,38 @@ def test_a_sigmoid_every_branch_of_an_if_returns_is_read_as_yes_no_decisions() -
 
     relu = _branch("r", [helper.make_node("Relu", ["x"], ["r_o"])], "r_o")
     assert "y" not in decision_rules(_if_model(_pooled_sigmoid("a", 0.0), relu, ["N", 6]))
+
+
+def _matmul_branch() -> onnx.GraphProto:
+    rng = np.random.default_rng(5)
+    weights = {f"w{i}": (rng.standard_normal((8, 8)) * 0.4).astype(np.float32)
+               for i in (1, 2, 3)}
+    nodes, previous = [], "x"
+    for i in (1, 2, 3):
+        nodes += [helper.make_node("MatMul", [previous, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"h{i}"], name=f"tanh{i}")]
+        previous = f"h{i}"
+    return _branch("then", nodes, "h3", weights)
+
+
+def test_the_error_made_inside_an_if_branch_is_localised_at_its_tensor() -> None:
+    """Three MatMuls inside an If's branch: an error put into the second one's weight jumps
+    there, so that weight and its input take the jump, and the first MatMul takes none; no
+    value of the branch is an output of the model, yet each is measured."""
+    other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
+    model, _ = prepare_model(_if_model(_matmul_branch(), other, ["N", 8]))
+    plan = plan_quantization(model, SelectionRules())
+    assert {"w1", "w2", "w3"} <= {w.tensor for w in plan.weights}
+    assert {"h1", "h2"} <= {a.tensor for a in plan.activations}
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    branch = next(a.g for a in broken.graph.node[0].attribute if a.name == "then_branch")
+    for tensor in branch.initializer:
+        if tensor.name == "w2":  # as if its quantization had gone badly wrong
+            values = numpy_helper.to_array(tensor) * 1.5
+            tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32), "w2"))
+    rng = np.random.default_rng(7)
+    feed = {"x": rng.standard_normal((16, 8)).astype(np.float32), "flag": np.array(True)}
+    harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [(feed, 16)]).tensors}
+    assert harm["w2"] > 0.01 and harm["h1"] == harm["w2"]
+    assert harm.get("w1", 0.0) == 0.0 and harm.get("w3", 0.0) < 0.1 * harm["w2"]

@@ -18,6 +18,7 @@ passes. The fallback then confirms on the real QDQ model, as with per-tensor sen
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -27,7 +28,16 @@ from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import FUSED_ACTIVATIONS
-from qcal.graph.structure import COMPUTE_OPS, UseIndex, exposing, static_shapes
+from qcal.graph.structure import (
+    COMPUTE_OPS,
+    UseIndex,
+    all_graphs,
+    attribute_graphs,
+    exposing,
+    graph_element_types,
+    static_shapes,
+    subgraph_reads,
+)
 
 __all__ = ["localise_error"]
 
@@ -47,14 +57,24 @@ def localise_error(
     produced = {v for n in float_model.graph.node for v in n.output if v}
     quant_produced = {v for n in quant_model.graph.node for v in n.output if v}
     outputs = [o.name for o in float_model.graph.output]
-    watched = sorted(({a.tensor for a in plan.activations} & produced & quant_produced)
-                     - set(outputs)) + outputs
-    ratios, shapes, samples = _error_ratios(float_model, quant_model, watched, batches,
-                                            providers)
+    bodies = _body_nodes(float_model.graph)
+    holders = {v for n in float_model.graph.node if n.name in bodies for v in n.output if v}
+    watched = sorted(({a.tensor for a in plan.activations} | holders) & produced
+                     & quant_produced - set(outputs)) + outputs
+    branch_nodes = [n for holder in float_model.graph.node if holder.op_type == "If"
+                    for a in holder.attribute for g in attribute_graphs(a) for n in g.node]
+    in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes)
+    ratios, shapes, samples = _error_ratios(
+        _exposing_branches(float_model, in_branches), _exposing_branches(quant_model, in_branches),
+        watched + list(in_branches.values()), batches, providers)
+    for value, name in in_branches.items():
+        ratios[value] = ratios.pop(name)
+        shapes[value] = shapes.pop(name)
 
     harm: dict[str, float] = {}
-    inputs_of = {n.name: [v for v in n.input if v] for n in float_model.graph.node}
-    outputs_of = {n.name: [v for v in n.output if v] for n in float_model.graph.node}
+    nodes = [*float_model.graph.node, *branch_nodes]
+    inputs_of = {n.name: [v for v in n.input if v] for n in nodes}
+    outputs_of = {n.name: [v for v in n.output if v] for n in nodes}
     quantized = [d.node for d in plan.nodes if d.quantized and d.node in inputs_of]
     reads: dict[str, set[str]] = {}
     for target in plan.activations:
@@ -73,6 +93,17 @@ def localise_error(
         jump = max(0.0, after - before)
         sources = upstream.of(reads.get(node, set())) if jump > 0.0 else set()
         for tensor in reads.get(node, set()) | sources:
+            harm[tensor] = max(harm.get(tensor, 0.0), jump)
+    # Deeper in (a Loop or Scan body, an If nested in a branch) no value is watched: the jump
+    # at the main-graph node that holds it is charged to every tensor read quantized there
+    # (values from the outer scope count as its inputs), and the fallback's checks on the real
+    # model tell them apart.
+    for holder, inner in bodies.items():
+        after = max((ratios.get(v, 0.0) for v in outputs_of[holder]), default=0.0)
+        before = max((ratios.get(v, 0.0) for v in inputs_of[holder] + inner.reads), default=0.0)
+        jump = max(0.0, after - before)
+        unmeasured = inner.nodes - {n.name for n in branch_nodes}
+        for tensor in (t for node in unmeasured for t in reads.get(node, ())):
             harm[tensor] = max(harm.get(tensor, 0.0), jump)
     roles = {a.tensor: "activation" for a in plan.activations}
     roles.update({w.tensor: "weight" for w in plan.weights})
@@ -133,6 +164,84 @@ def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     if len(shape) > len(to):
         return False
     return all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
+
+
+def _exposed_branch_values(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, plan: QuantPlan,
+    branch_nodes: list[onnx.NodeProto],
+) -> dict[str, str]:
+    """Values computed in a branch of a main-graph If that the planned tensors and the outputs
+    of quantized nodes there are -> the name of the If output that exposes each (both models
+    compute them under the same names)."""
+    quantized = {d.node for d in plan.nodes if d.quantized}
+    planned = {a.tensor for a in plan.activations}
+    in_quant = {v for holder in quant_model.graph.node if holder.op_type == "If"
+                for a in holder.attribute for g in attribute_graphs(a) for n in g.node
+                for v in n.output}
+    taken = set(_all_values(float_model.graph))
+    values = sorted({v for n in branch_nodes for v in n.output
+                     if v and (v in planned or n.name in quantized)} & in_quant)
+    return {v: _fresh(f"{v}_localised", taken) for v in values}
+
+
+def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onnx.ModelProto:
+    """A copy of `model` whose If nodes also return the branch values in `values` under the
+    names given there: the branch that computes one returns it, the other an empty tensor."""
+    if not values:
+        return model
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    types = graph_element_types(model.graph)
+    for holder in exposed.graph.node:
+        branches = [g for a in holder.attribute for g in attribute_graphs(a)]
+        computed = [{v for n in g.node for v in n.output} for g in branches]
+        mine = sorted(v for v in values if any(v in c for c in computed))
+        if holder.op_type != "If" or not mine:
+            continue
+        for value in mine:
+            element = types.get(value, onnx.TensorProto.FLOAT)
+            for graph, names in zip(branches, computed):
+                source = value
+                if value not in names:
+                    source = f"{values[value]}_{graph.name}_absent"
+                    empty = onnx.helper.make_tensor(source, element, [0], [])
+                    graph.node.append(onnx.helper.make_node("Constant", [], [source],
+                                                            value=empty))
+                graph.output.append(onnx.helper.make_tensor_value_info(source, element, None))
+            holder.output.append(values[value])
+    return exposed
+
+
+def _all_values(graph: onnx.GraphProto) -> Iterable[str]:
+    for inner in all_graphs(graph):
+        yield from (v.name for v in (*inner.input, *inner.output))
+        yield from (t.name for t in inner.initializer)
+        yield from (v for n in inner.node for v in n.output)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
+@dataclass(frozen=True)
+class _Body:
+    nodes: frozenset[str]  # the names of the nodes in its bodies, at any depth
+    reads: list[str]  # the outer-scope values they read
+
+
+def _body_nodes(graph: onnx.GraphProto) -> dict[str, _Body]:
+    """Main-graph node holding subgraphs -> what its bodies hold and read."""
+    found = {}
+    for node in graph.node:
+        nested = [g for a in node.attribute for g in attribute_graphs(a)]
+        if nested:
+            names = frozenset(n.name for g in nested for inner in all_graphs(g)
+                              for n in inner.node)
+            found[node.name] = _Body(names, sorted(subgraph_reads(node)))
+    return found
 
 
 def _through_fused_activations(graph: onnx.GraphProto, index: UseIndex,
