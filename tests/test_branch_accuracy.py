@@ -7,13 +7,15 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import float_input
+from _onnx_testing import build_model, float_input
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import compare_models
 from qcal.accuracy.localise import localise_error
+from qcal.accuracy.restrict import restrict_plan
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
+from qcal.graph.placement import integer_output_writers
 
 _OPSET = [helper.make_opsetid("", 17)]
 
@@ -119,3 +121,26 @@ def test_the_error_made_inside_an_if_branch_is_localised_at_its_tensor() -> None
     harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [(feed, 16)]).tensors}
     assert harm["w2"] > 0.01 and harm["h1"] == harm["w2"]
     assert harm.get("w1", 0.0) == 0.0 and harm.get("w3", 0.0) < 0.1 * harm["w2"]
+
+
+def test_an_input_kept_float_takes_the_weight_of_the_conv_reading_it() -> None:
+    """Given a float input, onnxruntime has no integer kernel for a Conv: its weight would be
+    dequantized at every run for a float Conv. Keeping the input float keeps the weight float
+    too, and the Conv is no longer quantized, with the reason."""
+    rng = np.random.default_rng(11)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3"], ["y"], name="conv3", pads=[1, 1, 1, 1])]
+    weights = {f"w{i}": (rng.standard_normal((8, 8, 3, 3)) * 0.2).astype(np.float32)
+               for i in (1, 2, 3)}
+    model, _ = prepare_model(build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"],
+                                         weights))
+    plan = plan_quantization(model, SelectionRules())
+    assert {"r1", "w2"} <= {a.tensor for a in plan.activations} | {w.tensor for w in plan.weights}
+    restricted = restrict_plan(plan, {"r1": "test"}, integer_output_writers(model.graph))
+    # conv1 writes r1 through its fused Relu: float whole (its own rule); conv3 untouched
+    assert {w.tensor for w in restricted.weights} == {"w3"}
+    conv2 = next(d for d in restricted.nodes if d.node == "conv2")
+    assert not conv2.quantized and "dequantize the weight at every run" in conv2.reason

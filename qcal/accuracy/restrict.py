@@ -14,6 +14,11 @@ from qcal.graph.model import NodeDecision, QuantPlan
 
 __all__ = ["restrict_plan"]
 
+_NO_KERNEL = ("given a float input, onnxruntime has no integer kernel for it and would "
+              "dequantize the weight at every run")
+_FLOAT_INPUT = {"MatMul": "a float input would be quantized on the fly by onnxruntime's "
+                          "MatMulNBits"}
+
 
 def restrict_plan(
     plan: QuantPlan, keep_float: Mapping[str, str], writers: Mapping[str, str]
@@ -32,9 +37,12 @@ def restrict_plan(
     and a float weight, onnxruntime quantizes the weight itself (its WeightBiasQuantization
     optimizer, per tensor), and a float input is only float for every reader (the QDQ writer
     sends float readers of an integer kernel's output through the pair). Conversely, an
-    activation kept float takes the constant weight of a MatMul reading it: given a float input
-    and a dequantized constant weight, onnxruntime fuses them into MatMulNBits, which quantizes
-    the input on the fly (per block, its own error), so the input would not be float at all.
+    activation kept float takes the constant weights of the nodes reading it: given a float
+    input, onnxruntime has no integer kernel for a Conv or Gemm and runs it in float on a weight
+    dequantized at every run (a streaming model's STFT Conv, its input kept float, ran 1.14x
+    float with its basis dequantized per chunk), and it fuses a MatMul of a dequantized constant
+    weight into MatMulNBits, which quantizes the input on the fly (per block, its own error), so
+    the input would not be float at all.
     Biases whose input or weight goes float stay float. A node left with nothing to quantize is
     marked not quantized with the reason; a node that still quantizes something gets the reason
     appended.
@@ -46,7 +54,6 @@ def restrict_plan(
     for w in plan.weights:
         weights_of.setdefault(w.node, []).append(w.tensor)
     ops = {d.node: d.op_type for d in plan.nodes}
-    matmul_weights = {node: ws for node, ws in weights_of.items() if ops.get(node) == "MatMul"}
     float_output: set[str] = set()  # Convs whose output is kept float: float whole
     while True:  # each rule may feed the other (a weight's input read by another MatMul)
         before = len(keep)
@@ -64,10 +71,10 @@ def restrict_plan(
             if a.tensor not in keep:
                 continue
             for consumer in a.consumers:
-                for weight in matmul_weights.get(consumer, ()):
-                    keep.setdefault(weight, f"kept float with input {a.tensor!r} of MatMul "
-                                            f"{consumer!r} (a float input would be quantized "
-                                            "on the fly by onnxruntime's MatMulNBits)")
+                for weight in weights_of.get(consumer, ()):
+                    op = ops.get(consumer, "")
+                    keep.setdefault(weight, f"kept float with input {a.tensor!r} of {op} "
+                                            f"{consumer!r} ({_FLOAT_INPUT.get(op, _NO_KERNEL)})")
         float_nodes = {w.node: w.tensor for w in plan.weights if w.tensor in keep}
         for a in plan.activations:
             node = next((c for c in a.consumers
