@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
@@ -63,15 +64,24 @@ def localise_error(
                      & quant_produced - set(outputs)) + outputs
     branch_nodes = [n for holder in float_model.graph.node if holder.op_type == "If"
                     for a in holder.attribute for g in attribute_graphs(a) for n in g.node]
-    in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes)
-    ratios, shapes, samples = _error_ratios(
-        _exposing_branches(float_model, in_branches), _exposing_branches(quant_model, in_branches),
-        watched + list(in_branches.values()), batches, providers)
+    types = graph_element_types(float_model.graph)
+    in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes, types)
+    grids = _activation_grids(quant_model)
+    grids.update({name: grids[value] for value, name in in_branches.items() if value in grids})
+    ratios, shapes, samples, rounding = _error_ratios(
+        _exposing_branches(float_model, in_branches, types),
+        _exposing_branches(quant_model, in_branches, types),
+        watched + list(in_branches.values()), batches, providers, grids)
     for value, name in in_branches.items():
         ratios[value] = ratios.pop(name)
         shapes[value] = shapes.pop(name)
+        if name in rounding:
+            rounding[value] = rounding.pop(name)
 
-    harm: dict[str, float] = {}
+    # A tensor's own rounding is harm too, where it is read: the error it adds, which the
+    # jump cannot see where an earlier error already fills the node's input (a spectrum's
+    # magnitude, rounded on a grid that its quiet frames fall through, after its audio input).
+    harm: dict[str, float] = {t: r for t, r in rounding.items() if r > 0.0}
     nodes = [*float_model.graph.node, *branch_nodes]
     inputs_of = {n.name: [v for v in n.input if v] for n in nodes}
     outputs_of = {n.name: [v for v in n.output if v] for n in nodes}
@@ -168,7 +178,7 @@ def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
 
 def _exposed_branch_values(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, plan: QuantPlan,
-    branch_nodes: list[onnx.NodeProto],
+    branch_nodes: list[onnx.NodeProto], types: Mapping[str, int],
 ) -> dict[str, str]:
     """Values computed in a branch of a main-graph If that the planned tensors and the outputs
     of quantized nodes there are -> the name of the If output that exposes each (both models
@@ -179,19 +189,21 @@ def _exposed_branch_values(
                 for a in holder.attribute for g in attribute_graphs(a) for n in g.node
                 for v in n.output}
     taken = set(_all_values(float_model.graph))
+    # The If's output must declare a type: values of no known type are not exposed.
     values = sorted({v for n in branch_nodes for v in n.output
-                     if v and (v in planned or n.name in quantized)} & in_quant)
+                     if v and (v in planned or n.name in quantized)} & in_quant & set(types))
     return {v: _fresh(f"{v}_localised", taken) for v in values}
 
 
-def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onnx.ModelProto:
+def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str],
+                       types: Mapping[str, int]) -> onnx.ModelProto:
     """A copy of `model` whose If nodes also return the branch values in `values` under the
-    names given there: the branch that computes one returns it, the other an empty tensor."""
+    names given there, of the element `types` given: the branch that computes one returns it,
+    the other an empty tensor."""
     if not values:
         return model
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
-    types = graph_element_types(model.graph)
     for holder in exposed.graph.node:
         branches = [g for a in holder.attribute for g in attribute_graphs(a)]
         computed = [{v for n in g.node for v in n.output} for g in branches]
@@ -199,7 +211,7 @@ def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onn
         if holder.op_type != "If" or not mine:
             continue
         for value in mine:
-            element = types.get(value, onnx.TensorProto.FLOAT)
+            element = types[value]
             for graph, names in zip(branches, computed):
                 source = value
                 if value not in names:
@@ -256,21 +268,44 @@ def _through_fused_activations(graph: onnx.GraphProto, index: UseIndex,
     return found
 
 
+def _noise_ratio(f: np.ndarray, q: np.ndarray) -> float:
+    """Noise energy over signal energy of `q` against `f` over the elements both compute
+    finite, at most 1 (noise as large as the signal: nothing left); 0 where the shapes differ
+    (a branch not taken) or nothing is wrong."""
+    f64 = np.asarray(f, dtype=np.float64).ravel()
+    q64 = np.asarray(q, dtype=np.float64).ravel()
+    if f64.shape != q64.shape:
+        return 0.0
+    error = q64 - f64  # not finite where either is not
+    if not np.isfinite(error).all():
+        both = np.isfinite(f64) & np.isfinite(q64)
+        f64, error = f64[both], error[both]
+    noise = float(error @ error)
+    if noise == 0.0:
+        return 0.0
+    return min(1.0, noise / float(f64 @ f64))
+
+
 def _error_ratios(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, names: list[str],
     batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...],
-) -> tuple[dict[str, float], dict[str, tuple[int, ...]], int]:
-    """Tensor -> noise energy over signal energy of the quantized model's value, over the
-    elements both compute finite; tensor -> its shape in the first run (the watched ones as
-    computed, the others as declared); and the number of samples."""
+    grids: Mapping[str, _Grid],
+) -> tuple[dict[str, float], dict[str, tuple[int, ...]], int, dict[str, float]]:
+    """Tensor -> the mean over the batches (one sample each) of the quantized value's noise
+    energy over its signal energy (`_noise_ratio`); tensor -> its shape in the first run (the
+    watched ones as computed, the others as declared); and the number of samples. Each sample
+    weighs the same: pooled energies would let the loud samples hide the error of the quiet
+    ones (a voice-activity model's silent chunks, where its decisions are made, carried 80
+    times the relative error of its speech). Last, tensor -> the mean ratio of the rounding
+    its grid in `grids` makes of the quantized model's value (the error it adds itself)."""
     float_session = create_session(exposing(float_model, names), providers=providers,
                                    threads=COMPARE_THREADS, what="float model")
     quant_session = create_session(exposing(quant_model, names), providers=providers,
                                    threads=COMPARE_THREADS, what="quantized model")
-    signal = dict.fromkeys(names, 0.0)
-    noise = dict.fromkeys(names, 0.0)
+    totals = dict.fromkeys(names, 0.0)
+    rounded = {name: 0.0 for name in names if name in grids}
+    samples = runs = 0
     shapes: dict[str, tuple[int, ...]] = {}
-    samples = 0
     for feed, n in batches:
         if samples == 0:
             shapes.update(static_shapes(float_model.graph, feed))
@@ -279,16 +314,49 @@ def _error_ratios(
         for name, f, q in zip(names, floats, quants):
             if samples == 0:
                 shapes[name] = tuple(np.shape(f))
-            f64 = np.asarray(f, dtype=np.float64).ravel()
-            q64 = np.asarray(q, dtype=np.float64).ravel()
-            if f64.shape != q64.shape:
-                continue
-            error = q64 - f64  # not finite where either is not
-            if not np.isfinite(error).all():
-                both = np.isfinite(f64) & np.isfinite(q64)
-                f64, error = f64[both], error[both]
-            signal[name] += float(f64 @ f64)
-            noise[name] += float(error @ error)
+            totals[name] += _noise_ratio(f, q)
+            if name in rounded:
+                rounded[name] += _noise_ratio(q, grids[name].round(q))
         samples += n
-    ratios = {name: noise[name] / signal[name] if signal[name] > 0 else 0.0 for name in names}
-    return ratios, shapes, samples
+        runs += 1
+    ratios = {name: totals[name] / max(runs, 1) for name in names}
+    return ratios, shapes, samples, {name: r / max(runs, 1) for name, r in rounded.items()}
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The values a QuantizeLinear -> DequantizeLinear pair of one scale can give."""
+
+    scale: float
+    zero_point: int
+    low: int
+    high: int
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        x32 = np.asarray(x, dtype=np.float32)
+        codes: np.ndarray = np.clip(np.rint(x32 / np.float32(self.scale)) + self.zero_point,
+                                    self.low, self.high)
+        grid: np.ndarray = (codes - self.zero_point) * np.float32(self.scale)
+        return grid
+
+
+def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:
+    """Tensor -> the grid of the QuantizeLinear that reads it with a constant scalar scale and
+    integer zero point (in any graph of the model)."""
+    found: dict[str, _Grid] = {}
+    for graph in all_graphs(quant_model.graph):
+        constants = {t.name: t for t in graph.initializer}
+        for node in graph.node:
+            if node.op_type != "QuantizeLinear" or len(node.input) < 3:
+                continue
+            scale, zero = (constants.get(v) for v in node.input[1:3])
+            if scale is None or zero is None or np.prod(scale.dims) != 1:
+                continue
+            zero_point = numpy_helper.to_array(zero)
+            if zero_point.dtype.kind not in "iu":
+                continue
+            info = np.iinfo(zero_point.dtype)
+            found[node.input[0]] = _Grid(float(numpy_helper.to_array(scale).ravel()[0]),
+                                         int(zero_point.ravel()[0]), int(info.min),
+                                         int(info.max))
+    return found
