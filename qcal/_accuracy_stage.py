@@ -73,10 +73,13 @@ def _improve_accuracy(
         if target.is_met(comparison):
             return _Accuracy(None, None, comparison)
         with timings.stage("localise"):
-            count = min(_LOCALISE_SAMPLES, source.num_samples() or _LOCALISE_SAMPLES)
+            # Spread over the data: its first samples may all be alike (a recording that
+            # starts in silence).
+            available = source.num_samples() or _LOCALISE_SAMPLES
+            step = max(1, available // _LOCALISE_SAMPLES)
+            spread = _SampleRange(source, 0, min(available, step * _LOCALISE_SAMPLES), step)
             sensitivity = localise_error(
-                model, quant_model, plan,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
+                model, quant_model, plan, data_mod.iter_batches(spread, inputs, 1),
                 providers=config.providers,
             )
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0

@@ -118,17 +118,19 @@ def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) 
 
 
 class _SampleRange:
-    """Samples [start, stop) of another source (the held-out part of the calibration data)."""
+    """Samples [start, stop) of another source (the held-out part of the calibration data),
+    every `step`-th of them."""
 
-    def __init__(self, source: Any, start: int, stop: int) -> None:
+    def __init__(self, source: Any, start: int, stop: int, step: int = 1) -> None:
         self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
-        self._source, self._start, self._stop = source, start, stop
+        self._source, self._range = source, range(start, stop, step)
 
     def num_samples(self) -> int:
-        return self._stop - self._start
+        return len(self._range)
 
     def samples(self) -> Iterator[dict[str, np.ndarray]]:
-        return islice(self._source.samples(), self._start, self._stop)
+        r = self._range
+        return islice(self._source.samples(), r.start, r.stop, r.step)
 
 
 def _accuracy_sources(

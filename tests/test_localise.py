@@ -87,3 +87,18 @@ def test_each_sample_weighs_the_same_in_the_error_ratios() -> None:
     assert ratios[0] > 100 * ratios[1]
     assert harm["w1"] == pytest.approx(np.mean(ratios), rel=1e-4)
 
+
+def test_a_sample_range_takes_every_step_th_sample() -> None:
+    """The localisation's few samples are spread over the data (a recording may start with
+    seconds of silence): every step-th sample of the range, counted as such."""
+    from qcal._inputs import _SampleRange
+
+    class Numbers:
+        kind, path, is_synthetic = "npz", None, False
+
+        def samples(self):  # type: ignore[no-untyped-def]
+            return iter({"x": np.array([i])} for i in range(10))
+
+    spread = _SampleRange(Numbers(), 0, 8, 2)
+    assert spread.num_samples() == 4
+    assert [int(s["x"][0]) for s in spread.samples()] == [0, 2, 4, 6]
