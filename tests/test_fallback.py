@@ -415,7 +415,35 @@ def test_search_finds_the_fewest_tensors_to_keep_float(needed: int, trap: Path) 
         write=lambda p: _marker_model(model, p), evaluate=evaluate,
     )
     assert result.reached and len(result.kept) == needed
-    assert len(checked) <= 2 * math.ceil(math.log2(len(tensors) + 1)) + 2
+    search = 2 * math.ceil(math.log2(len(tensors) + 1)) + 2
+    assert len(checked) <= 2 * search  # the search, then at most as many to prune its choice
+
+
+def test_candidates_the_target_holds_without_are_given_back(trap: Path) -> None:
+    """The ranking measures error where it is made, not its effect on the outputs: when only
+    the first and the sixth candidates matter, the search's prefix of six holds four that do
+    not, and they are quantized again (each checked once, last-ranked first)."""
+    model, _ = prepare_model(onnx.load(trap))
+    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
+    tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
+    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
+                  for t in tensors]
+    needed = {tensors[0], tensors[5]}
+    checked: list[set[str]] = []
+
+    def evaluate(quantized: onnx.ModelProto) -> Comparison:
+        floated = {t for t in tensors if not _has_q(quantized, t)}
+        checked.append(floated)
+        return _metrics(30.0 if needed <= floated else 10.0)
+
+    result = search_fallback(
+        model=model, plan=plan, candidates=candidates, macs=compute_macs(model, None),
+        target=AccuracyTarget(min_sqnr_db=20.0), floor=0.0,
+        write=lambda p: _marker_model(model, p), evaluate=evaluate,
+    )
+    assert result.reached and {c.sensitivity.tensor for c in result.kept} == needed
+    assert not _has_q(result.model, tensors[0]) and _has_q(result.model, tensors[1])
+    assert len(checked) == len({frozenset(c) for c in checked})  # no model checked twice
 
 
 def _marker_model(model: onnx.ModelProto, plan: Any) -> onnx.ModelProto:
