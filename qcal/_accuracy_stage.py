@@ -47,8 +47,9 @@ def _improve_accuracy(
     declared_shapes: frozenset[str],
 ) -> _Accuracy:
     """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
-    or, by default, the accuracy floor. The floor is checked on the full model first; only when
-    it fails is the error localised (two passes, `qcal.accuracy.localise`) and searched."""
+    or, by default, the accuracy floor. The floor is checked on the full model first (with
+    `--sensitivity` too); only when it fails is the error localised (two passes,
+    `qcal.accuracy.localise`), unless measured per tensor, and searched."""
     sensitivity = None
     if config.wants_sensitivity:
         with timings.stage("sensitivity"):
@@ -62,16 +63,17 @@ def _improve_accuracy(
                 screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
                 on_batch=_stage_progress(progress, "sensitivity", count),
             )
-        if not config.has_fallback_target:
+        if not config.has_fallback_target and not config.fallback:
             return _Accuracy(sensitivity, None)
     elif not config.fallback:
         return _Accuracy(None, None)
     target = config.accuracy_target()
-    if sensitivity is None:
+    if not config.has_fallback_target:  # the default floor, measured sensitivity or not
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
         if target.is_met(comparison):
-            return _Accuracy(None, None, comparison)
+            return _Accuracy(sensitivity, None, comparison)
+    if sensitivity is None:
         with timings.stage("localise"):
             # Spread over the data: its first samples may all be alike (a recording that
             # starts in silence).

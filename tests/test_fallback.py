@@ -670,6 +670,21 @@ def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
     assert report["gates"] == []
 
 
+def test_sensitivity_asked_for_still_checks_the_floor(tmp_path: Path) -> None:
+    """--sensitivity measures every tensor; the default floor still holds the run to account:
+    below it, the fallback ranks by those measurements and restores the model, where before
+    the summary called 96 % of agreeing decisions within the floor."""
+    path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
+                             features=16)
+    report = calibrate(path, CalibrationConfig(min_coverage=50.0, sensitivity=True)).report
+    assert report["sensitivity"]["method"] != "error-jump"  # measured per tensor, not localised
+    fallback = report["fallback"]
+    assert fallback["steps"][0]["worst_top1_agreement"] < 0.99  # the full model misses it
+    assert fallback["reached"] and "h" in [k["tensor"] for k in fallback["kept_float"]]
+    assert report["evaluation"]["outputs"][0]["top1_agreement"] >= 0.99
+    assert report["gates"] == []
+
+
 def _down(percent: float) -> str:
     """A percentage as the messages show it: two decimals, never rounded up to a floor."""
     return f"{int(percent * 100 + 1e-9) / 100:.2f}"
