@@ -14,7 +14,8 @@ read how, and at which shapes:
   through reshapes): the same heads exported without their softmax, whose logits a CTC decoder
   or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier);
 * a Sigmoid's output, any shape: every element is a yes/no at 0.5 (voice activity per frame,
-  multi-label tags, a detector's objectness).
+  multi-label tags, a detector's objectness); so is a mean of it (a chunk's speech probability),
+  and an If's output that every branch computes from a Sigmoid.
 
 Hidden states are a normalization's or a residual Add's output, not a linear layer's; an
 exporter that names them (`last_hidden_state`) is taken at its word below. Reshapes, casts and a
