@@ -26,6 +26,7 @@ import tarfile
 import wave
 import zipfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -159,12 +160,16 @@ def _binary_formats() -> dict[str, Callable[[np.random.Generator], bytes]]:
         return make
 
     formats: dict[str, Callable[[np.random.Generator], bytes]] = {
-        fmt.lower(): (lambda f: lambda rng: _image(rng, f))(fmt)
+        fmt.lower(): partial(_image, fmt=fmt)
         for fmt in ("PNG", "JPEG", "GIF", "BMP", "TIFF", "PDF")}
     formats.update({kind: archive(kind) for kind in ("gzip", "bzip", "zip", "tar")})
     formats["random"] = lambda rng: rng.integers(0, 256, int(rng.integers(500, 5000)),
                                                   dtype=np.uint8).tobytes()
     return formats
+
+
+def _encoded(make: Callable[[np.random.Generator], str], rng: np.random.Generator) -> bytes:
+    return make(rng).encode()
 
 
 def magika_features(content: bytes) -> np.ndarray:
@@ -179,7 +184,7 @@ def magika_features(content: bytes) -> np.ndarray:
 def filetype_features(rng: np.random.Generator, n: int) -> np.ndarray:
     """[n, 2048] features of files of formats taken in turn, each written afresh."""
     makers: list[Callable[[np.random.Generator], bytes]] = [
-        (lambda f: lambda r: f(r).encode())(f) for f in _text_formats().values()]
+        partial(_encoded, make) for make in _text_formats().values()]
     makers += list(_binary_formats().values())
     return np.stack([magika_features(makers[i % len(makers)](rng)) for i in range(n)])
 

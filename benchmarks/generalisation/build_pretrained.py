@@ -200,7 +200,7 @@ def build_filetype(out: Path) -> dict:
         "eval": {"bytes": evaluation},
         "labels": None,
         "reference": reference,
-        "accuracy": {"classes_predicted": int(len(np.unique(reference["target_label"].argmax(1))))},
+        "accuracy": {"classes_predicted": len(np.unique(reference["target_label"].argmax(1)))},
         "description": "magika's classifier on the byte features of files written in 24 formats",
         "versions": {"magika": more.MAGIKA[1], "pillow": PIL.__version__,
                      "onnxruntime": ort.__version__},
