@@ -23,6 +23,7 @@ import json
 import shutil
 import subprocess
 import tarfile
+import time
 import wave
 import zipfile
 from collections.abc import Callable
@@ -46,6 +47,7 @@ SENTENCES = (
     "A large fawn jumped quickly over white zinc boxes in the morning light.",
     "We measured the error of every layer and kept the worst ones in floating point.",
 )
+_EPOCH = time.gmtime(1577836800)  # 2020-01-01
 VOICES = ("en", "en-us", "en+f3", "en-gb", "en+m3", "en-us+f2")
 
 
@@ -59,7 +61,9 @@ def _image(rng: np.random.Generator, fmt: str) -> bytes:
     h, w = int(rng.integers(16, 96)), int(rng.integers(16, 96))
     pixels = (rng.random((h, w, 3)) * 255).astype(np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format=fmt)
+    # a PDF states when it was made: a fixed date keeps the data the same from build to build
+    dated = {"creationDate": _EPOCH, "modDate": _EPOCH} if fmt == "PDF" else {}
+    Image.fromarray(pixels).save(buffer, format=fmt, **dated)
     return buffer.getvalue()
 
 
@@ -150,7 +154,8 @@ def _binary_formats() -> dict[str, Callable[[np.random.Generator], bytes]]:
             buffer = io.BytesIO()
             if kind == "zip":
                 with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
-                    z.writestr("a.txt", payload)
+                    z.writestr(zipfile.ZipInfo("a.txt", date_time=(2020, 1, 1, 0, 0, 0)),
+                               payload)
             else:
                 with tarfile.open(fileobj=buffer, mode="w") as t:
                     info = tarfile.TarInfo("a.txt")
