@@ -102,3 +102,24 @@ def test_a_sample_range_takes_every_step_th_sample() -> None:
     spread = _SampleRange(Numbers(), 0, 8, 2)
     assert spread.num_samples() == 4
     assert [int(s["x"][0]) for s in spread.samples()] == [0, 2, 4, 6]
+
+
+def test_an_error_where_the_float_model_computes_zeros_is_the_largest_ratio() -> None:
+    """A layer the float model computes as all zeros (a zero-initialised weight) that the
+    quantized model computes otherwise: noise with no signal, ratio 1 (noise as large as the
+    signal), not a division by zero."""
+    rng = np.random.default_rng(23)
+    weights = {"w1": np.zeros((8, 8), np.float32),
+               "w2": (rng.standard_normal((8, 8)) * 0.5).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="mm1"),
+             helper.make_node("MatMul", ["h1", "w2"], ["y"], name="mm2")]
+    model, _ = prepare_model(build_model(nodes, [float_input("x", ["N", 8])], ["y"], weights))
+    plan = plan_quantization(model, SelectionRules())
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    for tensor in broken.graph.initializer:
+        if tensor.name == "w1":
+            tensor.CopyFrom(numpy_helper.from_array(np.full((8, 8), 1e-3, np.float32), "w1"))
+    x = rng.standard_normal((1, 8)).astype(np.float32)
+    harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [({"x": x}, 1)]).tensors}
+    assert harm["w1"] == 1.0

@@ -283,7 +283,8 @@ def _noise_ratio(f: np.ndarray, q: np.ndarray) -> float:
     noise = float(error @ error)
     if noise == 0.0:
         return 0.0
-    return min(1.0, noise / float(f64 @ f64))
+    signal = float(f64 @ f64)
+    return 1.0 if noise >= signal else noise / signal
 
 
 def _error_ratios(
@@ -340,6 +341,10 @@ class _Grid:
         return grid
 
 
+# 4-bit codes come out of numpy_helper in 8-bit arrays.
+_CODE_RANGES = {onnx.TensorProto.INT4: (-8, 7), onnx.TensorProto.UINT4: (0, 15)}
+
+
 def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:
     """Tensor -> the grid of the QuantizeLinear that reads it with a constant scalar scale and
     integer zero point (in any graph of the model)."""
@@ -352,11 +357,11 @@ def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:
             scale, zero = (constants.get(v) for v in node.input[1:3])
             if scale is None or zero is None or np.prod(scale.dims) != 1:
                 continue
+            step = float(numpy_helper.to_array(scale).ravel()[0])
             zero_point = numpy_helper.to_array(zero)
-            if zero_point.dtype.kind not in "iu":
+            if not (np.isfinite(step) and step > 0.0) or zero_point.dtype.kind not in "iu":
                 continue
-            info = np.iinfo(zero_point.dtype)
-            found[node.input[0]] = _Grid(float(numpy_helper.to_array(scale).ravel()[0]),
-                                         int(zero_point.ravel()[0]), int(info.min),
-                                         int(info.max))
+            low, high = _CODE_RANGES.get(zero.data_type) or (
+                int(np.iinfo(zero_point.dtype).min), int(np.iinfo(zero_point.dtype).max))
+            found[node.input[0]] = _Grid(step, int(zero_point.ravel()[0]), low, high)
     return found
