@@ -273,7 +273,9 @@ def search_fallback(
         evaluate: compares a QDQ model with the float model on the evaluation data.
     """
     checked: dict[int, FallbackStep] = {}
-    models: dict[tuple[int, ...], tuple[QuantPlan, onnx.ModelProto, FallbackStep]] = {}
+    # Every checked set's figures; the model only of those that may be handed over (the model
+    # as planned, or one that meets the target): a large model is not held a dozen times.
+    models: dict[tuple[int, ...], tuple[QuantPlan, onnx.ModelProto | None, FallbackStep]] = {}
 
     writers = integer_output_writers(model.graph)
 
@@ -287,7 +289,7 @@ def search_fallback(
             comparison = evaluate(quantized)
             coverage = measure_coverage(model, restricted, macs)
             step = FallbackStep(len(kept), comparison, coverage, target.is_met(comparison))
-            models[kept] = (restricted, quantized, step)
+            models[kept] = (restricted, quantized if step.met or not kept else None, step)
             logger.info("fallback: %d kept float, coverage %.3f, met %s", len(kept),
                         coverage.fraction, step.met)
         return models[kept][2]
@@ -306,7 +308,8 @@ def search_fallback(
     kept = tuple(range(chosen or 0))
     if chosen is not None and chosen > 1:
         kept = _prune(kept, check_set, budget=len(models))
-    restricted, quantized, step = models[kept]
+    restricted, written, step = models[kept]
+    assert written is not None  # the model as planned, or one that met the target
     chosen = len(kept)
     as_planned = (f"the model is handed over as planned (the closest checked kept {closest} "
                   "tensor(s) float, short too)" if closest else
@@ -322,7 +325,7 @@ def search_fallback(
         message = (f"{target.describe()} NOT reached even with all {len(candidates)} "
                    f"sensitive tensor(s) in float; {as_planned}")
     return FallbackResult(
-        plan=restricted, model=quantized, comparison=step.comparison, coverage=step.coverage,
+        plan=restricted, model=written, comparison=step.comparison, coverage=step.coverage,
         reached=reached, kept=tuple(candidates[i] for i in kept),
         steps=tuple(entry[2] for entry in models.values()), message=message,
     )
