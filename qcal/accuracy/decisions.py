@@ -170,6 +170,8 @@ def _branches_sigmoid(node: onnx.NodeProto, index: int,
         if attribute.type != onnx.AttributeProto.GRAPH:
             continue
         branch = attribute.g
+        if index >= len(branch.output):
+            return None
         inner = {**producer, **{v: n for n in branch.node for v in n.output}}
         source, _, _ = _source(branch.output[index].name, inner, positive)
         if source is None or source.op_type != "Sigmoid":
