@@ -55,6 +55,28 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[Any]:
     return list(session.run(None, dict(feeds)))
 
 
+def read_rounded(model: onnx.ModelProto, tensor: str, scale: float, zero_point: np.ndarray,
+                 ) -> onnx.ModelProto:
+    """A copy of `model` whose readers of `tensor` read it through a QuantizeLinear ->
+    DequantizeLinear pair of that scale and zero point (its producer's output left as it is,
+    as the Q/DQ writer leaves it)."""
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    graph = rounded.graph
+    graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), f"{tensor}_s"),
+                              numpy_helper.from_array(zero_point, f"{tensor}_z")])
+    for node in graph.node:
+        node.input[:] = [f"{tensor}_dq" if v == tensor else v for v in node.input]
+    after = next(i for i, n in enumerate(graph.node) if tensor in n.output) + 1
+    pair = [helper.make_node("QuantizeLinear", [tensor, f"{tensor}_s", f"{tensor}_z"],
+                             [f"{tensor}_q"]),
+            helper.make_node("DequantizeLinear", [f"{tensor}_q", f"{tensor}_s", f"{tensor}_z"],
+                             [f"{tensor}_dq"])]
+    for offset, node in enumerate(pair):
+        graph.node.insert(after + offset, node)
+    return rounded
+
+
 def batchnorm_relu(
     rng: np.random.Generator, source: str, channels: int, *, variance: tuple[float, float]
 ) -> tuple[dict[str, np.ndarray], list[onnx.NodeProto]]:

@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, float_input, run
+from _onnx_testing import build_model, float_input, read_rounded, run
 from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
@@ -814,16 +814,7 @@ def test_an_error_passed_on_element_by_element_is_localised_where_it_was_made() 
     assert {"c1", "h1"} <= {a.tensor for a in plan.activations}
     # The quantized model as far as c1 goes: its readers see it rounded on an 8-bit grid set
     # by its large channel, which leaves the small channel a few steps.
-    rounded = onnx.ModelProto()
-    rounded.CopyFrom(model)
-    graph = rounded.graph
-    graph.initializer.extend([numpy_helper.from_array(np.array(0.1, np.float32), "c1_s"),
-                              numpy_helper.from_array(np.array(128, np.uint8), "c1_z")])
-    for node in graph.node:
-        node.input[:] = ["c1_dq" if v == "c1" else v for v in node.input]
-    graph.node.insert(1, helper.make_node("QuantizeLinear", ["c1", "c1_s", "c1_z"], ["c1_q"]))
-    graph.node.insert(2, helper.make_node("DequantizeLinear", ["c1_q", "c1_s", "c1_z"],
-                                          ["c1_dq"]))
+    rounded = read_rounded(model, "c1", 0.1, np.array(128, np.uint8))
     feed = {"x": rng.uniform(-1.0, 1.0, (4, 8, 8, 8)).astype(np.float32)}
     harm = {s.tensor: s.harm for s in localise_error(model, rounded, plan, [(feed, 4)]).tensors}
     assert harm["h1"] > 0.1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import build_model, float_input, run
+from _onnx_testing import build_model, float_input, read_rounded, run
 from onnx import helper, numpy_helper
 
 from qcal.accuracy.localise import localise_error
@@ -33,21 +33,14 @@ def test_a_tensor_rounded_coarsely_after_an_earlier_error_is_still_blamed() -> N
     x = rng.standard_normal((4, 8)).astype(np.float32)
     broken = onnx.ModelProto()
     broken.CopyFrom(model)
-    graph = broken.graph
-    for tensor in graph.initializer:
+    for tensor in broken.graph.initializer:
         if tensor.name == "w1":  # its first column off by half: h1's first channel
             values = numpy_helper.to_array(tensor).copy()
             values[:, 0] *= 1.5
             tensor.CopyFrom(numpy_helper.from_array(values, "w1"))
     h1 = run(broken, {"x": x})[0]
     scale = np.float32(np.abs(h1).max() / 8)
-    graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), "h1_s"),
-                              numpy_helper.from_array(np.array(0, np.int8), "h1_z")])
-    for node in graph.node:
-        node.input[:] = ["h1_dq" if v == "h1" else v for v in node.input]
-    graph.node.insert(1, helper.make_node("QuantizeLinear", ["h1", "h1_s", "h1_z"], ["h1_q"]))
-    graph.node.insert(2, helper.make_node("DequantizeLinear", ["h1_q", "h1_s", "h1_z"],
-                                          ["h1_dq"]))
+    broken = read_rounded(broken, "h1", float(scale), np.array(0, np.int8))
 
     batches = [({"x": x[i:i + 1]}, 1) for i in range(4)]
     harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, batches).tensors}
