@@ -167,7 +167,11 @@ def _show_verdict(report: dict[str, Any]) -> None:
 def _show_accuracy(report: dict[str, Any]) -> None:
     """Compute coverage, the most sensitive tensors and what the fallback kept in float."""
     cov = report["coverage"]
-    if "macs_quantized_fraction" in cov:
+    if "macs_quantized_fraction" in cov and not cov["compute_nodes"]:
+        # no share to give: a model whose compute is all inside If/Loop/Scan bodies says how
+        # much of that is quantized in the coverage warning
+        stdout.print("  compute quantized: no Conv/MatMul/Gemm in the main graph")
+    elif "macs_quantized_fraction" in cov:
         unit = "MACs" if cov["basis"] == "macs" else "nodes (shapes unknown)"
         stdout.print(
             f"  compute quantized: {cov['macs_quantized_fraction']:.1%} of Conv/MatMul/Gemm {unit} "

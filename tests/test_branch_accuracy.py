@@ -144,3 +144,27 @@ def test_an_input_kept_float_takes_the_weight_of_the_conv_reading_it() -> None:
     assert {w.tensor for w in restricted.weights} == {"w3"}
     conv2 = next(d for d in restricted.nodes if d.node == "conv2")
     assert not conv2.quantized and "dequantize the weight at every run" in conv2.reason
+
+
+def test_a_model_whose_compute_is_all_in_a_branch_claims_no_share(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Coverage counts the main graph: with every MatMul inside an If, there is no share of
+    compute to state, and the summary says so instead of 100 % (the warning counts the
+    branch's MatMuls and how many are quantized)."""
+    from click.testing import CliRunner
+
+    from qcal.cli import main
+
+    other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
+    path = tmp_path / "branchy.onnx"
+    onnx.save(_if_model(_matmul_branch(), other, ["N", 8]), path)
+    rng = np.random.default_rng(13)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 1, 8)).astype(np.float32),
+             flag=np.ones(16, bool))
+    result = CliRunner().invoke(main, ["calibrate", str(path), "--data",
+                                       str(tmp_path / "data.npz"), "-o",
+                                       str(tmp_path / "q.onnx"), "--report",
+                                       str(tmp_path / "q.json"), "--allow-slower"])
+    assert result.exit_code == 0, result.output
+    assert "no Conv/MatMul/Gemm in the main graph" in result.output
+    assert "% of Conv/MatMul/Gemm" not in result.output
+    assert "3 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies" in " ".join(result.output.split())

@@ -315,8 +315,9 @@ def search_fallback(
                   "tensor(s) float, short too)" if closest else
                   "the model is handed over as planned (the closest of those checked)")
     if reached:
-        message = (f"{target.describe()} reached with {chosen} tensor(s) kept float; "
-                   f"{100 * step.coverage.fraction:.1f} % of compute quantized")
+        share = (f"; {100 * step.coverage.fraction:.1f} % of compute quantized"
+                 if step.coverage.compute_nodes else "")
+        message = f"{target.describe()} reached with {chosen} tensor(s) kept float{share}"
     elif limit < len(candidates):
         message = (f"{target.describe()} NOT reached: it would need more than "
                    f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
