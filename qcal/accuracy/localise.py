@@ -59,18 +59,22 @@ def localise_error(
     quant_produced = {v for n in quant_model.graph.node for v in n.output if v}
     outputs = [o.name for o in float_model.graph.output]
     bodies = _body_nodes(float_model.graph)
-    holders = {v for n in float_model.graph.node if n.name in bodies for v in n.output if v}
+    types = graph_element_types(float_model.graph)
+    # Only float values are compared, and an exposed value must be declared of its own type
+    # (an If holding a branch may return int64 indices).
+    floats = {v for v, t in types.items() if t == onnx.TensorProto.FLOAT}
+    holders = {v for n in float_model.graph.node if n.name in bodies for v in n.output
+               if v in floats}
     watched = sorted(({a.tensor for a in plan.activations} | holders) & produced
                      & quant_produced - set(outputs)) + outputs
     branch_nodes = [n for holder in float_model.graph.node if holder.op_type == "If"
                     for a in holder.attribute for g in attribute_graphs(a) for n in g.node]
-    types = graph_element_types(float_model.graph)
-    in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes, types)
+    in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes, floats)
     grids = _activation_grids(quant_model)
     grids.update({name: grids[value] for value, name in in_branches.items() if value in grids})
     ratios, shapes, samples, rounding = _error_ratios(
-        _exposing_branches(float_model, in_branches, types),
-        _exposing_branches(quant_model, in_branches, types),
+        _exposing_branches(float_model, in_branches),
+        _exposing_branches(quant_model, in_branches),
         watched + list(in_branches.values()), batches, providers, grids)
     for value, name in in_branches.items():
         ratios[value] = ratios.pop(name)
@@ -178,28 +182,26 @@ def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
 
 def _exposed_branch_values(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, plan: QuantPlan,
-    branch_nodes: list[onnx.NodeProto], types: Mapping[str, int],
+    branch_nodes: list[onnx.NodeProto], floats: set[str],
 ) -> dict[str, str]:
-    """Values computed in a branch of a main-graph If that the planned tensors and the outputs
-    of quantized nodes there are -> the name of the If output that exposes each (both models
-    compute them under the same names)."""
+    """Float values (`floats`: known to be) computed in a branch of a main-graph If that the
+    planned tensors and the outputs of quantized nodes there are -> the name of the If output
+    that exposes each (both models compute them under the same names)."""
     quantized = {d.node for d in plan.nodes if d.quantized}
     planned = {a.tensor for a in plan.activations}
     in_quant = {v for holder in quant_model.graph.node if holder.op_type == "If"
                 for a in holder.attribute for g in attribute_graphs(a) for n in g.node
                 for v in n.output}
     taken = set(_all_values(float_model.graph))
-    # The If's output must declare a type: values of no known type are not exposed.
     values = sorted({v for n in branch_nodes for v in n.output
-                     if v and (v in planned or n.name in quantized)} & in_quant & set(types))
+                     if v and (v in planned or n.name in quantized)} & in_quant & floats)
     return {v: _fresh(f"{v}_localised", taken) for v in values}
 
 
-def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str],
-                       types: Mapping[str, int]) -> onnx.ModelProto:
-    """A copy of `model` whose If nodes also return the branch values in `values` under the
-    names given there, of the element `types` given: the branch that computes one returns it,
-    the other an empty tensor."""
+def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onnx.ModelProto:
+    """A copy of `model` whose If nodes also return the float branch values in `values` under
+    the names given there: the branch that computes one returns it, the other an empty
+    tensor."""
     if not values:
         return model
     exposed = onnx.ModelProto()
@@ -211,15 +213,15 @@ def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str],
         if holder.op_type != "If" or not mine:
             continue
         for value in mine:
-            element = types[value]
             for graph, names in zip(branches, computed):
                 source = value
                 if value not in names:
                     source = f"{values[value]}_{graph.name}_absent"
-                    empty = onnx.helper.make_tensor(source, element, [0], [])
+                    empty = onnx.helper.make_tensor(source, onnx.TensorProto.FLOAT, [0], [])
                     graph.node.append(onnx.helper.make_node("Constant", [], [source],
                                                             value=empty))
-                graph.output.append(onnx.helper.make_tensor_value_info(source, element, None))
+                graph.output.append(
+                    onnx.helper.make_tensor_value_info(source, onnx.TensorProto.FLOAT, None))
             holder.output.append(values[value])
     return exposed
 
