@@ -136,9 +136,12 @@ class _SampleRange:
 def _accuracy_sources(
     config: CalibrationConfig, calib: Any, eval_source: Any
 ) -> tuple[Any, Any, str | None]:
-    """(calibration, evaluation, evaluation label): without evaluation data, sensitivity and
-    fallback hold out the last quarter of the calibration samples (at most 256) to measure on."""
-    if eval_source is not None or not config.wants_sensitivity:
+    """(calibration, evaluation, evaluation label): without evaluation data, the accuracy
+    floor's check (and sensitivity and fallback) hold out the last quarter of the calibration
+    samples (at most 256) to measure on: the samples the ranges were fitted on flatter a model
+    (silero-vad kept 99.1 % of its decisions on them and 97.0 % on other speech)."""
+    checks = config.wants_sensitivity or (config.fallback and config.weight_only is None)
+    if eval_source is not None or not checks:
         return calib, eval_source, None
     count = calib.num_samples() or 0
     held = min(count // 4, 256)

@@ -248,11 +248,13 @@ def nested_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, n
 
 def calibrated(tmp_path: Path, model: onnx.ModelProto, **arrays: np.ndarray) -> CalibrationResult:
     """Every node with a rule quantized (placement "all"): these tests are about observing
-    tensors inside bodies, which the small models here hold in elementwise ops."""
+    tensors inside bodies, which the small models here hold in elementwise ops. The data is
+    the evaluation data too, so that every sample is observed (none held out for the floor)."""
     path = tmp_path / "model.onnx"
     onnx.save(model, path)
     np.savez(tmp_path / "calib.npz", **arrays)
-    result = calibrate(path, CalibrationConfig(data=tmp_path / "calib.npz", placement="all"))
+    result = calibrate(path, CalibrationConfig(data=tmp_path / "calib.npz",
+                                               eval_data=tmp_path / "calib.npz", placement="all"))
     onnx.checker.check_model(result.model, full_check=True)
     return result
 

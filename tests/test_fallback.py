@@ -820,3 +820,26 @@ def test_an_error_passed_on_element_by_element_is_localised_where_it_was_made() 
     assert harm["h1"] > 0.1
     assert harm["c1"] == harm["h1"]  # the rounding made at c1, magnified at the depthwise Conv
     assert harm.get("x", 0.0) < 1e-3 * harm["h1"]  # upstream of the first Conv: none of it
+
+
+def test_without_evaluation_data_the_floor_is_checked_on_held_out_samples(
+    tmp_path: Path,
+) -> None:
+    """A plain run with calibration data only: the last quarter of the samples is held out,
+    the ranges come from the rest (the input's range is the first 48 rows', as numpy finds
+    it) and the floor is judged on the 16 held out, whose agreement is recomputed here."""
+    path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, features=16)
+    rows = np.load(tmp_path / "mlp.calib.npz")["x"]
+    result = calibrate(path, CalibrationConfig(data=tmp_path / "mlp.calib.npz",
+                                               fallback=True, min_coverage=50.0))
+    report = result.report
+    assert report["data"]["samples"] == 48
+    assert report["evaluation"]["samples"] == 16
+    assert "held out" in report["evaluation"]["data"]
+    observed = next(t for t in report["tensors"] if t["name"] == "x")["statistics"]
+    assert observed["min"][0] == pytest.approx(rows[:48].min())
+    assert observed["max"][0] == pytest.approx(rows[:48].max())
+    expected = run(_outlier_mlp(), {"x": rows[48:]})[0].argmax(1)
+    got = run(result.model, {"x": rows[48:]})[0].argmax(1)
+    assert report["evaluation"]["outputs"][0]["top1_agreement"] == pytest.approx(
+        float(np.mean(expected == got)))

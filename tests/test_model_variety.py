@@ -152,7 +152,9 @@ def test_symbolic_batch_and_spatial_dims_with_samples_of_different_sizes(tmp_pat
     sizes = [(8, 8), (5, 7), (8, 8), (8, 8), (16, 4), (1, 1), (8, 8)]
     for i, (h, w) in enumerate(sizes):
         npz(folder / f"{i:02d}.npz", x=rng.standard_normal((1, 3, h, w)).astype(np.float32))
-    report = calibrate_cli(tmp_path, fully_convolutional(rng), folder, "--batch-size", "3")
+    # every sample calibrates (the folder is the evaluation data too: none held out)
+    report = calibrate_cli(tmp_path, fully_convolutional(rng), folder, "--batch-size", "3",
+                           "--eval-data", str(folder))
     assert report["data"]["samples"] == len(sizes)
     assert report["coverage"]["quantized"] == 3
     # The ranges are those of every sample, whatever its size: check the input's.
@@ -392,7 +394,7 @@ def test_float16_model_is_computed_in_float32_inside_and_keeps_its_interface(
         },
     )
     data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 8)).astype(np.float16))
-    report = calibrate_cli(tmp_path, model, data)
+    report = calibrate_cli(tmp_path, model, data, "--eval-data", str(data))
     assert steps(report)["widen-half"] == (
         "float16 computed in float32 (inputs and outputs keep their types)")
     q = quantized(tmp_path)
