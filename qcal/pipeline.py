@@ -172,7 +172,8 @@ def calibrate(
                               "statistics collected beforehand (--stats, --checkpoint, --ray)")
         _check_agreement_options(config, prepared)
         check_weight_only_config(config, statistics=statistics is not None)
-        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source)
+        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
+                                                           collected=statistics is not None)
         macs = _compute_macs(prepared, calib, config)
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.

@@ -165,3 +165,25 @@ def test_a_pickled_member_is_refused(digits_stats: Path, tmp_path: Path) -> None
             dst.writestr(name, data)
     with pytest.raises(StatisticsError, match="evil.stats"):
         read_statistics(evil)
+
+
+def test_statistics_that_saw_every_sample_hold_none_out(tmp_path: Path) -> None:
+    """Without evaluation data a run holds out the last quarter of its samples for the floor;
+    from statistics collected beforehand over all of them it cannot, and does not say so:
+    it measures on the calibration samples, all 200."""
+    model = tmp_path / "digits.onnx"  # no evaluation data beside it
+    model.write_bytes(DIGITS.read_bytes())
+    data = ROOT / "sample_models" / "digits_cnn.calib.npz"
+    stats = tmp_path / "digits.stats"
+    assert run("collect", model, "--data", data, "-o", stats, "-q").exit_code == 0
+    reports = {}
+    for name, extra in (("direct", []), ("reused", ["--stats", stats])):
+        result = run("calibrate", model, "--data", data, "-o", tmp_path / f"{name}.onnx",
+                     "--report", tmp_path / f"{name}.json", "-q", *extra)
+        assert result.exit_code == 0, result.output
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert reports["direct"]["data"]["samples"] == 150
+    assert "held out" in reports["direct"]["evaluation"]["data"]
+    assert reports["reused"]["data"]["samples"] == 200
+    assert reports["reused"]["evaluation"]["data"] == "calibration"
+    assert reports["reused"]["evaluation"]["samples"] == 200
