@@ -37,6 +37,7 @@ __all__ = [
     "insert_after",
     "int_attribute",
     "keep_declared_shapes",
+    "node_subgraphs",
     "static_shapes",
     "subgraph_reads",
 ]
@@ -149,7 +150,7 @@ class UseIndex:
         """Make every reader of `old` (subgraphs included) read `new` instead."""
         for use in self.uses.pop(old, []):
             if use.slot == SUBGRAPH_SLOT:
-                for graph in _node_subgraphs(use.node):
+                for graph in node_subgraphs(use.node):
                     _rename_reads(graph, old, new)
             else:
                 use.node.input[use.slot] = new
@@ -184,7 +185,7 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """`graph` and every graph nested in its nodes' attributes, depth first in graph order."""
     yield graph
     for node in graph.node:
-        for subgraph in _node_subgraphs(node):
+        for subgraph in node_subgraphs(node):
             yield from all_graphs(subgraph)
 
 
@@ -236,7 +237,8 @@ def drop_unread_initializers(graph: onnx.GraphProto, candidates: Container[str])
         graph.initializer.remove(tensor)
 
 
-def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs `node` holds (an If's branches, a Loop's or Scan's body), none for most."""
     for attribute in node.attribute:
         yield from attribute_graphs(attribute)
 
@@ -244,7 +246,7 @@ def _node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
 def subgraph_reads(node: onnx.NodeProto) -> set[str]:
     """Outer-scope values that `node` reads from inside its subgraphs (empty for most nodes)."""
     reads: set[str] = set()
-    for graph in _node_subgraphs(node):
+    for graph in node_subgraphs(node):
         reads |= _free_values(graph)
     return reads
 
@@ -266,7 +268,7 @@ def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
         for slot, value in enumerate(node.input):
             if value == old:
                 node.input[slot] = new
-        for subgraph in _node_subgraphs(node):
+        for subgraph in node_subgraphs(node):
             _rename_reads(subgraph, old, new)
     for output in graph.output:
         if output.name == old:
@@ -290,7 +292,7 @@ def check_wiring(graph: onnx.GraphProto, outer: Iterable[str] = ()) -> str | Non
         for value in node.input:
             if value and value not in defined:
                 return f"node {label} reads {value!r} before anything produces it"
-        for subgraph in _node_subgraphs(node):
+        for subgraph in node_subgraphs(node):
             problem = check_wiring(subgraph, defined)
             if problem is not None:
                 return problem
@@ -339,7 +341,7 @@ def graph_element_types(graph: onnx.GraphProto) -> dict[str, int]:
     """`element_types` of `graph` and of every graph nested in it (outer scopes win)."""
     types: dict[str, int] = {}
     for node in graph.node:
-        for subgraph in _node_subgraphs(node):
+        for subgraph in node_subgraphs(node):
             types.update(graph_element_types(subgraph))
     types.update(element_types(graph))
     return types
