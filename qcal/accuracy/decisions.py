@@ -42,6 +42,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from qcal.graph.structure import node_subgraphs
+
 __all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
@@ -166,10 +168,7 @@ def _branches_sigmoid(node: onnx.NodeProto, index: int,
     """The Sigmoid of the If's first branch when its every branch's `index`-th output comes
     from one (computed in the branch or in a scope around it); else None."""
     found = []
-    for attribute in node.attribute:
-        if attribute.type != onnx.AttributeProto.GRAPH:
-            continue
-        branch = attribute.g
+    for branch in node_subgraphs(node):
         if index >= len(branch.output):
             return None
         inner = {**producer, **{v: n for n in branch.node for v in n.output}}

@@ -28,17 +28,19 @@ from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
+from qcal.graph.names import NameAllocator, model_names
 from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.structure import (
     COMPUTE_OPS,
     UseIndex,
     all_graphs,
-    attribute_graphs,
     exposing,
     graph_element_types,
+    node_subgraphs,
     static_shapes,
     subgraph_reads,
 )
+from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS
 
 __all__ = ["localise_error"]
 
@@ -67,8 +69,7 @@ def localise_error(
                if v in floats}
     watched = sorted(({a.tensor for a in plan.activations} | holders) & produced
                      & quant_produced - set(outputs)) + outputs
-    branch_nodes = [n for holder in float_model.graph.node if holder.op_type == "If"
-                    for a in holder.attribute for g in attribute_graphs(a) for n in g.node]
+    branch_nodes = _if_branch_nodes(float_model.graph)
     in_branches = _exposed_branch_values(float_model, quant_model, plan, branch_nodes, floats)
     grids = _activation_grids(quant_model)
     grids.update({name: grids[value] for value, name in in_branches.items() if value in grids})
@@ -112,11 +113,12 @@ def localise_error(
     # at the main-graph node that holds it is charged to every tensor read quantized there
     # (values from the outer scope count as its inputs), and the fallback's checks on the real
     # model tell them apart.
+    measured = {n.name for n in branch_nodes}
     for holder, inner in bodies.items():
         after = max((ratios.get(v, 0.0) for v in outputs_of[holder]), default=0.0)
         before = max((ratios.get(v, 0.0) for v in inputs_of[holder] + inner.reads), default=0.0)
         jump = max(0.0, after - before)
-        unmeasured = inner.nodes - {n.name for n in branch_nodes}
+        unmeasured = inner.nodes - measured
         for tensor in (t for node in unmeasured for t in reads.get(node, ())):
             harm[tensor] = max(harm.get(tensor, 0.0), jump)
     roles = {a.tensor: "activation" for a in plan.activations}
@@ -189,13 +191,17 @@ def _exposed_branch_values(
     that exposes each (both models compute them under the same names)."""
     quantized = {d.node for d in plan.nodes if d.quantized}
     planned = {a.tensor for a in plan.activations}
-    in_quant = {v for holder in quant_model.graph.node if holder.op_type == "If"
-                for a in holder.attribute for g in attribute_graphs(a) for n in g.node
-                for v in n.output}
-    taken = set(_all_values(float_model.graph))
+    in_quant = {v for n in _if_branch_nodes(quant_model.graph) for v in n.output}
     values = sorted({v for n in branch_nodes for v in n.output
                      if v and (v in planned or n.name in quantized)} & in_quant & floats)
-    return {v: _fresh(f"{v}_localised", taken) for v in values}
+    names = NameAllocator(model_names(float_model) | model_names(quant_model))
+    return {v: names.allocate(f"{v}_localised") for v in values}
+
+
+def _if_branch_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes at the top level of the branches of `graph`'s If nodes."""
+    return [n for holder in graph.node if holder.op_type == "If"
+            for branch in node_subgraphs(holder) for n in branch.node]
 
 
 def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onnx.ModelProto:
@@ -206,11 +212,11 @@ def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onn
         return model
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
-    for holder in exposed.graph.node:
-        branches = [g for a in holder.attribute for g in attribute_graphs(a)]
+    for holder in (n for n in exposed.graph.node if n.op_type == "If"):
+        branches = list(node_subgraphs(holder))
         computed = [{v for n in g.node for v in n.output} for g in branches]
         mine = sorted(v for v in values if any(v in c for c in computed))
-        if holder.op_type != "If" or not mine:
+        if not mine:
             continue
         for value in mine:
             for graph, names in zip(branches, computed):
@@ -226,20 +232,6 @@ def _exposing_branches(model: onnx.ModelProto, values: Mapping[str, str]) -> onn
     return exposed
 
 
-def _all_values(graph: onnx.GraphProto) -> Iterable[str]:
-    for inner in all_graphs(graph):
-        yield from (v.name for v in (*inner.input, *inner.output))
-        yield from (t.name for t in inner.initializer)
-        yield from (v for n in inner.node for v in n.output)
-
-
-def _fresh(name: str, taken: set[str]) -> str:
-    while name in taken:
-        name += "_"
-    taken.add(name)
-    return name
-
-
 @dataclass(frozen=True)
 class _Body:
     nodes: frozenset[str]  # the names of the nodes in its bodies, at any depth
@@ -250,7 +242,7 @@ def _body_nodes(graph: onnx.GraphProto) -> dict[str, _Body]:
     """Main-graph node holding subgraphs -> what its bodies hold and read."""
     found = {}
     for node in graph.node:
-        nested = [g for a in node.attribute for g in attribute_graphs(a)]
+        nested = list(node_subgraphs(node))
         if nested:
             names = frozenset(n.name for g in nested for inner in all_graphs(g)
                               for n in inner.node)
@@ -343,10 +335,6 @@ class _Grid:
         return grid
 
 
-# 4-bit codes come out of numpy_helper in 8-bit arrays.
-_CODE_RANGES = {onnx.TensorProto.INT4: (-8, 7), onnx.TensorProto.UINT4: (0, 15)}
-
-
 def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:
     """Tensor -> the grid of the QuantizeLinear that reads it with a constant scalar scale and
     integer zero point (in any graph of the model)."""
@@ -361,9 +349,10 @@ def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:
                 continue
             step = float(numpy_helper.to_array(scale).ravel()[0])
             zero_point = numpy_helper.to_array(zero)
-            if not (np.isfinite(step) and step > 0.0) or zero_point.dtype.kind not in "iu":
+            if not (np.isfinite(step) and step > 0.0):
                 continue
-            low, high = _CODE_RANGES.get(zero.data_type) or (
-                int(np.iinfo(zero_point.dtype).min), int(np.iinfo(zero_point.dtype).max))
+            if zero.data_type not in ONNX_CODE_LIMITS:
+                continue
+            low, high = ONNX_CODE_LIMITS[zero.data_type]
             found[node.input[0]] = _Grid(step, int(zero_point.ravel()[0]), low, high)
     return found
