@@ -239,11 +239,11 @@ def _show_latency(timings: Mapping[str, float], weight_only: bool = False) -> No
     if two_float and two_quant is not None:
         line += f"; at 2 threads {two_quant / two_float:.2f}x"
         ratio = max(ratio, two_quant / two_float)
-    why = ("unpacking 4-bit weights costs more than reading them saves on layers this small"
-           if weight_only else "the Q/DQ pairs cost more than the integer kernels save")
+    why = ("unpacking 4-bit weights costs more than reading them saves"
+           if weight_only else "the Q/DQ pairs and the float ops between them cost more than the "
+           "integer kernels save")
     if ratio > 1.05:
-        stdout.print(f"[yellow]{line}: slower than the float model; on a model this small "
-                     f"{why}[/]")
+        stdout.print(f"[yellow]{line}: slower than the float model; on this model {why}[/]")
     else:
         stdout.print(line)
 

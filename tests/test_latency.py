@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,38 @@ def test_a_model_timed_against_itself_is_not_slower() -> None:
     timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
                               threads=(1,))
     assert timed.clearly_slower == () and len(timed.figures) == 2, timed
+
+
+class _Sleeper:
+    """A session whose every run takes `seconds` (a model of tens of milliseconds)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def get_outputs(self) -> list[Any]:
+        return []
+
+    def run(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+@pytest.mark.timing_verdict
+def test_a_model_of_tens_of_milliseconds_is_found_slower(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """20 ms float, 26 ms quantized: its budget holds only two blocks of five runs, in which no
+    sign test finds it slower; it is timed in blocks of one run, for at least ten pairs of them,
+    and found slower; as fast as float, it stops at its budget."""
+    for float_s, quant_s, slower in ((0.020, 0.026, True), (0.020, 0.020, False)):
+        sessions = iter([_Sleeper(float_s), _Sleeper(quant_s)])
+        monkeypatch.setattr(latency, "create_session",
+                            lambda *a, made=sessions, **k: next(made))
+        begin = time.perf_counter()
+        timed = latency.measure_latency(onnx.ModelProto(), onnx.ModelProto(), {},
+                                        providers=("CPUExecutionProvider",), budget=0.25)
+        took = time.perf_counter() - begin
+        assert timed.clearly_slower is slower, timed
+        assert timed.blocks >= (latency._SIGN_BLOCKS if slower else 1), timed
+        assert took < (5.0 if slower else 1.0), took
 
 
 def test_figures_keep_the_ratio_of_a_model_of_microseconds(monkeypatch: pytest.MonkeyPatch

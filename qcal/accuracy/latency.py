@@ -6,7 +6,8 @@ millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times
 instead of assuming: the float and the quantized model run on the same sample, interleaved (so
 both see the same machine load), at one and at two intra-op threads, for about a second in all
 (a second each for the `--fail-if-slower` gate; up to three times that for a model that looks
-slower but not beyond the noise yet), and the medians are compared. The figures are machine
+slower but not beyond the noise yet, and as long as ten pairs of runs take for a model of tens
+of milliseconds that looks slower), and the medians are compared. The figures are machine
 timings: they go with the run's other timings, never into what must be byte-identical. Unless
 the run allows it, a quantized model slower beyond the timing noise (a sign test on the
 interleaved blocks of runs, `Latency.clearly_slower`) fails the built-in "not-slower" gate.
@@ -32,7 +33,14 @@ _BUDGET_SECONDS = 1.0
 # the whole budget (a burst of load on the machine then slows a few of many blocks rather than
 # most of a few), up to the most.
 _MIN_PAIRS, _FIGURE_PAIRS, _MAX_PAIRS = 3, 50, 10_000
-_BLOCK = 5  # timed runs of one model in a row
+_BLOCK = 5  # timed runs of one model in a row, at most
+# ...as many as fit in this time: a model of tens of milliseconds is timed in blocks of one run
+# (else its budget holds two or three blocks, and no sign test on so few can find it slower).
+_BLOCK_SECONDS = 0.01
+# A model that looks slower is timed for at least this many pairs of blocks (the fewest in which
+# losing every one is beyond the noise, `_NOISE_LEVEL`), past the budget, up to this many
+# seconds a round.
+_SIGN_BLOCKS, _LONGEST_SECONDS = 10, 30.0
 # A model that looks slower but not beyond the noise yet is timed for up to this many times
 # the budget.
 _EXTENSION = 3
@@ -102,10 +110,12 @@ def measure_latency(
     """Both models at `threads` intra-op threads, in alternating blocks, for at most about
     `budget` seconds.
 
-    Each block runs one model once untimed and then `_BLOCK` times timed, the two models taking
-    turns at going first; a block's median is compared with that of the other model's block next
-    to it (`Latency.clearly_slower`), and a model that looks slower but not beyond the noise yet
-    is timed for longer (`_EXTENSION`); one that does not stops after `_FIGURE_PAIRS`, unless
+    Each block runs one model once untimed and then up to `_BLOCK` times timed (as many as fit
+    in `_BLOCK_SECONDS`), the two models taking turns at going first; a block's median is
+    compared with that of the other model's block next to it (`Latency.clearly_slower`), and a
+    model that looks slower but not beyond the noise yet is timed for longer (`_EXTENSION`, and
+    at least `_SIGN_BLOCKS` pairs of blocks: a model of 50 ms found 1.18x at 2 threads in two
+    pairs passed as not slower); one that does not stops after `_FIGURE_PAIRS`, unless
     `fill` asks for the whole budget (the `--fail-if-slower` gate's median). Where to stop is
     judged at doubling pair counts and at the deadline: the medians cost a sort of every time
     taken, which judged after every block took over half of a small model's budget. The
@@ -118,17 +128,23 @@ def measure_latency(
             for m, what in (order[::-1] if quantized_first else order)]
     sessions = made[::-1] if quantized_first else made  # float first, as `times` holds them
     names = [[o.name for o in s.get_outputs()] for s in sessions]
+    longest_run = 0.0
     for session, outputs in zip(sessions, names):  # warm-up: allocations, first-run costs
         session.run(outputs, dict(feed))
+        begin = time.perf_counter()
+        session.run(outputs, dict(feed))
+        longest_run = max(longest_run, time.perf_counter() - begin)
+    block_runs = max(1, min(_BLOCK, int(_BLOCK_SECONDS / max(longest_run, 1e-9))))
     times: list[list[float]] = [[], []]
     medians: list[list[float]] = [[], []]  # of each block
     started = time.perf_counter()
     deadline, judge_at = budget, _MIN_PAIRS
     while True:
         for i in (0, 1) if len(medians[0]) % 2 == 0 else (1, 0):
-            sessions[i].run(names[i], dict(feed))
+            if block_runs > 1:  # a block of one long run starts as cold for either model
+                sessions[i].run(names[i], dict(feed))
             block = []
-            for _ in range(_BLOCK):
+            for _ in range(block_runs):
                 begin = time.perf_counter()
                 sessions[i].run(names[i], dict(feed))
                 block.append(time.perf_counter() - begin)
@@ -150,6 +166,9 @@ def measure_latency(
         # Looks slower: the whole budget (a burst of load then slows a few of many blocks),
         # and more while not beyond the noise yet.
         deadline = budget if latency.clearly_slower or fill else _EXTENSION * budget
+        if latency.blocks < _SIGN_BLOCKS and not (latency.clearly_slower or fill):
+            deadline = _LONGEST_SECONDS
+            judge_at = pairs + block_runs  # judged again after each pair of blocks
         if elapsed >= deadline:
             return latency
 
