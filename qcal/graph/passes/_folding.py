@@ -12,9 +12,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.structure import drop_unread_initializers
+from qcal.graph.names import NameAllocator
+from qcal.graph.structure import UseIndex, drop_unread_initializers
 
-__all__ = ["evaluate_node", "fold_into_initializers", "tensor_size"]
+__all__ = ["evaluate_node", "fold_into_initializers", "store_input", "tensor_size"]
 
 # A node's value from the constants it may read (None: the node stays).
 ValueOf = Callable[[onnx.NodeProto, dict[str, onnx.TensorProto]], "np.ndarray | None"]
@@ -84,3 +85,25 @@ def evaluate_node(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto],
 def tensor_size(tensor: onnx.TensorProto) -> int:
     """How many values `tensor` holds, from its dimensions."""
     return math.prod(int(d) for d in tensor.dims)
+
+
+def store_input(
+    graph: onnx.GraphProto,
+    index: UseIndex,
+    names: NameAllocator,
+    conv: onnx.NodeProto,
+    slot: int,
+    array: np.ndarray,
+    *,
+    base: str,
+) -> None:
+    """Write `array` as the Conv's input `slot`: in place when only this Conv reads it."""
+    current = conv.input[slot]
+    tensor = index.constant(current)
+    assert tensor is not None
+    if len(index.readers(current)) == 1 and current not in index.graph_outputs:
+        tensor.CopyFrom(numpy_helper.from_array(array, current))
+        return
+    name = names.allocate(base)
+    graph.initializer.append(numpy_helper.from_array(array, name))
+    conv.input[slot] = name

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
+from qcal.graph.passes._folding import store_input
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -310,9 +311,9 @@ def _scale_and_shift(
         bias = bias + before
     new_bias = (bias * factor + shift).astype(dtype)
 
-    _store(graph, index, names, conv, 1, new_weight, base=f"{conv.input[1]}_folded")
+    store_input(graph, index, names, conv, 1, new_weight, base=f"{conv.input[1]}_folded")
     if has_bias:
-        _store(graph, index, names, bias_node, bias_slot, new_bias.reshape(bias_shape),
+        store_input(graph, index, names, bias_node, bias_slot, new_bias.reshape(bias_shape),
                base=f"{bias_node.input[bias_slot]}_folded")
     elif np.any(new_bias != 0):
         assert bias_node is conv  # a MatMul's Add is folded only into its bias
@@ -336,25 +337,3 @@ def _output_axis(node: onnx.NodeProto) -> int:
     if node.op_type == "Gemm":
         return 0 if int_attribute(node, "transB", 0) else 1
     return 1 if node.op_type == "MatMul" else 0
-
-
-def _store(
-    graph: onnx.GraphProto,
-    index: UseIndex,
-    names: NameAllocator,
-    conv: onnx.NodeProto,
-    slot: int,
-    array: np.ndarray,
-    *,
-    base: str,
-) -> None:
-    """Write `array` as the Conv's input `slot`: in place when only this Conv reads it."""
-    current = conv.input[slot]
-    tensor = index.constant(current)
-    assert tensor is not None
-    if len(index.readers(current)) == 1 and current not in index.graph_outputs:
-        tensor.CopyFrom(numpy_helper.from_array(array, current))
-        return
-    name = names.allocate(base)
-    graph.initializer.append(numpy_helper.from_array(array, name))
-    conv.input[slot] = name
