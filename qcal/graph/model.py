@@ -22,6 +22,7 @@ from qcal.graph.passes import (
     FoldBatchNorm,
     FoldConstantShapes,
     FoldConstantWeights,
+    FoldInputAffine,
     FoldPad,
     InferShapes,
     InlineFunctions,
@@ -153,7 +154,7 @@ def prepare_model(
     Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
     when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
     widen-half, lower-einsum, fold-constant-shapes, fold-constant-weights, fold-batchnorm,
-    fold-pad, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
+    fold-pad, fold-input-affine, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -177,6 +178,7 @@ def prepare_model(
         FoldConstantWeights(),
         FoldBatchNorm(),
         FoldPad(),
+        FoldInputAffine(),
         UnshareBiases(),
         InferShapes(),
     ]

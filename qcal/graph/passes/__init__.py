@@ -10,6 +10,7 @@ from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
 from qcal.graph.passes.fold_constant_shapes import FoldConstantShapes
 from qcal.graph.passes.fold_constant_weights import FoldConstantWeights
+from qcal.graph.passes.fold_input_affine import FoldInputAffine
 from qcal.graph.passes.fold_pad import FoldPad
 from qcal.graph.passes.infer_shapes import InferShapes
 from qcal.graph.passes.inline_functions import InlineFunctions
@@ -25,6 +26,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldConstantShapes",
     "FoldConstantWeights",
+    "FoldInputAffine",
     "FoldPad",
     "InferShapes",
     "InlineFunctions",
