@@ -15,7 +15,19 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.structure import UseIndex, drop_unread_initializers
 
-__all__ = ["evaluate_node", "fold_into_initializers", "store_input", "tensor_size"]
+__all__ = [
+    "FOLDABLE_TYPES",
+    "add_bias",
+    "evaluate_node",
+    "fold_into_initializers",
+    "store_input",
+    "tensor_size",
+]
+
+# Weight types a fold computes in float64 and rounds once back to.
+FOLDABLE_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+)
 
 # A node's value from the constants it may read (None: the node stays).
 ValueOf = Callable[[onnx.NodeProto, dict[str, onnx.TensorProto]], "np.ndarray | None"]
@@ -107,3 +119,13 @@ def store_input(
     name = names.allocate(base)
     graph.initializer.append(numpy_helper.from_array(array, name))
     conv.input[slot] = name
+
+
+def add_bias(graph: onnx.GraphProto, names: NameAllocator, conv: onnx.NodeProto,
+             values: np.ndarray) -> None:
+    """Give a Conv or Gemm that has none the bias `values` (a new initializer, input 2)."""
+    name = names.allocate(f"{conv.name or 'conv'}_bias")
+    graph.initializer.append(numpy_helper.from_array(values, name))
+    while len(conv.input) < 2:
+        conv.input.append("")
+    conv.input.append(name)

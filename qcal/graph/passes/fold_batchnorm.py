@@ -17,12 +17,11 @@ from typing import ClassVar
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.passes._folding import store_input
+from qcal.graph.passes._folding import FOLDABLE_TYPES, add_bias, store_input
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -35,9 +34,6 @@ from qcal.graph.structure import (
 __all__ = ["FoldBatchNorm"]
 
 _DEFAULT_EPSILON = 1e-5
-_FOLDABLE_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
-)
 
 
 class FoldBatchNorm:
@@ -101,7 +97,7 @@ def _foldable_conv(bn: onnx.NodeProto, index: UseIndex) -> onnx.NodeProto | None
         return None
     for value in bn.input[1:]:
         parameter = index.constant(value)
-        if parameter is None or parameter.data_type not in _FOLDABLE_TYPES:
+        if parameter is None or parameter.data_type not in FOLDABLE_TYPES:
             return None
         if int(np.prod(parameter.dims)) != channels:
             return None
@@ -124,7 +120,7 @@ def _output_channels(conv: onnx.NodeProto | None, index: UseIndex) -> int | None
     if conv_output in index.graph_outputs or len(index.uses.get(conv_output, ())) != 1:
         return None
     weight = index.constant(conv.input[1]) if len(conv.input) > 1 else None
-    if weight is None or weight.data_type not in _FOLDABLE_TYPES or not weight.dims:
+    if weight is None or weight.data_type not in FOLDABLE_TYPES or not weight.dims:
         return None
     if conv.op_type == "MatMul" and len(weight.dims) != 2:
         return None  # a stack of matrices, or a vector
@@ -185,7 +181,7 @@ def _channel_affine(
         return None
     for slot in (0, 1):
         source, constant = node.input[slot], index.constant(node.input[1 - slot])
-        if constant is None or constant.data_type not in _FOLDABLE_TYPES:
+        if constant is None or constant.data_type not in FOLDABLE_TYPES:
             continue
         if source in index.graph_outputs or len(index.uses.get(source, ())) != 1:
             continue
@@ -242,7 +238,7 @@ def _layer_behind(source: str, index: UseIndex) -> _Layer | None:
             bias = index.constant(producer.input[slot])
             channels = _output_channels(matmul, index)
             if (matmul is None or matmul.op_type != "MatMul" or channels is None
-                    or bias is None or bias.data_type not in _FOLDABLE_TYPES):
+                    or bias is None or bias.data_type not in FOLDABLE_TYPES):
                 continue
             dims = [int(d) for d in bias.dims]
             if len(dims) <= 2 and dims[-1:] == [channels] and all(d == 1 for d in dims[:-1]):
@@ -317,11 +313,7 @@ def _scale_and_shift(
                base=f"{bias_node.input[bias_slot]}_folded")
     elif np.any(new_bias != 0):
         assert bias_node is conv  # a MatMul's Add is folded only into its bias
-        name = names.allocate(f"{conv.name or 'conv'}_bias")
-        graph.initializer.append(numpy_helper.from_array(new_bias, name))
-        while len(conv.input) < 2:
-            conv.input.append("")
-        conv.input.append(name)
+        add_bias(graph, names, conv, new_bias)
 
 
 def _rename_output(graph: onnx.GraphProto, node: onnx.NodeProto, name: str) -> None:

@@ -34,7 +34,7 @@ from onnx import numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.passes._folding import store_input, tensor_size
+from qcal.graph.passes._folding import FOLDABLE_TYPES, add_bias, store_input, tensor_size
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -43,10 +43,6 @@ from qcal.graph.structure import (
 )
 
 __all__ = ["FoldInputAffine"]
-
-_FOLDABLE_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
-)
 
 
 class FoldInputAffine:
@@ -109,7 +105,7 @@ def _affine_before(
     the Mul's scale or 1) when they fold (`FoldInputAffine`), else None."""
     weight = index.constant(conv.input[1]) if len(conv.input) > 1 else None
     if (conv.domain not in DEFAULT_DOMAINS or weight is None
-            or weight.data_type not in _FOLDABLE_TYPES or len(weight.dims) < 3):
+            or weight.data_type not in FOLDABLE_TYPES or len(weight.dims) < 3):
         return None
     if len(conv.input) > 2 and conv.input[2] and index.constant(conv.input[2]) is None:
         return None
@@ -184,7 +180,7 @@ def _constant_operand(
         return None
     for slot in (0, 1):
         constant = index.constant(node.input[1 - slot])
-        if (constant is not None and constant.data_type in _FOLDABLE_TYPES
+        if (constant is not None and constant.data_type in FOLDABLE_TYPES
                 and index.constant(node.input[slot]) is None):
             return node.input[slot], constant
     return None
@@ -259,10 +255,6 @@ def _fold(
                     bias.astype(dtype).reshape([int(d) for d in bias_tensor.dims]),
                     base=f"{conv.input[2]}_folded")
     else:
-        name = names.allocate(f"{conv.name or 'conv'}_bias")
-        graph.initializer.append(numpy_helper.from_array(added.astype(dtype), name))
-        while len(conv.input) < 2:
-            conv.input.append("")
-        conv.input.append(name)
+        add_bias(graph, names, conv, added.astype(dtype))
     conv.input[0] = source
     return removed + [add]
