@@ -109,7 +109,10 @@ def _affine_before(
         return None
     if len(conv.input) > 2 and conv.input[2] and index.constant(conv.input[2]) is None:
         return None
-    rank, channels = len(weight.dims), int(weight.dims[1]) * int_attribute(conv, "group", 1)
+    groups = int_attribute(conv, "group", 1)
+    if groups < 1 or int(weight.dims[0]) % groups:
+        return None  # not a Conv onnxruntime would run: nothing to fold into
+    rank, channels = len(weight.dims), int(weight.dims[1]) * groups
     add = _only_reader_producer(conv.input[0], conv, index)
     added = _constant_operand(add, "Add", index)
     if add is None or added is None:
