@@ -32,6 +32,7 @@ from qcal.graph.qdq._codes import (
 from qcal.graph.qdq._emit import _Scopes
 from qcal.graph.qdq._fold import _DivisionFolder
 from qcal.graph.qdq._integer_forms import write_integer_forms
+from qcal.graph.qdq._shared_reads import share_dequantized_reads
 from qcal.graph.qdq._weights import _group_by_tensor, _WeightWriter
 from qcal.graph.structure import (
     all_graphs,
@@ -97,6 +98,7 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         self._biases = tuple(sorted(plan.biases, key=lambda t: (t.tensor, t.node)))
         # A plan restricted later (fallback, repairs) keeps the names: the quantized ones count.
         self._integer_forms = plan.integer_forms & {d.node for d in plan.nodes if d.quantized}
+        self._float_nodes = frozenset(d.node for d in plan.nodes if not d.quantized)
         # This plan's alone: `activations` may hold parameters for more (an earlier plan's).
         self._activation_qparams = {t.tensor: activations[t.tensor] for t in self._activations
                                     if t.tensor in activations}
@@ -179,6 +181,7 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
             self._quantize_bias(scopes, bias)
         scopes.finish()
         write_integer_forms(out, self._integer_forms)
+        share_dequantized_reads(out, self._float_nodes)
         if self._declared_shapes is not None:
             keep_declared_shapes(out.graph, self._declared_shapes)
         for tensor in out.graph.initializer:

@@ -1,0 +1,95 @@
+"""A dequantized activation that only float nodes read, two or more of them, is read through one
+Min(x, FLT_MAX): the values are the same, and onnxruntime fuses the GELU written out after an
+integer Conv (it gives each reader of a DequantizeLinear a copy of its own, which hid the one
+value the fusion looks for)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from _onnx_testing import build_model, float_input, run
+from onnx import helper
+
+from qcal.config import CalibrationConfig
+from qcal.pipeline import calibrate
+
+_RNG = np.random.default_rng(0)
+
+
+def _conv_gelu_conv(*, second_reader: bool = False) -> onnx.ModelProto:
+    """x [N, 8, 12, 12] -> Conv 1x1 -> GELU written out -> Conv 1x1 -> Relu -> y; with
+    `second_reader`, a third Conv reads the first one's output and is added to the second's."""
+    inits = {
+        "w1": (_RNG.standard_normal((16, 8, 1, 1)) * 0.4).astype(np.float32),
+        "w2": (_RNG.standard_normal((8, 16, 1, 1)) * 0.3).astype(np.float32),
+        "sqrt2": np.array(2 ** 0.5, np.float32), "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
+        helper.make_node("Div", ["c1", "sqrt2"], ["d"], name="div"),
+        helper.make_node("Erf", ["d"], ["e"], name="erf"),
+        helper.make_node("Add", ["e", "one"], ["a"], name="add"),
+        helper.make_node("Mul", ["c1", "a"], ["m"], name="mul"),
+        helper.make_node("Mul", ["m", "half"], ["g"], name="half_mul"),
+        helper.make_node("Conv", ["g", "w2"], ["c2"], name="conv2"),
+    ]
+    if second_reader:  # an integer Conv reading the first one's output beside the float nodes
+        inits["w3"] = (_RNG.standard_normal((8, 16, 1, 1)) * 0.3).astype(np.float32)
+        nodes += [helper.make_node("Conv", ["c1", "w3"], ["c3"], name="conv3"),
+                  helper.make_node("Add", ["c2", "c3"], ["y"], name="sum")]
+    else:
+        nodes.append(helper.make_node("Relu", ["c2"], ["y"], name="relu"))
+    return build_model(nodes, [float_input("x", ["N", 8, 12, 12])], ["y"], inits)
+
+
+def _quantize(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "d.npz", x=_RNG.standard_normal((16, 8, 12, 12)).astype(np.float32))
+    config = CalibrationConfig(data=folder / "d.npz", fallback=False, allow_slower=True)
+    return calibrate(folder / "m.onnx", config, enforce_gates=False).model
+
+
+def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
+
+
+def test_the_float_readers_of_a_dequantized_value_share_one_and_the_gelu_fuses(
+        tmp_path: Path) -> None:
+    quantized = _quantize(_conv_gelu_conv(), tmp_path)
+    onnx.checker.check_model(quantized)
+    (shared,) = [n for n in quantized.graph.node if n.op_type == "Min"]
+    producer = {o: n for n in quantized.graph.node for o in n.output}[shared.input[0]]
+    assert producer.op_type == "DequantizeLinear"
+    readers = sorted(n.name for n in quantized.graph.node if shared.output[0] in n.input)
+    assert readers == ["div", "mul"]
+    # the same values as the model without the Min (each reader reading the Dequantize)
+    bypassed = onnx.ModelProto()
+    bypassed.CopyFrom(quantized)
+    for node in bypassed.graph.node:
+        node.input[:] = [shared.input[0] if v == shared.output[0] else v for v in node.input]
+    kept = [n for n in bypassed.graph.node if n.op_type != "Min"]
+    del bypassed.graph.node[:]
+    bypassed.graph.node.extend(kept)
+    feed = {"x": _RNG.standard_normal((2, 8, 12, 12)).astype(np.float32)}
+    np.testing.assert_array_equal(run(quantized, feed)[0], run(bypassed, feed)[0])
+    # onnxruntime now fuses the GELU; without the Min it cannot
+    assert _optimized_ops(quantized, tmp_path)["Gelu"] == 1
+    assert _optimized_ops(bypassed, tmp_path)["Gelu"] == 0
+
+
+def test_a_value_a_quantized_node_also_reads_keeps_its_dequantize(tmp_path: Path) -> None:
+    """The integer Conv reading the same value needs the DequantizeLinear itself (its QDQ
+    unit), so nothing is put between."""
+    quantized = _quantize(_conv_gelu_conv(second_reader=True), tmp_path)
+    assert "conv3" in {n.name for n in quantized.graph.node}
+    assert _optimized_ops(quantized, tmp_path)["QLinearConv"] == 3
+    assert not [n for n in quantized.graph.node if n.op_type == "Min"]
