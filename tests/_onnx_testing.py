@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -138,3 +140,13 @@ def residual_classifier(
         "gb": np.zeros(classes, np.float32),
     }
     return build_model(nodes, [float_input("x", ["N", in_channels, side, side])], ["y"], inits)
+
+
+def optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
+    """Op types of the graph onnxruntime's CPU provider runs `model` as (all its optimizations,
+    its default level, as a user runs it), written to `folder`."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)

@@ -12,22 +12,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _onnx_testing import build_model, float_input
+from _onnx_testing import build_model, float_input, optimized_ops
 from onnx import helper
 
 from qcal.config import CalibrationConfig
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
 from qcal.pipeline import CalibrationResult, calibrate
-
-
-def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
-    """Op types of onnxruntime's optimized CPU graph (ORT_ENABLE_ALL), as a benchmark counts."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.optimized_model_filepath = str(folder / "optimized.onnx")
-    options.log_severity_level = 3
-    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
 
 
 def _run(
@@ -98,7 +88,7 @@ def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
     model = _hard_swish_block(rng)
     x = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
     quantized = _calibrate(model, tmp_path, x)
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     # Only the HardSigmoid (no integer kernel) stays float, with one pair around it, and the
     # last Conv, which writes the model's output in float from integer inputs. The Div by 6 is
     # gone: folded into the scale of the DequantizeLinear that the next Mul reads; so is the
@@ -164,7 +154,7 @@ def test_shared_outputs_take_the_source_parameters(tmp_path: Path) -> None:
     for name in ("r", "t", "p"):
         assert records[name]["onnx"] == records["c"]["onnx"]
         assert records[name]["range"]["same_as"] == "c"
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     # Reshape, Transpose and MaxPool run on the integers, between two integer convolutions
     # (the second writes the model's float output from integer inputs).
     assert ops["QLinearConv"] == 1 and ops["QuantizeLinear"] == 1, ops
@@ -249,7 +239,7 @@ def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Pa
     assert np.abs(y - y_kept).max() <= 1e-4 * np.abs(y_kept).max()
     step = records["q"]["onnx"]["scale"][0]
     assert np.abs(e - e_kept).max() <= 1.13 * step / 2 + 1e-6
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     assert ops["QLinearConv"] == 1 and "Div" not in ops, ops
 
 
@@ -306,7 +296,7 @@ def test_data_movement_with_float_readers_runs_on_the_integers(tmp_path: Path) -
     quantized = _calibrate(model, tmp_path, x)
     erf = next(n for n in quantized.graph.node if n.name == "erf")
     assert erf.input[0] != "t"  # reads the DequantizeLinear
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     # One QuantizeLinear (the input) and no pair around the Transpose: DequantizeLinear only
     # of its integer output (onnxruntime gives each reader its own) and of the conv's weight.
     assert ops["QuantizeLinear"] == 1 and ops["QLinearConv"] == 1, ops
@@ -340,7 +330,7 @@ def test_a_fused_clip_with_float_readers_keeps_its_conv_integer(tmp_path: Path) 
     quantized = _run(model, tmp_path, x).model
     mean = next(n for n in quantized.graph.node if n.name == "mean")
     assert mean.input[0] != "r6"  # reads the DequantizeLinear
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     assert ops["QLinearConv"] == 2, ops
     assert not {"Conv", "FusedConv", "Clip"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(quantized, x)
@@ -384,7 +374,7 @@ def test_a_bias_added_after_a_matmul_is_stored_as_int32(
     np.testing.assert_array_equal(
         onnx.numpy_helper.to_array(codes).reshape(-1),
         np.round(inits["b"].reshape(-1) / expected_scale).astype(np.int32))
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert ops["QGemm"] == 1 and not {"Gemm", "MatMul", "Add"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
@@ -416,7 +406,7 @@ def test_a_linear_relu_mlp_between_float_ops_runs_as_integer_gemms(tmp_path: Pat
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["fc1"] and decisions["fc2"]
     assert {"r1", "r2"} <= {t["name"] for t in result.report["tensors"]}
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert ops["QGemm"] == 2 and not {"Gemm", "FusedGemm"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
@@ -451,7 +441,7 @@ def test_a_matmul_relu_mlp_on_tokens_between_float_ops_runs_in_integers(
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["fc1"] and decisions["fc2"], result.report["nodes"]
     assert result.report["coverage"]["macs_quantized_fraction"] == 1.0
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert not {"MatMul", "FusedMatMul"} & set(ops), ops
     expected, actual = _outputs(model, x[:, 0]), _outputs(result.model, x[:, 0])
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
@@ -488,7 +478,7 @@ def test_a_linear_relu_before_a_float_transposed_convolution_stays_integer(tmp_p
     result = _run(model, tmp_path, x, fallback=False)
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["fc1"] and decisions["fc2"] and not decisions["deconv"]
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert ops["QGemm"] == 2 and not {"Gemm", "FusedGemm"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
@@ -525,7 +515,7 @@ def test_a_bias_add_between_two_dense_layers_stays_a_bias(
     decisions = {d["name"]: d for d in result.report["nodes"]}
     assert not decisions["dense1_bias"]["quantized"]
     assert "takes it as its bias" in decisions["dense1_bias"]["reason"]
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert not {"QLinearAdd", "QLinearMatMul", "Gemm", "MatMul"} & set(ops), ops
     records = {t["name"]: t for t in result.report["tensors"]}
     add = next(n for n in result.model.graph.node if n.name == "dense1_bias")
@@ -566,7 +556,7 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
     model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
     x = rng.standard_normal((8, 8, 8, 8)).astype(np.float32)
     quantized = _run(model, tmp_path, x, preset=preset, fallback=False).model
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     # conv3 writes the graph output through its Relu, in float: onnxruntime runs it in float.
     assert ops["QLinearConv"] >= 2 and ops["FusedConv"] + ops["Conv"] <= 1, ops
     expected, actual = _outputs(model, x), _outputs(quantized, x)
@@ -602,7 +592,7 @@ def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_pa
     result = _run(model, tmp_path, x, min_coverage=0.0)  # much of the compute stays float here
     decisions = {n["name"]: n for n in result.report["nodes"]}
     nodes = {n.name: n for n in result.model.graph.node}
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     if "ConvTranspose" in ops:  # float in onnxruntime: kept float, and the report says why
         assert not decisions["up"]["quantized"] and nodes["up"].input[1] == "wt"
         assert "onnxruntime runs it in float" in decisions["up"]["reason"]
@@ -672,7 +662,7 @@ def test_a_fused_relu_read_by_a_max_pool_is_left_to_onnxruntime(tmp_path: Path) 
     quantized = _run(model, tmp_path, x, fallback=False).model
     pool = next(n for n in quantized.graph.node if n.name == "pool")
     assert pool.input[0] == "r1"
-    ops = _optimized_ops(quantized, tmp_path)
+    ops = optimized_ops(quantized, tmp_path)
     # One DequantizeLinear: the float GlobalAveragePool's input.
     assert ops["QLinearConv"] == 2 and ops["NhwcMaxPool"] == 1, ops
     assert ops["DequantizeLinear"] == 1 and not {"Conv", "FusedConv", "MaxPool"} & set(ops), ops
@@ -733,7 +723,7 @@ def test_a_residual_block_after_a_max_pool_runs_in_integers(tmp_path: Path) -> N
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["residual"]["quantized"] and not decisions["pool"]["quantized"]
     assert result.report["coverage"]["quantized_compute_nodes"] == 4
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = optimized_ops(result.model, tmp_path)
     assert ops["QLinearConv"] == 4 and ops["QLinearAdd"] == 1, ops
     assert not {"Conv", "FusedConv", "Add"} & set(ops), ops
     expected, actual = _outputs(model, x), _outputs(result.model, x)
@@ -771,7 +761,7 @@ def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
     written = _run(model, tmp_path, x, fallback=False).model
     onnx.checker.check_model(written)
     assert not {"HardSwish", "HardSigmoid"} & {n.op_type for n in written.graph.node}
-    ops = _optimized_ops(written, tmp_path)
+    ops = optimized_ops(written, tmp_path)
     assert not {"HardSwish", "HardSigmoid", "Add", "Mul", "FusedConv"} & set(ops), ops
     # HardSwish: Add and Mul; HardSigmoid: Add; the gating Mul
     assert ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 2, ops
@@ -787,7 +777,7 @@ def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
     # so it stays a node there, and the Conv writing x stays integer
     signed = _run(model, tmp_path, x, fallback=False, preset="tensorflow").model
     assert Counter(n.op_type for n in signed.graph.node)["HardSwish"] == 1
-    assert _optimized_ops(signed, tmp_path)["QLinearConv"] == 3
+    assert optimized_ops(signed, tmp_path)["QLinearConv"] == 3
 
 
 def _between_pair(op_type: str, y_scale: float, **attributes: float) -> onnx.ModelProto:

@@ -5,13 +5,11 @@ value the fusion looks for)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from _onnx_testing import build_model, float_input, run
+from _onnx_testing import build_model, float_input, optimized_ops, run
 from onnx import helper
 
 from qcal.config import CalibrationConfig
@@ -54,14 +52,6 @@ def _quantize(model: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
     return calibrate(folder / "m.onnx", config, enforce_gates=False).model
 
 
-def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(folder / "optimized.onnx")
-    options.log_severity_level = 3
-    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
-
-
 def test_the_float_readers_of_a_dequantized_value_share_one_and_the_gelu_fuses(
         tmp_path: Path) -> None:
     quantized = _quantize(_conv_gelu_conv(), tmp_path)
@@ -82,8 +72,8 @@ def test_the_float_readers_of_a_dequantized_value_share_one_and_the_gelu_fuses(
     feed = {"x": _RNG.standard_normal((2, 8, 12, 12)).astype(np.float32)}
     np.testing.assert_array_equal(run(quantized, feed)[0], run(bypassed, feed)[0])
     # onnxruntime now fuses the GELU; without the Min it cannot
-    assert _optimized_ops(quantized, tmp_path)["Gelu"] == 1
-    assert _optimized_ops(bypassed, tmp_path)["Gelu"] == 0
+    assert optimized_ops(quantized, tmp_path)["Gelu"] == 1
+    assert optimized_ops(bypassed, tmp_path)["Gelu"] == 0
 
 
 def test_a_value_a_quantized_node_also_reads_keeps_its_dequantize(tmp_path: Path) -> None:
@@ -91,5 +81,5 @@ def test_a_value_a_quantized_node_also_reads_keeps_its_dequantize(tmp_path: Path
     unit), so nothing is put between."""
     quantized = _quantize(_conv_gelu_conv(second_reader=True), tmp_path)
     assert "conv3" in {n.name for n in quantized.graph.node}
-    assert _optimized_ops(quantized, tmp_path)["QLinearConv"] == 3
+    assert optimized_ops(quantized, tmp_path)["QLinearConv"] == 3
     assert not [n for n in quantized.graph.node if n.op_type == "Min"]

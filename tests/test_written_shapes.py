@@ -5,13 +5,11 @@ dequantized only to take its shape)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from _onnx_testing import build_model, float_input, run
+from _onnx_testing import build_model, float_input, optimized_ops, run
 from onnx import helper
 
 from qcal.config import CalibrationConfig
@@ -19,15 +17,6 @@ from qcal.graph.structure import keep_declared_shapes
 from qcal.pipeline import calibrate
 
 HIDDEN = 32
-
-
-def _optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
-    """Op types of onnxruntime's optimized CPU graph (its default level, as a user runs it)."""
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(folder / "optimized.onnx")
-    options.log_severity_level = 3
-    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
 
 
 def _residual_layer_norm(declared: bool) -> onnx.ModelProto:
@@ -80,8 +69,8 @@ def test_the_quantized_model_gets_the_float_models_fusions(tmp_path: Path) -> No
     x = np.random.default_rng(1).standard_normal((16, 16, HIDDEN)).astype(np.float32)
     quantized = _calibrate(model, tmp_path, x)
     assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
-    float_ops = _optimized_ops(model, tmp_path)
-    quantized_ops = _optimized_ops(quantized, tmp_path)
+    float_ops = optimized_ops(model, tmp_path)
+    quantized_ops = optimized_ops(quantized, tmp_path)
     assert float_ops["SkipLayerNormalization"] == 0
     assert quantized_ops["SkipLayerNormalization"] == 0
     assert quantized_ops["LayerNormalization"] == float_ops["LayerNormalization"] == 1
