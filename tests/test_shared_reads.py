@@ -76,10 +76,15 @@ def test_the_float_readers_of_a_dequantized_value_share_one_and_the_gelu_fuses(
     assert optimized_ops(bypassed, tmp_path)["Gelu"] == 0
 
 
-def test_a_value_a_quantized_node_also_reads_keeps_its_dequantize(tmp_path: Path) -> None:
+def test_a_quantized_reader_keeps_reading_the_dequantize(tmp_path: Path) -> None:
     """The integer Conv reading the same value needs the DequantizeLinear itself (its QDQ
-    unit), so nothing is put between."""
+    unit): only the float readers read the Min, and both the integer Conv and the fused GELU
+    are kept."""
     quantized = _quantize(_conv_gelu_conv(second_reader=True), tmp_path)
-    assert "conv3" in {n.name for n in quantized.graph.node}
-    assert optimized_ops(quantized, tmp_path)["QLinearConv"] == 3
-    assert not [n for n in quantized.graph.node if n.op_type == "Min"]
+    (shared,) = [n for n in quantized.graph.node if n.op_type == "Min"]
+    readers = sorted(n.name for n in quantized.graph.node if shared.output[0] in n.input)
+    assert readers == ["div", "mul"]
+    (conv3,) = [n for n in quantized.graph.node if n.name == "conv3"]
+    assert conv3.input[0] == shared.input[0]
+    ops = optimized_ops(quantized, tmp_path)
+    assert ops["QLinearConv"] == 3 and ops["Gelu"] == 1
