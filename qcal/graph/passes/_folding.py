@@ -18,6 +18,7 @@ from qcal.graph.structure import UseIndex, drop_unread_initializers
 __all__ = [
     "FOLDABLE_TYPES",
     "add_bias",
+    "along_channels",
     "evaluate_node",
     "fold_into_initializers",
     "store_input",
@@ -129,3 +130,17 @@ def add_bias(graph: onnx.GraphProto, names: NameAllocator, conv: onnx.NodeProto,
     while len(conv.input) < 2:
         conv.input.append("")
     conv.input.append(name)
+
+
+def along_channels(constant: onnx.TensorProto, rank: int, channels: int) -> np.ndarray | None:
+    """The constant's value per channel (float64), if it holds one value for all or one per
+    channel along axis 1 of a value of `rank` (its dimensions aligned right, as ONNX
+    broadcasts)."""
+    dims = [int(d) for d in constant.dims]
+    dims = [1] * (rank - len(dims)) + dims
+    if len(dims) != rank or dims[1] not in (1, channels) or any(
+            d != 1 for axis, d in enumerate(dims) if axis != 1):
+        return None
+    values = tensor_array(constant).astype(np.float64).reshape(-1)
+    per_channel: np.ndarray = np.broadcast_to(values, (channels,)).copy()
+    return per_channel

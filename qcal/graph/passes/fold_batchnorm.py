@@ -21,7 +21,7 @@ import onnx
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.passes._folding import FOLDABLE_TYPES, add_bias, store_input
+from qcal.graph.passes._folding import FOLDABLE_TYPES, add_bias, along_channels, store_input
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -198,17 +198,13 @@ def _channel_affine(
 def _per_channel(constant: onnx.TensorProto, layer: _Layer) -> np.ndarray | None:
     """The constant's value per output channel (float64), if it holds one per channel or one
     for all, along the layer's channel axis."""
+    if layer.rank is not None:
+        return along_channels(constant, layer.rank, layer.channels)
+    # the last axis; no more axes than a matrix, or it would broadcast
     dims = [int(d) for d in constant.dims]
-    if layer.rank is None:  # the last axis; no more axes than a matrix, or it would broadcast
-        if len(dims) > 2 or any(d != 1 for d in dims[:-1]):
-            return None
-        along = dims[-1] if dims else 1
-    else:
-        dims = [1] * (layer.rank - len(dims)) + dims
-        if len(dims) != layer.rank or any(d != 1 for axis, d in enumerate(dims) if axis != 1):
-            return None
-        along = dims[1]
-    if along not in (1, layer.channels):
+    if len(dims) > 2 or any(d != 1 for d in dims[:-1]):
+        return None
+    if (dims[-1] if dims else 1) not in (1, layer.channels):
         return None
     values = tensor_array(constant).astype(np.float64).reshape(-1)
     per_channel: np.ndarray = np.broadcast_to(values, (layer.channels,)).copy()

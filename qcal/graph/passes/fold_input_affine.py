@@ -34,7 +34,13 @@ from onnx import numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.passes._folding import FOLDABLE_TYPES, add_bias, store_input, tensor_size
+from qcal.graph.passes._folding import (
+    FOLDABLE_TYPES,
+    add_bias,
+    along_channels,
+    store_input,
+    tensor_size,
+)
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -195,17 +201,10 @@ def _per_channel(
     """The constant per input channel of a Conv of `rank` (float64), if it holds one value for
     all, or one per channel along axis 1 and what it is added to (`source`, its declared
     dimensions) is of that rank with those channels: an Add must not widen what it adds to."""
-    dims = [int(d) for d in constant.dims]
-    values = tensor_array(constant).astype(np.float64).reshape(-1)
-    if values.size == 1 and len(dims) <= 1:
-        return np.full(channels, values[0])
-    if len(dims) > rank or source is None or len(source) != rank or source[1] != channels:
+    one_value = tensor_size(constant) == 1 and len(constant.dims) <= 1
+    if not one_value and (source is None or len(source) != rank or source[1] != channels):
         return None
-    dims = [1] * (rank - len(dims)) + dims
-    if dims[1] not in (1, channels) or any(d != 1 for axis, d in enumerate(dims) if axis != 1):
-        return None
-    per_channel: np.ndarray = np.broadcast_to(values, (channels,)).copy()
-    return per_channel
+    return along_channels(constant, rank, channels)
 
 
 def _unpadded(conv: onnx.NodeProto) -> bool:
@@ -222,8 +221,8 @@ def _fold(
     `scale` the Mul's (1 without one)."""
     weight_tensor = index.constant(conv.input[1])
     assert weight_tensor is not None
-    weight = tensor_array(weight_tensor).astype(np.float64) * scale
-    dtype = tensor_array(weight_tensor).dtype
+    stored = tensor_array(weight_tensor)
+    weight, dtype = stored.astype(np.float64) * scale, stored.dtype
     removed = []
     source = next(v for v in add.input if index.constant(v) is None)
     shift = shift / scale
