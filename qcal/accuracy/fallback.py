@@ -272,19 +272,18 @@ def search_fallback(
         write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).
         evaluate: compares a QDQ model with the float model on the evaluation data.
     """
-    checked: dict[int, FallbackStep] = {}
     # Every checked set's figures; the model only of those that may be handed over (the model
     # as planned, or one that meets the target): a large model is not held a dozen times.
     models: dict[tuple[int, ...], tuple[QuantPlan, onnx.ModelProto | None, FallbackStep]] = {}
 
     writers = integer_output_writers(model.graph)
 
-    def plan_for(k: int) -> QuantPlan:
-        return restrict_plan(plan, _keep(candidates[:k]), writers)
+    def plan_without(kept: Iterable[int]) -> QuantPlan:
+        return restrict_plan(plan, _keep(candidates[i] for i in kept), writers)
 
     def check_set(kept: tuple[int, ...]) -> FallbackStep:
         if kept not in models:
-            restricted = restrict_plan(plan, _keep(candidates[i] for i in kept), writers)
+            restricted = plan_without(kept)
             quantized = write(restricted)
             comparison = evaluate(quantized)
             coverage = measure_coverage(model, restricted, macs)
@@ -295,11 +294,13 @@ def search_fallback(
         return models[kept][2]
 
     def check(k: int) -> FallbackStep:
-        checked[k] = check_set(tuple(range(k)))
-        return checked[k]
+        return check_set(tuple(range(k)))
 
-    limit = _largest_above_floor(model, plan_for, len(candidates), macs, floor)
+    limit = _largest_above_floor(model, lambda k: plan_without(range(k)), len(candidates),
+                                 macs, floor)
     chosen = _smallest_passing(check, limit)
+    # the prefixes the search checked (before any is pruned)
+    checked = {len(kept): step for kept, (_, _, step) in models.items()}
     reached = chosen is not None
     # Short of the target whatever was kept float, the model goes out as planned: a verdict
     # fails either way, and islands of float compute between integer ones would only make it
