@@ -40,7 +40,7 @@ from qcal.graph.structure import (
     static_shapes,
     subgraph_reads,
 )
-from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS
+from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, qdq_round_trip
 
 __all__ = ["localise_error"]
 
@@ -328,11 +328,7 @@ class _Grid:
     high: int
 
     def round(self, x: np.ndarray) -> np.ndarray:
-        x32 = np.asarray(x, dtype=np.float32)
-        codes: np.ndarray = np.clip(np.rint(x32 / np.float32(self.scale)) + self.zero_point,
-                                    self.low, self.high)
-        grid: np.ndarray = (codes - self.zero_point) * np.float32(self.scale)
-        return grid
+        return qdq_round_trip(x, self.scale, self.zero_point, self.low, self.high)
 
 
 def _activation_grids(quant_model: onnx.ModelProto) -> dict[str, _Grid]:

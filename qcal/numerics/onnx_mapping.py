@@ -40,7 +40,14 @@ from qcal.numerics.schemes import (
     TorchScheme,
 )
 
-__all__ = ["DEFAULT_OPSET", "ONNX_CODE_LIMITS", "OnnxQParams", "degenerate_mask", "to_onnx_qparams"]
+__all__ = [
+    "DEFAULT_OPSET",
+    "ONNX_CODE_LIMITS",
+    "OnnxQParams",
+    "degenerate_mask",
+    "qdq_round_trip",
+    "to_onnx_qparams",
+]
 
 _F32 = np.float32
 DEFAULT_OPSET = 13
@@ -104,6 +111,17 @@ class _Grid:
     low: int
     high: int
     deviations: tuple[str, ...]
+
+
+def qdq_round_trip(x: np.ndarray, scale: float, zero_point: int, low: int, high: int
+                   ) -> np.ndarray:
+    """``x`` through a per-tensor QuantizeLinear and its DequantizeLinear, as ONNX computes
+    them in float32: ``x / scale`` rounded half to even, shifted by the zero point, saturated
+    to the codes [low, high], then back."""
+    x32 = np.asarray(x, dtype=_F32)
+    codes: np.ndarray = np.clip(np.rint(x32 / _F32(scale)) + zero_point, low, high)
+    values: np.ndarray = (codes - zero_point) * _F32(scale)
+    return values
 
 
 def degenerate_mask(qparams: QParams) -> np.ndarray:
