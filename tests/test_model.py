@@ -126,6 +126,61 @@ def test_model_failing_the_checker_is_a_model_error(tmp_path: Path) -> None:
         load_model(path)
 
 
+def _unsorted_chain(rng: np.random.Generator) -> onnx.ModelProto:
+    """x -> Relu -> MatMul -> Identity, with an If whose branch reads the Relu's output, the
+    nodes written in reverse: onnxruntime runs it, onnx.checker refuses it."""
+    branch = helper.make_graph(
+        [helper.make_node("Neg", ["r"], ["b"], name="neg")], "branch", [],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 16])])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "W"], ["m"], name="mm"),
+        helper.make_node("Identity", ["m"], ["y"], name="id"),
+        helper.make_node("If", ["flag"], ["z"], name="if", then_branch=branch,
+                         else_branch=branch),
+    ]
+    inits = {"W": rng.standard_normal((16, 8)).astype(np.float32),
+             "flag": np.array(True)}
+    model = build_model(nodes, [float_input("x", [2, 16])], ["y", "z"], inits)
+    written = list(reversed(model.graph.node))
+    del model.graph.node[:]
+    model.graph.node.extend(written)
+    return model
+
+
+def test_a_model_whose_nodes_are_out_of_order_is_sorted_and_computes_the_same(
+    tmp_path: Path,
+) -> None:
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(8)
+    model = _unsorted_chain(rng)
+    path = tmp_path / "unsorted.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(model)
+    loaded = load_model(path)
+    assert [n.name for n in loaded.model.graph.node] == ["relu", "if", "mm", "id"]  # stable
+    onnx.checker.check_model(loaded.model)
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+            .run(None, {"x": x}) for m in (model, loaded.model)]
+    for before, after in zip(*runs):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_a_cycle_is_refused_on_one_line_naming_the_file(tmp_path: Path) -> None:
+    model = _matmul_model(np.random.default_rng(9))
+    model.graph.node.append(helper.make_node("Relu", ["y"], ["y2"], name="relu"))
+    model.graph.node[0].input[0] = "y2"  # mm reads relu, relu reads mm
+    path = tmp_path / "cycle.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ModelError, match=r"cycle.onnx: fails onnx.checker: .*sorted") as caught:
+        load_model(path)
+    # the checker's whole complaint, the node it names included, on one line
+    assert "\n" not in str(caught.value) and "mm" in str(caught.value).split("sorted")[1]
+
+
 def test_an_output_declared_without_a_shape_gets_the_inferred_one(tmp_path: Path) -> None:
     """onnxruntime runs a model whose output type lost its shape (cleared by hand); onnx.checker
     refuses it. The output is declared with the shape onnx infers (here from the input's

@@ -15,7 +15,7 @@ import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from qcal.graph.files import large as _large
-from qcal.graph.structure import all_graphs, attribute_graphs
+from qcal.graph.structure import all_graphs, attribute_graphs, sort_nodes
 from qcal.numerics.errors import ModelError
 
 __all__ = ["LoadedModel", "load_model"]
@@ -64,15 +64,19 @@ def load_model(path: Path | str) -> LoadedModel:
     model = _parse(path, data)
     declared = frozenset(v.name for graph in all_graphs(model.graph) for v in graph.value_info)
     external = list(_external_tensors(model))
+    # onnxruntime runs a graph whose nodes are out of order (its own float16 converter writes
+    # the input Casts last); onnx.checker and qcal's passes want them sorted.
+    resorted = sort_nodes(model.graph)
     if not external:
-        if _declare_output_shapes(path, model):
-            data = model.SerializeToString()  # the checker reads the declarations just made
+        if _declare_output_shapes(path, model) or resorted:
+            data = model.SerializeToString()  # the checker reads the model as changed
         _run_checker(path, data)
         return LoadedModel(path=path, model=model, sha256=digest, declared_shapes=declared)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
     folder = path.parent.resolve()
     files = sorted({_check_external_reference(path, folder, t)[0] for t in external})
-    _run_checker(path, os.fspath(path))
+    # The file itself, unless sorted here (the proto holds no weights yet: it is small).
+    _run_checker(path, model.SerializeToString() if resorted else os.fspath(path))
     # Large weights stay in their files: set aside while the rest is read, then referred to by
     # absolute path.
     kept: list[tuple[onnx.TensorProto, tuple[Path, int, int]]] = []
@@ -86,7 +90,7 @@ def load_model(path: Path | str) -> LoadedModel:
     try:
         onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
     except (OSError, ValueError, onnx.checker.ValidationError) as err:
-        raise ModelError(f"{path}: cannot read external data: {_first_line(err)}") from None
+        raise ModelError(f"{path}: cannot read external data: {_one_line(err)}") from None
     for tensor in _external_tensors(model):  # onnx loads dense tensors only
         raise ModelError(
             f"{path}: external data of tensor {tensor.name!r} was not loaded "
@@ -164,7 +168,7 @@ def _run_checker(path: Path, model: bytes | str) -> None:
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as err:
-        raise ModelError(f"{path}: fails onnx.checker: {_first_line(err)}") from None
+        raise ModelError(f"{path}: fails onnx.checker: {_one_line(err)}") from None
 
 
 def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -279,6 +283,7 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
 
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+def _one_line(err: BaseException) -> str:
+    """The error's text on one line (onnx.checker breaks its sentences over several)."""
+    text = " ".join(str(err).split())
+    return text if text else type(err).__name__
