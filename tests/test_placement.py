@@ -34,6 +34,14 @@ def test_parameter_slots_come_from_the_schemas(op: str, inputs: list[str], expec
     assert parameter_slots(node, 17) == expected
 
 
+def test_attention_values_are_values_its_mask_a_parameter() -> None:
+    """Opset 23's Attention types V (and past values) with a constraint of their own, T2,
+    allowing the same float types as its output's T1: V is what it averages, not a parameter
+    (a torch export's V projection ran in float); its mask is one."""
+    node = helper.make_node("Attention", ["q", "k", "v", "mask", "past_k", "past_v"], ["out"])
+    assert parameter_slots(node, 23) == {3}
+
+
 def _plan(model: onnx.ModelProto, placement: str) -> tuple[onnx.ModelProto, dict[str, bool], set[str]]:
     prepared, _ = prepare_model(model)
     plan = plan_quantization(prepared, SelectionRules(placement=placement))

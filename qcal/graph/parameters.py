@@ -3,7 +3,9 @@
 An operator's inputs are either the values it computes with or
 parameters that say how (Resize's roi/scales/sizes, Reshape's shape, Pad's pads, Slice's starts,
 TopK's k, ...). Which is which comes from the ONNX schemas, not from a list: an input after the
-first whose type constraint differs from the first output's is a parameter. The first input is
+first whose type constraint differs from the first output's, and allows other types, is a
+parameter (Attention's V has a constraint of its own, T2, that allows exactly the float types
+its output's T1 does: a value, the attention's values). The first input is
 always a value, even where the operator writes another type (Cast, ArgMax, Greater). A float tensor that flows only into
 parameters (a scale factor computed from a shape, divided and concatenated on its way to a
 Resize) is a parameter too, with everything computed only for it: quantizing it changes what
@@ -41,6 +43,11 @@ def _schema_parameter_slots(op_type: str, opset: int) -> frozenset[int]:
         return frozenset()
     if not schema.outputs:
         return frozenset()
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+
+    def types(type_str: str) -> frozenset[str]:  # a constraint's types, or one fixed type
+        return allowed.get(type_str, frozenset({type_str}))
+
     value_type = schema.outputs[0].type_str
     slots = set()
     for slot, formal in enumerate(schema.inputs):
@@ -49,7 +56,8 @@ def _schema_parameter_slots(op_type: str, opset: int) -> frozenset[int]:
         # The first input is what the operator works on, whatever type it writes: Cast's data,
         # ArgMax's logits, Greater's left side. (A model ending in Cast or ArgMax otherwise had
         # every tensor "computed only for a parameter", and nothing quantized.)
-        if slot > 0 and formal.type_str != value_type:
+        if (slot > 0 and formal.type_str != value_type
+                and types(formal.type_str) != types(value_type)):
             slots.add(slot)
     return frozenset(slots)
 
