@@ -122,7 +122,7 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"  {line}")
     _show_accuracy(report)
     evaluation = report["evaluation"]
-    if evaluation:
+    if evaluation and evaluation["outputs"]:  # none: no numeric output (the verdict says so)
         stdout.print(_metrics_table(
             f"float vs quantized on {evaluation['samples']} samples ({evaluation['data']})",
             evaluation["outputs"]))

@@ -36,6 +36,10 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if not evaluation:
         return None
     outputs = evaluation["outputs"]
+    if not outputs:  # sequences, maps, strings only (the report's warnings name them)
+        return Verdict("measured", "quality: not measured",
+                       "no output of this model is a numeric tensor, so none was compared "
+                       "with the float model (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
     sqnrs = [o["sqnr_db"] for o in outputs if o["top1_agreement"] is None]

@@ -23,7 +23,7 @@ import onnxruntime
 
 from qcal._version import __version__
 from qcal.accuracy.coverage import Coverage
-from qcal.accuracy.evaluate import Comparison
+from qcal.accuracy.evaluate import Comparison, numeric_outputs
 from qcal.accuracy.fallback import FallbackResult
 from qcal.accuracy.gates import GateResult
 from qcal.accuracy.sensitivity import SensitivityResult
@@ -228,6 +228,8 @@ def build_report(
     warnings += [f"output {o.name!r} is 0 on every evaluation sample in the float model: its "
                  "comparison with the quantized model says nothing of it"
                  for o in (comparison.outputs if comparison is not None else ()) if o.float_all_zero]
+    if comparison is not None:
+        warnings += _uncompared_outputs(loaded.model)
     warnings += _accuracy_warnings(compute_coverage, fallback, gates)
     warnings += notes  # what the run changed of the options, and why
     return {
@@ -323,6 +325,21 @@ def fallback_json(fallback: FallbackResult) -> dict[str, Any]:
         ],
         "steps": [step.to_json() for step in fallback.steps],
     }
+
+
+def _uncompared_outputs(model: onnx.ModelProto) -> list[str]:
+    """A warning for each graph output the evaluation leaves out: not a numeric tensor."""
+    compared = set(numeric_outputs(model))
+    found = []
+    for output in model.graph.output:
+        if output.name in compared:
+            continue
+        kind = output.type.WhichOneof("value") or "value of no declared type"
+        kind = {"tensor_type": "string tensor", "sequence_type": "sequence",
+                "map_type": "map", "optional_type": "optional"}.get(kind, kind)
+        found.append(f"output {output.name!r} is a {kind}, not a numeric tensor: it is not "
+                     "compared with the float model, and no figure of this report covers it")
+    return found
 
 
 def _accuracy_warnings(
