@@ -23,7 +23,7 @@ from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage
+from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
 from qcal.accuracy.fallback import AccuracyTarget, Candidate, search_fallback
 from qcal.accuracy.restrict import restrict_plan
@@ -309,6 +309,43 @@ def test_digits_macs_match_the_layer_formulas() -> None:
     plan = plan_quantization(model, SelectionRules(exclude_nodes=(nodes[0].name,)))
     coverage = measure_coverage(model, plan, macs)
     assert coverage.macs_quantized == sum(macs.values()) - macs[nodes[0].name]
+
+
+def test_attention_counts_alike_written_out_or_as_one_operator() -> None:
+    """Two heads of width 4 over 6 positions: Q K^T and the weighted sum of V hold
+    2 x (1 x 2 x 6 x 6 x 4) = 576 MACs, whether two MatMuls or opset 23's Attention compute
+    them; onnxruntime's fused Attention adds its projection (6 x 8 inputs x 24 outputs) and
+    FusedMatMul counts as the MatMul it is, transposed input included."""
+    heads = helper.make_node("Transpose", ["q4"], ["q4t"], perm=[0, 1, 3, 2])
+    written_out = build_model(
+        [heads,
+         helper.make_node("MatMul", ["k4", "q4t"], ["scores"], name="qk"),
+         helper.make_node("Softmax", ["scores"], ["p"], name="softmax"),
+         helper.make_node("MatMul", ["p", "v4"], ["y"], name="pv")],
+        [float_input(n, [1, 2, 6, 4]) for n in ("q4", "k4", "v4")], ["y"])
+    written_out, _ = prepare_model(written_out)  # shapes inferred, as calibration has them
+    assert sorted(compute_macs(written_out, None).values()) == [288, 288]
+    one_op = build_model(
+        [helper.make_node("Attention", ["q", "k", "v"], ["y"], name="att", q_num_heads=2,
+                          kv_num_heads=2)],
+        [float_input(n, [1, 6, 8]) for n in ("q", "k", "v")], ["y"], opset=23, ir_version=10)
+    assert compute_macs(one_op, None) == {"att": 576}
+    rng = np.random.default_rng(2)
+    fused = helper.make_model(helper.make_graph(
+        [helper.make_node("Attention", ["x", "w", "b"], ["a"], name="att", domain="com.microsoft",
+                          num_heads=2),
+         helper.make_node("FusedMatMul", ["xt", "m"], ["f"], name="fmm", domain="com.microsoft",
+                          transA=1)],
+        "fused", [float_input("x", [1, 6, 8]), float_input("xt", [8, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "f")],
+        [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+         for name, shape in (("w", (8, 24)), ("b", (24,)), ("m", (8, 16)))]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    sample = {"x": rng.standard_normal((1, 6, 8)).astype(np.float32),
+              "xt": rng.standard_normal((8, 4)).astype(np.float32)}
+    # onnx's shape inference does not know these operators: one onnxruntime run measures
+    assert compute_macs(fused, sample, run_shapes=shape_probe(fused, sample)) == {
+        "att": 6 * 8 * 24 + 576, "fmm": 4 * 16 * 8}
 
 
 def test_symbolic_shapes_are_sized_from_the_sample_without_running_the_model() -> None:

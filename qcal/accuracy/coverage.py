@@ -1,7 +1,12 @@
 """How much of a model's compute a quantization plan leaves quantized, in multiply-accumulates.
 
-Only Conv, ConvTranspose, MatMul and Gemm count: they hold nearly all the arithmetic of the
-models qcal quantizes, and they are what onnxruntime's integer kernels speed up. A compute node
+Conv, ConvTranspose, MatMul and Gemm count: they hold nearly all the arithmetic of the
+models qcal quantizes, and they are what onnxruntime's integer kernels speed up. So do the
+operators that hold the same products in a fused form, which qcal leaves float: onnxruntime's
+FusedConv, FusedGemm, FusedMatMul and Attention (its Q/K/V projection and its two products)
+in a model its optimizer already rewrote, and opset 23's Attention (its two products, as the
+MatMuls of an attention written out count). A model that hides its products in them is not
+"mostly quantized" for want of counting them. A compute node
 counts as quantized when it would run as an integer kernel: it is quantized by the plan, every
 float input it reads comes through a DequantizeLinear (activations listed with it as consumer,
 constants planned as its weights), and, for Conv and ConvTranspose, its output is quantized too,
@@ -13,7 +18,11 @@ MACs per node, for one sample of real data:
 * Conv: ``prod(Y.shape) * prod(W.shape[1:])`` (every output element sums Cin/group x kernel),
 * ConvTranspose: ``prod(X.shape) * prod(W.shape[1:])`` (every input element scatters into
   Cout/group x kernel outputs),
-* MatMul: ``prod(Y.shape) * A.shape[-1]``; Gemm: ``prod(Y.shape) * K`` (K = A's inner dim).
+* MatMul: ``prod(Y.shape) * A.shape[-1]``; Gemm: ``prod(Y.shape) * K`` (K = A's inner dim);
+  FusedConv, FusedGemm and FusedMatMul as their unfused forms,
+* Attention (opset 23): ``prod(Q.shape) * Skv`` for the scores plus as many for the values
+  (``Skv`` key positions, V's width per query head); com.microsoft's Attention: its projection
+  ``prod(X.shape) * W.shape[1]`` plus ``B * S * S`` times the Q and V widths.
 
 Shapes come from shape inference when every one is a number (symbolic dimensions of the graph
 inputs are replaced by those of the first sample, then shape inference runs again with the
@@ -223,7 +232,15 @@ _RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 
 
 def _is_compute(node: onnx.NodeProto) -> bool:
-    return node.op_type in COMPUTE_OPS and node.domain in DEFAULT_DOMAINS
+    if node.domain in DEFAULT_DOMAINS:
+        return node.op_type in COMPUTE_OPS or node.op_type == "Attention"
+    return node.domain == "com.microsoft" and node.op_type in _FUSED_COMPUTE
+
+
+# onnxruntime's fused forms of the compute operators (its optimizer writes them), by the
+# operator whose MACs each holds.
+_FUSED_COMPUTE = {"FusedConv": "Conv", "FusedGemm": "Gemm", "FusedMatMul": "MatMul",
+                  "Attention": "Attention"}
 
 
 def _float_data_inputs(node: onnx.NodeProto, types: Mapping[str, int]) -> list[str]:
@@ -247,8 +264,9 @@ def _output_quantized(node: onnx.NodeProto, index: UseIndex, quantized: set[str]
 
 
 def _shape_tensors(node: onnx.NodeProto) -> Iterable[str]:
-    """The tensors whose shapes `_node_macs` needs: data input, weight and output."""
-    yield from node.input[:2]
+    """The tensors whose shapes `_node_macs` needs: data input, weight (attention: keys and
+    values) and output."""
+    yield from node.input[:3] if node.op_type == "Attention" else node.input[:2]
     if node.output:
         yield node.output[0]
 
@@ -257,16 +275,53 @@ def _node_macs(node: onnx.NodeProto, shapes: Shapes) -> int | None:
     data = shapes.get(node.input[0]) if node.input else None
     weight = shapes.get(node.input[1]) if len(node.input) > 1 else None
     out = shapes.get(node.output[0]) if node.output else None
-    if node.op_type == "Conv" and out is not None and weight is not None:
+    op = node.op_type if node.domain in DEFAULT_DOMAINS else _FUSED_COMPUTE[node.op_type]
+    trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+    if op == "Conv" and out is not None and weight is not None:
         return math.prod(out) * math.prod(weight[1:])
-    if node.op_type == "ConvTranspose" and data is not None and weight is not None:
+    if op == "ConvTranspose" and data is not None and weight is not None:
         return math.prod(data) * math.prod(weight[1:])
-    if node.op_type == "MatMul" and out is not None and data is not None and data:
-        return math.prod(out) * data[-1]
-    if node.op_type == "Gemm" and out is not None and data is not None and len(data) == 2:
-        trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+    if op == "MatMul" and out is not None and data is not None and data:
+        return math.prod(out) * data[-2 if trans_a and len(data) > 1 else -1]
+    if op == "Gemm" and out is not None and data is not None and len(data) == 2:
         return math.prod(out) * data[0 if trans_a else 1]
+    if op == "Attention" and data is not None and weight is not None:
+        values = shapes.get(node.input[2]) if len(node.input) > 2 else None
+        if node.domain in DEFAULT_DOMAINS:
+            return _attention_products(node, data, weight, values)
+        return _fused_attention_macs(node, data, weight)
     return None
+
+
+def _attention_products(
+    node: onnx.NodeProto, query: tuple[int, ...], key: tuple[int, ...],
+    value: tuple[int, ...] | None,
+) -> int | None:
+    """Opset 23's Attention: Q K^T and the weighted sum of V, for Q/K/V of 3 dimensions
+    (heads in the last one) or 4 (heads second)."""
+    if value is None or len(query) != len(key) or len(query) not in (3, 4):
+        return None
+    if len(query) == 4:  # [batch, heads, positions, head width]
+        return math.prod(query) * key[2] + math.prod(query[:3]) * key[2] * value[3]
+    heads: dict[str, int] = {a.name: int(a.i) for a in node.attribute}
+    q_heads, kv_heads = heads.get("q_num_heads", 0), heads.get("kv_num_heads", 0)
+    if q_heads <= 0 or kv_heads <= 0:
+        return None
+    # [batch, positions, heads x width]: each query head weighs a value head's width
+    return math.prod(query) * key[1] + math.prod(query[:2]) * key[1] * value[2] * q_heads // kv_heads
+
+
+def _fused_attention_macs(
+    node: onnx.NodeProto, data: tuple[int, ...], weight: tuple[int, ...]
+) -> int | None:
+    """com.microsoft's Attention: X [batch, positions, width] times W [width, Q+K+V widths],
+    then the scores (Q width) and the weighted sum (V width) over the positions."""
+    if len(data) != 3 or len(weight) != 2:
+        return None
+    sizes = next((list(a.ints) for a in node.attribute if a.name == "qkv_hidden_sizes"), [])
+    q_width, _, v_width = sizes if len(sizes) == 3 else [weight[1] // 3] * 3
+    batch, positions = data[0], data[1]
+    return math.prod(data) * weight[1] + batch * positions * positions * (q_width + v_width)
 
 
 def _concrete_shapes(
