@@ -23,7 +23,12 @@ from typing import Any
 
 import onnx
 
-from qcal._accuracy_stage import _Accuracy, _compute_macs, _improve_accuracy
+from qcal._accuracy_stage import (
+    _Accuracy,
+    _compute_macs,
+    _improve_accuracy,
+    time_against_users_model,
+)
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
@@ -58,7 +63,6 @@ from qcal._weight_only import (
 from qcal.accuracy.coverage import measure_coverage
 from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models, numeric_outputs
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
-from qcal.accuracy.latency import time_side_by_side
 from qcal.accuracy.runnable import make_runnable, noted_as_integer, quantized_by_onnxruntime
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
@@ -85,7 +89,6 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
-from qcal.graph.structure import keep_declared_shapes
 from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
@@ -315,13 +318,8 @@ def calibrate(
     if (weight_file is None or config.fail_if_slower is not None
             or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
         with timings.stage("latency"):
-            # The float model as timed states the shapes the quantized one does (in place: the
-            # prepared model's last use, and a copy would hold its weights twice).
-            keep_declared_shapes(prepared.graph, loaded.declared_shapes)
-            speed = time_side_by_side(
-                prepared, quant_model, first_feed, providers=config.providers,
-                threads=(1, 2),
-                for_gate=config.fail_if_slower is not None)
+            speed = time_against_users_model(model_path, prepared, loaded, quant_model,
+                                             first_feed, config)
         timings.seconds.update(speed.figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,
@@ -397,6 +395,7 @@ def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSin
 
 
 _TIMED_WEIGHT_BYTES = 256 << 20  # float weights up to which a model in files is timed
+
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

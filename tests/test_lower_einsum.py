@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from _onnx_testing import build_model, float_input
+from click.testing import CliRunner
 from onnx import helper
 
 from qcal.config import CalibrationConfig
@@ -150,3 +152,31 @@ def test_a_constant_operand_read_elsewhere_stays() -> None:
     y, z = session.run(None, {"x": x, "flag": np.array(True)})
     np.testing.assert_allclose(y, np.einsum("btd,df->btf", x, w), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(z, w.sum(), rtol=1e-5)
+
+
+def test_the_quantized_model_is_timed_against_the_users_einsum_not_the_matmul(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """"Slower than float" is about the model the user gave: the not-slower gate times the
+    quantized model against the file's Einsum, not the MatMul qcal wrote for it."""
+    import qcal._accuracy_stage as stage
+    from qcal.cli import main
+
+    rng = np.random.default_rng(32)
+    model, _, _ = _model("bij,jk->bik", [(4, 8, 16), (16, 32)], 1, rng)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", a=rng.standard_normal((8, 4, 8, 16)).astype(np.float32))
+    timed: list[onnx.ModelProto] = []
+    real = stage.time_side_by_side
+
+    def spy(float_model: onnx.ModelProto, *args: Any, **kwargs: Any) -> Any:
+        timed.append(float_model)
+        return real(float_model, *args, **kwargs)
+
+    monkeypatch.setattr(stage, "time_side_by_side", spy)
+    result = CliRunner().invoke(main, [
+        "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "q.json"), "--allow-slower"],
+        catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert [[n.op_type for n in m.graph.node] for m in timed] == [["Einsum"]]
