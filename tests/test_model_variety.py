@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.cli import main
+from qcal.graph.model import prepare_model
 from qcal.report import report_schema
 
 
@@ -103,6 +104,37 @@ def old_exporter_model(opset: int, rng: np.random.Generator) -> onnx.ModelProto:
     return build_model(
         nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits, opset=opset, ir_version=6
     )
+
+
+@pytest.mark.parametrize(
+    ("opset", "mode", "scales"),
+    [(8, "linear", [1, 1, 2, 2]), (8, "linear", [1, 1, 3, 1.5]), (9, "linear", [1, 1, 2.5, 2]),
+     (10, "linear", [1, 1, 2, 3]), (8, "nearest", [1, 1, 3, 3]), (9, "nearest", [1, 1, 3, 2]),
+     (10, "nearest", [1, 1, 0.5, 0.5])],
+)
+def test_old_upsample_and_resize_compute_the_same_after_the_upgrade(
+    opset: int, mode: str, scales: list[float]
+) -> None:
+    """Before opset 11 Upsample and Resize map coordinates as x / scale (onnxruntime takes
+    the index below in nearest mode, above when downsampling); onnx's converter wrote opset
+    11's defaults, half-pixel coordinates (a linear upsampling off by up to 1.5 here)."""
+    x = np.random.default_rng(opset).standard_normal((1, 2, 5, 7)).astype(np.float32)
+    if opset == 8:
+        node = helper.make_node("Upsample", ["x"], ["y"], mode=mode,
+                                scales=[float(s) for s in scales])
+        inits = []
+    else:
+        node = helper.make_node("Upsample" if opset == 9 else "Resize", ["x", "s"], ["y"],
+                                mode=mode)
+        inits = [numpy_helper.from_array(np.array(scales, np.float32), "s")]
+    graph = helper.make_graph([node], "old", [float_input("x", [1, 2, 5, 7])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 4
+    prepared, steps = prepare_model(model)
+    assert any(s.name == "upgrade-opset" for s in steps)
+    np.testing.assert_array_equal(run(prepared, {"x": x})[0], run(model, {"x": x})[0])
 
 
 @pytest.mark.parametrize("opset", [11, 12])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import onnx
@@ -13,7 +13,7 @@ from onnx.onnx_cpp2py_export import version_converter
 
 from qcal.graph.files.large import run_detached
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs, default_opset
+from qcal.graph.structure import DEFAULT_DOMAINS, all_graphs, attribute_graphs, default_opset
 from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = ["UpgradeOpset"]
@@ -71,6 +71,8 @@ class UpgradeOpset:
                 f"{which} ({first_line})"
             ) from None
         _check_signature(model, converted, current, target)
+        if current < 11 <= target:
+            _keep_old_resize_coordinates(model, converted)
         detail = f"opset {current} -> {target}"
         # Old IR versions list every initializer as a graph input too (IR < 4 requires it); the
         # newer IR that the new opset needs does not, and such "inputs" would read as values a
@@ -102,6 +104,53 @@ def _check_signature(
                 f"cannot convert opset {current} -> {target} keeping the model's inputs: onnx's "
                 f"converter changes input {value.name!r} from rank {old} to rank {new}"
             )
+
+
+def _keep_old_resize_coordinates(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """Upsample and Resize before opset 11 map output to input coordinates as `x / scale`
+    (asymmetric) and, in nearest mode, take the index below (above when downsampling), as
+    onnxruntime runs them; onnx's converter writes the Resize of opset 11 without saying so,
+    whose defaults are half-pixel coordinates and rounding to the nearest index (a model's
+    linear Upsample then computed 29 dB off the original). The converted Resize states the old
+    rule; a nearest Resize that samples up along one axis and down along another, which no
+    single rounding of opset 11 describes, is left as converted."""
+    graphs = list(all_graphs(before.graph))
+    old = {node.output[0]: node for graph in graphs for node in graph.node
+           if node.op_type in ("Upsample", "Resize") and node.domain in DEFAULT_DOMAINS
+           and node.output}
+    constants = {t.name: t for graph in graphs for t in graph.initializer}
+    constants.update((node.output[0], a.t) for graph in graphs for node in graph.node
+                     if node.op_type == "Constant" and node.output
+                     for a in node.attribute if a.name == "value")
+    for graph in all_graphs(after.graph):
+        for node in graph.node:
+            if node.op_type != "Resize" or not node.output or node.output[0] not in old:
+                continue
+            attributes = {a.name: a for a in node.attribute}
+            if "coordinate_transformation_mode" not in attributes:
+                node.attribute.append(onnx.helper.make_attribute(
+                    "coordinate_transformation_mode", "asymmetric"))
+            mode = attributes["mode"].s if "mode" in attributes else b"nearest"
+            if mode != b"nearest" or "nearest_mode" in attributes:
+                continue
+            scales = _scales(old[node.output[0]], constants)
+            resized = [s for s in scales if s != 1.0] if scales is not None else []
+            if all(s > 1.0 for s in resized):
+                node.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
+            elif all(s < 1.0 for s in resized):
+                node.attribute.append(onnx.helper.make_attribute("nearest_mode", "ceil"))
+
+
+def _scales(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> list[float] | None:
+    """The constant scales of an Upsample or Resize before opset 11 (attribute or input)."""
+    for attribute in node.attribute:
+        if attribute.name == "scales":
+            return list(attribute.floats)
+    name = node.input[1] if len(node.input) > 1 else ""
+    tensor = constants.get(name)
+    if tensor is None:
+        return None
+    return [float(v) for v in onnx.numpy_helper.to_array(tensor).ravel()]
 
 
 def _rank(value: onnx.ValueInfoProto) -> int | None:
