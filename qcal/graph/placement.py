@@ -19,14 +19,15 @@ softmax, GELU, recurrent state). So under "auto":
   than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
 * a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
   onnxruntime's integer kernel computes one narrow matrix product per group, several times its
-  float kernel (_MIN_CHANNELS_PER_GROUP); nor is a 2-D or 3-D Conv of one group with few
+  float kernel (_MIN_CHANNELS_PER_GROUP); nor is a Conv of one input and one output channel,
+  which onnxruntime runs as a slow depthwise one; nor is a 2-D or 3-D Conv of one group with few
   input channels and a small kernel (an image's stem), whose integer kernel with the
   QuantizeLinear of its input costs more than its float one (_MIN_INPUT_CHANNELS). Unless its input is dequantized and its output runs
   straight into a quantized node: onnxruntime then quantizes its weight itself (per tensor) and
   runs that kernel anyway;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
-  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish and HardSigmoid, which
-  the Q/DQ writer spells as integer Add and Mul) is quantized only when it sits
+  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish, HardSigmoid and Pad,
+  which the Q/DQ writer spells in integer operators) is quantized only when it sits
   *between* anchors: every float input
   it computes with comes from a quantized anchor or such an operator, or is an anchor's input
   (quantized anyway: a residual Add beside the Conv that reads a MaxPool's output), and its
@@ -92,6 +93,10 @@ _SERVING_OPS = frozenset({
     # (`OpRule.integer_form`); float between integer Convs they also break the channels-last
     # layout onnxruntime gives integer chains (MobileNetV3-like models: 5-17 % of their time)
     "HardSwish", "HardSigmoid",
+    # no integer kernel when a Q/DQ pair surrounds it; the writer pads the codes themselves
+    # (a MediaPipe face detector pads channels before 11 residual Adds: float, they and their
+    # Adds split every block into islands)
+    "Pad",
 })
 
 
@@ -313,7 +318,8 @@ _MAX_NARROW_TAPS = 27
 
 def _slow_narrow_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
     """Why a Conv with few channels stays float under "auto", or None: a depthwise Conv (one
-    input and one output channel per group) has an integer kernel of its own; other grouped
+    input and one output channel per group) has an integer kernel of its own, slow on a single
+    channel (one group, one input and one output channel); other grouped
     Convs with few channels per group (_MIN_CHANNELS_PER_GROUP), and 2-D and 3-D Convs of one
     group with few input channels and a small kernel (_MIN_INPUT_CHANNELS), do not pay."""
     if node.op_type != "Conv" or len(node.input) < 2:
@@ -323,6 +329,13 @@ def _slow_narrow_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
     if weight is None or len(weight.dims) < 3 or group < 1 or weight.dims[0] % group:
         return None
     inputs, outputs = weight.dims[1], weight.dims[0] // group
+    if group == 1 and (inputs, outputs) == (1, 1):
+        # onnxruntime's integer kernel takes it for a depthwise one, whose integer kernel
+        # is 5x the float one on a single channel (1x256 and 5x5 taps alike; 2 output
+        # channels are 0.6x): a pitch detector's 1-channel filters took 8 ms of its 19
+        return ("placement auto: a convolution of one input and one output channel, which "
+                "onnxruntime runs as a depthwise one: its integer kernel is slower than its "
+                "float kernel")
     if group == 1:
         taps = math.prod(int(d) for d in weight.dims[2:])
         if (inputs >= _MIN_INPUT_CHANNELS or len(weight.dims) < 4

@@ -115,6 +115,10 @@ class _Planner(_Selection):
                 rule = dividing
             if rule is not None and rule.integer_form and self._auto and not rules.integer_forms:
                 rule, reason = None, _NO_INTEGER_FORM
+            if rule is not None and rule.refuses is not None:
+                refused = rule.refuses(node, self._constant)
+                if refused is not None:
+                    rule, reason = None, refused
             if rule is None:
                 self._skips[node.name] = reason
                 continue

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import onnx
+import onnx.numpy_helper
 
 from qcal.graph.structure import int_attribute
 
@@ -55,8 +56,11 @@ class OpRule:
             With `by_reciprocal`, the node multiplies by input 1 (a division by 1 / c).
         integer_form: onnxruntime has no integer kernel for the op, but under placement "auto"
             the Q/DQ writer spells it, between its input's DequantizeLinear and its output's
-            QuantizeLinear, as an Add (and a Mul) that onnxruntime runs on integers
-            (`QuantPlan.integer_forms`).
+            QuantizeLinear, in operators that onnxruntime runs on integers (an Add and a Mul;
+            a Pad of the codes) (`QuantPlan.integer_forms`).
+        refuses: why a node of the op type stays float whatever the selection (a form its
+            quantization would change), from the node and the constant a value holds; None
+            when the rule applies.
     """
 
     summary: str
@@ -71,6 +75,24 @@ class OpRule:
     divides_by_constant: bool = False
     by_reciprocal: bool = False
     integer_form: bool = False
+    refuses: Callable[[onnx.NodeProto, Callable[[str], onnx.TensorProto | None]], str | None] | \
+        None = field(default=None, compare=False)
+
+
+def _pad_refuses(
+    node: onnx.NodeProto, constant: Callable[[str], onnx.TensorProto | None]
+) -> str | None:
+    """A Pad copies its input's values and, in constant mode, adds its constant: a quantized
+    Pad is exact when that constant is 0 (the zero point's code), the default."""
+    if _string_attribute(node, "mode", "constant") != "constant":
+        return None
+    value = node.input[2] if len(node.input) > 2 else ""
+    if not value:
+        return None
+    tensor = constant(value)
+    if tensor is not None and not onnx.numpy_helper.to_array(tensor).any():
+        return None
+    return "a Pad by a constant other than 0 (or not a constant) stays float"
 
 
 # A Mul whose B is a positive constant scalar c: a division by 1 / c, folded as a Div is
@@ -166,6 +188,10 @@ OP_RULES: Mapping[str, OpRule] = {
     "DepthToSpace": _data_rule("input X"),
     "SpaceToDepth": _data_rule("input X"),
     "Split": OpRule("input (never split sizes) and every output", outputs=None),
+    "Pad": OpRule(
+        "input data and the output (never pads or axes), unless it pads with a constant other "
+        "than 0; under placement auto written as a Pad of the input's codes by its zero point",
+        integer_form=True, refuses=_pad_refuses),
 }
 OP_RULES_DOC = """Per-operator quantization rules (ai.onnx domain), keyed by op type.
 
@@ -177,9 +203,9 @@ quantized even when nothing quantized reads them. For onnxruntime's CPU provider
 between a Conv, Gemm, MatMul, Add or Mul and a Relu or Clip (constant bounds) that is its only
 reader is left float: onnxruntime folds the activation into the QuantizeLinear that follows
 it, and the Relu/Clip output is quantized instead. The outputs of Reshape, Transpose, Flatten,
-Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool and
-Resize (not cubic) take the parameters of their input and are not observed: their values lie
-in its range, and onnxruntime then runs them on the integers (float readers of such an output
+Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool,
+Resize (not cubic) and Pad (by 0, the zero point's code) take the parameters of their input and
+are not observed: their values lie in its range, and onnxruntime then runs them on the integers (float readers of such an output
 read its DequantizeLinear, which holds the same values). The output of a Div by a positive
 constant scalar c takes its input's parameters with the scale divided by c: the
 DequantizeLinear of the input's codes with that scale is the quotient, and the Div is removed
@@ -207,6 +233,7 @@ SAME_SCALE_OPS = frozenset(
     {
         "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
         "DepthToSpace", "SpaceToDepth", "MaxPool", "GlobalMaxPool", "Resize",
+        "Pad",  # its input's values and 0, which every grid holds exactly (the zero point)
     }
 )
 

@@ -50,6 +50,7 @@ _INTEGER_DATA_OPS = frozenset(
     {
         "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather",
         "DepthToSpace", "MaxPool", "Resize",
+        "Pad",  # not dropped by onnxruntime: written as a Pad of the codes (`_integer_forms`)
     }
 )
 

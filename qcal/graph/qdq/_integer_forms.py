@@ -1,4 +1,4 @@
-"""HardSwish and HardSigmoid spelled in operators onnxruntime runs on integers.
+"""HardSwish, HardSigmoid and Pad spelled in operators onnxruntime runs on integers.
 
 onnxruntime has no integer kernel for either: between a DequantizeLinear and a QuantizeLinear
 it runs them in float, and between integer Convs that also ends the channels-last layout it
@@ -16,6 +16,10 @@ DequantizeLinear ``x`` and its output's QuantizeLinear (parameters ``s``, ``z``)
   the formula does), then a Mul by x whose QuantizeLinear has scale ``6 s`` and zero point
   ``z``, which writes the output's codes: QLinearAdd and QLinearMul. The gate ``x + 3`` is held
   in 8 bits on its own range, the one rounding this form adds.
+
+* Pad: onnxruntime keeps a float Pad between its pair; with the same parameters on both sides
+  (the plan gives its output its input's) it becomes a Pad of the input's codes, by the zero
+  point's code in constant mode (the value 0, exactly), writing the output's codes.
 
 The constant of each Add is an 8-bit code with a DequantizeLinear, as the integer Add needs.
 Elsewhere (a graph output, a float reader, per-axis or float16 parameters, an output range
@@ -60,12 +64,22 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
         scales: set[str] = set()  # the output scales the QuantizeLinears no longer read
         replaced: set[str] = set()  # the outputs of the nodes spelled out
         for node in graph.node:
-            if node.name in nodes and node.domain in DEFAULT_DOMAINS:
-                spelled = _spell(node, index, names, graph)
-                if spelled is not None:
-                    spellings[id(node)], scale = spelled
-                    scales.add(scale)
+            if node.name not in nodes or node.domain not in DEFAULT_DOMAINS:
+                continue
+            if node.op_type == "Pad":
+                padded = _pad_codes(node, index)
+                if padded is not None:
+                    pad, gone = padded
+                    spellings[id(node)] = [pad]
+                    spellings.update((id(n), []) for n in gone)
+                    scales.update(v for n in gone for v in n.input[1:])
                     replaced.add(node.output[0])
+                continue
+            spelled = _spell(node, index, names, graph)
+            if spelled is not None:
+                spellings[id(node)], scale = spelled
+                scales.add(scale)
+                replaced.add(node.output[0])
         if spellings:
             kept = [new for node in graph.node for new in spellings.get(id(node), [node])]
             del graph.node[:]
@@ -123,13 +137,41 @@ def _spell(
     return [three, add, quantize_gate, dequantize_gate, mul], replaced
 
 
-def _between_pair(
+def _pad_codes(
     node: onnx.NodeProto, index: UseIndex
+) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
+    """A Pad between a DequantizeLinear and a QuantizeLinear of the same parameters, as a Pad of
+    the input's codes (by the zero point's code, in constant mode: the value 0) that writes the
+    output's codes; and the nodes it leaves unread (the QuantizeLinear, and the
+    DequantizeLinear when nothing else reads it). onnxruntime keeps a float Pad between its
+    pair, and runs this one on the integers, channels-last between integer Convs."""
+    pair = _between_pair(node, index, parameters=True)
+    if pair is None:
+        return None
+    dequantize, quantize, x_scale, x_zero, y_scale, y_zero, _ = pair
+    if (x_scale, x_zero) != (y_scale, y_zero):
+        return None
+    constant_mode = all(a.s in (b"", b"constant") for a in node.attribute if a.name == "mode")
+    inputs = [dequantize.input[0], node.input[1],
+              dequantize.input[2] if constant_mode else "", *node.input[3:4]]
+    while not inputs[-1]:
+        inputs.pop()
+    pad = helper.make_node("Pad", inputs, [quantize.output[0]], name=node.name)
+    pad.attribute.extend(node.attribute)
+    gone = [quantize]
+    if len(index.uses.get(dequantize.output[0], ())) == 1:
+        gone.append(dequantize)
+    return pad, gone
+
+
+def _between_pair(
+    node: onnx.NodeProto, index: UseIndex, *, parameters: bool = False
 ) -> tuple[onnx.NodeProto, onnx.NodeProto, float, int, float, int, int] | None:
     """(DequantizeLinear of the input, QuantizeLinear of the output, their scales and zero
     points, the 8-bit type) when `node` reads a per-tensor DequantizeLinear and its output
-    goes to one per-tensor QuantizeLinear alone, all with float32 scales."""
-    if len(node.input) != 1 or len(node.output) != 1:
+    goes to one per-tensor QuantizeLinear alone, all with float32 scales. With `parameters`,
+    inputs after the first (a Pad's pads) are allowed: they are not data."""
+    if (not parameters and len(node.input) != 1) or len(node.output) != 1:
         return None
     output = node.output[0]
     dequantize = index.producer.get(node.input[0])
