@@ -42,7 +42,8 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                        "with the float model (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
-    sqnrs = [o["sqnr_db"] for o in outputs if o["top1_agreement"] is None]
+    sqnrs = [o["sqnr_db"] for o in outputs
+             if o["top1_agreement"] is None or o.get("decisions") == "threshold"]
     figures = []
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
@@ -68,7 +69,7 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                else "Keeping float every tensor where the error jumps did not reach it")
         return Verdict(
             "below-floor",
-            "quality: below the accuracy floor (99 % of decisions, 10 dB elsewhere)",
+            "quality: below the accuracy floor (99 % of decisions, 10 dB on values and sigmoids)",
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")

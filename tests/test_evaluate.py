@@ -328,6 +328,35 @@ def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
     assert out.top1_agreement == pytest.approx(expected)
 
 
+def test_a_sparse_sigmoid_map_is_held_to_the_sqnr_floor_as_well() -> None:
+    """A map whose positives are 2 % of it (a pitch detector's notes) agrees at 0.5 on nearly
+    every element while its probabilities are far off: the floor's SQNR applies to a sigmoid's
+    output too, not to an argmax's."""
+    rng = np.random.default_rng(7)
+    x = np.where(rng.random((50, 3, 5)) < 0.02, 2.0, -6.0).astype(np.float32)
+    x += rng.normal(0.0, 0.1, x.shape).astype(np.float32)
+
+    def model(scale: float) -> onnx.ModelProto:
+        nodes = [helper.make_node("Mul", ["x", "k"], ["t"], name="scale"),
+                 helper.make_node("Sigmoid", ["t"], ["p"], name="sigmoid")]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5])],
+            [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 3, 5])],
+            initializer=[onnx.numpy_helper.from_array(np.asarray(scale, np.float32), "k")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    comparison = compare_models(model(1.0), model(0.12), [({"x": x}, 50)])
+    out = comparison.outputs[0]
+    assert out.decisions == "threshold" and out.top1_agreement == 1.0  # every decision holds
+    assert out.sqnr_db is not None and out.sqnr_db < 10  # the probabilities do not
+    floor = CalibrationConfig().accuracy_target()
+    assert floor.sqnr_on_classifiers is False
+    assert not floor.is_met(comparison)
+    # an argmax's scores are judged by their decisions alone, as before
+    logits = compare_models(_scale_model(1.0), _scale_model(0.5), [({"x": x[:, 0]}, 50)])
+    assert logits.outputs[0].decisions == "argmax" and floor.is_met(logits)
+
+
 @pytest.mark.parametrize(("op", "value", "scores"), [("Div", 2.5, True), ("Mul", 0.4, True),
                                                      ("Mul", -1.0, False)])
 def test_logits_scaled_by_a_temperature_are_still_scores(op: str, value: float,

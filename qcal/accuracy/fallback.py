@@ -59,7 +59,7 @@ class AccuracyTarget:
 
     min_sqnr_db: float | None = None
     max_agreement_drop: float | None = None
-    sqnr_on_classifiers: bool = True  # False: the SQNR target skips classifier-like outputs
+    sqnr_on_classifiers: bool = True  # False: the SQNR target skips argmax outputs (not sigmoid maps)
 
     def is_met(self, comparison: Comparison) -> bool:
         return self.shortfall(comparison) <= 0.0
@@ -84,7 +84,8 @@ class AccuracyTarget:
     def describe(self) -> str:
         parts = []
         if self.min_sqnr_db is not None:
-            which = "output" if self.sqnr_on_classifiers else "SQNR of outputs without decisions"
+            which = ("output" if self.sqnr_on_classifiers
+                     else "SQNR of outputs without decisions or sigmoid maps")
             parts.append(f"{which} >= {self.min_sqnr_db:g} dB" if not self.sqnr_on_classifiers
                          else f"output SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
