@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import ClassVar
 
 import onnx
@@ -72,7 +72,7 @@ class UpgradeOpset:
             ) from None
         _check_signature(model, converted, current, target)
         if current < 11 <= target:
-            _keep_old_resize_coordinates(model, converted)
+            _keep_old_resize_coordinates(converted)
         detail = f"opset {current} -> {target}"
         # Old IR versions list every initializer as a graph input too (IR < 4 requires it); the
         # newer IR that the new opset needs does not, and such "inputs" would read as values a
@@ -106,51 +106,36 @@ def _check_signature(
             )
 
 
-def _keep_old_resize_coordinates(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+def _keep_old_resize_coordinates(after: onnx.ModelProto) -> None:
     """Upsample and Resize before opset 11 map output to input coordinates as `x / scale`
     (asymmetric) and, in nearest mode, take the index below (above when downsampling), as
     onnxruntime runs them; onnx's converter writes the Resize of opset 11 without saying so,
     whose defaults are half-pixel coordinates and rounding to the nearest index (a model's
-    linear Upsample then computed 29 dB off the original). The converted Resize states the old
-    rule; a nearest Resize that samples up along one axis and down along another, which no
-    single rounding of opset 11 describes, is left as converted."""
-    graphs = list(all_graphs(before.graph))
-    old = {node.output[0]: node for graph in graphs for node in graph.node
-           if node.op_type in ("Upsample", "Resize") and node.domain in DEFAULT_DOMAINS
-           and node.output}
-    constants = {t.name: t for graph in graphs for t in graph.initializer}
-    constants.update((node.output[0], a.t) for graph in graphs for node in graph.node
-                     if node.op_type == "Constant" and node.output
-                     for a in node.attribute if a.name == "value")
+    linear Upsample then computed 29 dB off the original). Every Resize of the converted model
+    comes from such an operator (the model was below opset 11), and states the old rule; a
+    nearest Resize that samples up along one axis and down along another, which no single
+    rounding of opset 11 describes, or whose scales are not constant, keeps its rounding."""
     for graph in all_graphs(after.graph):
+        constants = {t.name: t for t in graph.initializer}
+        constants.update((node.output[0], a.t) for node in graph.node
+                         if node.op_type == "Constant" and node.output
+                         for a in node.attribute if a.name == "value")
         for node in graph.node:
-            if node.op_type != "Resize" or not node.output or node.output[0] not in old:
+            if node.op_type != "Resize" or node.domain not in DEFAULT_DOMAINS:
                 continue
             attributes = {a.name: a for a in node.attribute}
             if "coordinate_transformation_mode" not in attributes:
                 node.attribute.append(onnx.helper.make_attribute(
                     "coordinate_transformation_mode", "asymmetric"))
             mode = attributes["mode"].s if "mode" in attributes else b"nearest"
-            if mode != b"nearest" or "nearest_mode" in attributes:
+            scales = constants.get(node.input[2]) if len(node.input) > 2 else None
+            if mode != b"nearest" or "nearest_mode" in attributes or scales is None:
                 continue
-            scales = _scales(old[node.output[0]], constants)
-            resized = [s for s in scales if s != 1.0] if scales is not None else []
-            if all(s > 1.0 for s in resized):
+            resized = [float(v) for v in onnx.numpy_helper.to_array(scales).ravel() if v != 1.0]
+            if all(v > 1.0 for v in resized):
                 node.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
-            elif all(s < 1.0 for s in resized):
+            elif all(v < 1.0 for v in resized):
                 node.attribute.append(onnx.helper.make_attribute("nearest_mode", "ceil"))
-
-
-def _scales(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> list[float] | None:
-    """The constant scales of an Upsample or Resize before opset 11 (attribute or input)."""
-    for attribute in node.attribute:
-        if attribute.name == "scales":
-            return list(attribute.floats)
-    name = node.input[1] if len(node.input) > 1 else ""
-    tensor = constants.get(name)
-    if tensor is None:
-        return None
-    return [float(v) for v in onnx.numpy_helper.to_array(tensor).ravel()]
 
 
 def _rank(value: onnx.ValueInfoProto) -> int | None:
