@@ -18,16 +18,20 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import onnx
 
 from qcal._accuracy_stage import (
+    PREPARED_CHECK_SAMPLES,
     _Accuracy,
     _compute_macs,
     _improve_accuracy,
+    prepared_model_drift,
     time_against_users_model,
+    users_model,
 )
 from qcal._inputs import (
     _accuracy_sources,
@@ -310,20 +314,29 @@ def calibrate(
     if warning is not None:
         exactness_notes = [*exactness_notes, warning]
     coverage = measure_coverage(prepared, plan, macs, integer_anyway)
-    speed = None
+    speed = drift = None
     # A model of large weights is timed only for the --fail-if-slower gate: two more sessions
     # would double memory (so the built-in not-slower gate is not checked on it). Small weights
     # in a file of their own (torch.onnx's dynamo exporter writes a model of a few MB so) are
     # timed.
     if (weight_file is None or config.fail_if_slower is not None
             or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
+        users = users_model(model_path)
+        # a float16 model widened to float32 computes more precisely than the user's: no gauge
+        widened = any(step.name == "widen-half" for step in steps)
+        drift = None if users is None or widened else prepared_model_drift(
+            users, prepared, islice((feed for feed, _ in data_mod.iter_batches(calib, inputs, 1)),
+                                    PREPARED_CHECK_SAMPLES), config)
         with timings.stage("latency"):
-            speed = time_against_users_model(model_path, prepared, loaded, quant_model,
+            speed = time_against_users_model(users, prepared, loaded, quant_model,
                                              first_feed, config)
+        del users
         timings.seconds.update(speed.figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached, speed)
+    if drift is not None and not drift.passed:
+        gates.append(drift)
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.

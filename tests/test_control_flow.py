@@ -512,3 +512,32 @@ def test_sensitivity_and_fallback_run_on_a_model_with_weights_inside_a_branch(
     assert "W1" not in measured and "W0" in measured
     assert result.report["fallback"]["steps"]
     onnx.checker.check_model(result.model, full_check=True)
+
+
+@pytest.mark.parametrize("body_heavy", [True, False])
+def test_the_coverage_floor_skips_a_model_whose_weights_sit_in_its_bodies(body_heavy: bool) -> None:
+    """The coverage figure counts the main graph only (a body's work depends on its
+    iterations); where the bodies hold most of the compute's weights (a Loop running a Conv
+    over a sequence after a small Conv), a share of the main graph's is no measure of the
+    model, and the coverage floor is not checked on it."""
+    import dataclasses
+
+    from qcal.accuracy.coverage import compute_macs, measure_coverage
+    from qcal.accuracy.gates import Gates, check_gates
+    from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
+
+    model, _ = loop_model(np.random.default_rng(21))
+    if not body_heavy:  # the main graph's MatMul wider than the body's
+        v = next(t for t in model.graph.initializer if t.name == "V")
+        wide = np.zeros((4, 64), np.float32)
+        v.CopyFrom(numpy_helper.from_array(wide, "V"))
+        model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 64
+    prepared, _ = prepare_model(model)
+    plan = plan_quantization(prepared, SelectionRules())
+    coverage = measure_coverage(prepared, plan, compute_macs(prepared, None))
+    assert coverage.mostly_in_bodies is body_heavy
+    assert coverage.note is not None
+    assert ("coverage floor is not checked" in coverage.note) is body_heavy
+    none_quantized = dataclasses.replace(coverage, quantized_nodes=0, macs_quantized=0)
+    failed = [g.option for g in check_gates(Gates(coverage_floor=70.0), None, none_quantized)]
+    assert ("coverage-floor" in failed) is not body_heavy

@@ -180,3 +180,4 @@ def test_the_quantized_model_is_timed_against_the_users_einsum_not_the_matmul(
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert [[n.op_type for n in m.graph.node] for m in timed] == [["Einsum"]]
+

@@ -87,6 +87,9 @@ class Coverage:
         note: what the figure leaves out (shapes unknown: it counts nodes; compute inside
             If/Loop/Scan bodies), or None.
         anything_quantized: whether the plan quantizes any node at all.
+        mostly_in_bodies: the compute nodes inside If/Loop/Scan bodies hold more weights than
+            those of the main graph: the figure is no measure of the model (the coverage
+            floor is not checked on it).
     """
 
     basis: str
@@ -96,6 +99,7 @@ class Coverage:
     macs_quantized: int | None
     note: str | None = None
     anything_quantized: bool = True
+    mostly_in_bodies: bool = False
 
     @property
     def fraction(self) -> float:
@@ -184,19 +188,38 @@ def measure_coverage(
     quantized = quantized_compute(model, plan) | set(integer_anyway)
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
-    bodies = "; ".join(n for n in (_bodies_note(model, plan), _recurrent_note(model)) if n) \
-        or None
+    mostly_in_bodies = _mostly_in_bodies(model)
+    bodies_note = _bodies_note(model, plan)
+    if mostly_in_bodies and bodies_note:
+        bodies_note += ("; they hold most of its weights, so the coverage floor is not checked "
+                        "on this figure")
+    bodies = "; ".join(n for n in (bodies_note, _recurrent_note(model)) if n) or None
     if unknown:
         note = (
             f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
             f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
         )
         return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
-                        "; ".join(n for n in (note, bodies) if n), anything)
+                        "; ".join(n for n in (note, bodies) if n), anything, mostly_in_bodies)
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
     return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
-                    anything_quantized=anything)
+                    anything_quantized=anything, mostly_in_bodies=mostly_in_bodies)
+
+
+def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
+    """Whether the compute nodes inside If/Loop/Scan bodies hold more weight elements than the
+    main graph's (a Loop running a Conv over a sequence, a tiny Conv before it): the main
+    graph's share then says little of the model."""
+    graphs = list(all_graphs(model.graph))
+    # a body reads its weights from an enclosing graph as often as from its own
+    constants = {t.name: math.prod(t.dims) for g in graphs for t in g.initializer}
+
+    def weights(graph: onnx.GraphProto) -> int:
+        return sum(constants.get(n.input[1], 0) for n in graph.node
+                   if _is_compute(n) and len(n.input) > 1)
+    inside = sum(weights(g) for g in graphs if g is not model.graph)
+    return inside > weights(model.graph)
 
 
 def _bodies_note(model: onnx.ModelProto, plan: QuantPlan) -> str | None:

@@ -20,7 +20,8 @@ from qcal.numerics.errors import AccuracyGateError
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
 
 # Gates every run checks, set by no option.
-BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor", "not-slower"})
+BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor", "not-slower",
+                            "prepared-model"})
 # Gates whose value is a yes/no: whether the fallback reached its target.
 _REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
 _YES_NO = " (1 yes, 0 no)"
@@ -75,6 +76,8 @@ class GateResult:
             limit = f"the coverage floor {self.threshold:g} (--min-coverage)"
         if self.option == "not-slower":
             limit = "1 beyond the timing noise, always checked; --allow-slower accepts it"
+        if self.option == "prepared-model":
+            limit = f"{self.threshold:g}, always checked (a preparation step changed your model)"
         return f"{self.measure} {value} vs {limit}: {verdict}"
 
     def to_json(self) -> dict[str, object]:
@@ -136,7 +139,8 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
                                   value >= gates.fail_if_coverage_below and not broken))
-    if gates.coverage_floor is not None and coverage.compute_nodes:
+    if gates.coverage_floor is not None and coverage.compute_nodes and not \
+            coverage.mostly_in_bodies:
         value = 100.0 * coverage.fraction
         if value < gates.coverage_floor:  # checked always: only a miss is a result
             results.append(GateResult(
