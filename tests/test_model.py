@@ -611,6 +611,21 @@ def test_plan_needs_named_nodes_and_a_float_model() -> None:
         plan_quantization(quantized, SelectionRules())
 
 
+@pytest.mark.parametrize(("op", "domain"), [("MatMulNBits", "com.microsoft"),
+                                            ("QLinearMatMul", ""), ("MatMulInteger", ""),
+                                            ("QLinearAdd", "com.microsoft")])
+def test_a_model_computing_on_integer_codes_is_already_quantized(op: str, domain: str) -> None:
+    """A weight-only model's MatMulNBits reads float activations and has no Q/DQ pair; it is
+    quantized all the same (it was quantized again, with nothing to show for it)."""
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "w"], ["y"], name="integer", domain=domain)], "g",
+        [float_input("x", [2, 8])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(ModelError, match=f"'integer' is a {op}: the model is already quantized"):
+        plan_quantization(model, SelectionRules())
+
+
 def test_plan_is_deterministic_and_sorted() -> None:
     model = conv_bn_relu(np.random.default_rng(23))
     first, second = _plan(model), _plan(model)

@@ -24,6 +24,21 @@ if TYPE_CHECKING:
     from qcal.graph.traps import Traps
 
 _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+# Operators that compute on integer codes: a model holding one is quantized already, though it
+# may have no Q/DQ pair (a weight-only model's MatMulNBits reads float activations).
+_QUANTIZED_OPS = _QDQ_OPS | {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger"}
+_QUANTIZED_CONTRIB_OPS = frozenset({
+    "MatMulNBits", "MatMulBnb4", "GatherBlockQuantized", "QGemm", "QAttention",
+    "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QOrderedMatMul", "DynamicQuantizeLSTM",
+})
+
+
+def _quantized_op(node: onnx.NodeProto) -> bool:
+    if node.domain in DEFAULT_DOMAINS:
+        return node.op_type in _QUANTIZED_OPS
+    return node.domain == "com.microsoft" and (
+        node.op_type in _QDQ_OPS or node.op_type in _QUANTIZED_CONTRIB_OPS
+        or node.op_type.startswith("QLinear"))
 
 
 def _check_selection(model: onnx.ModelProto, rules: SelectionRules) -> None:
@@ -45,7 +60,7 @@ def _check_selection(model: onnx.ModelProto, rules: SelectionRules) -> None:
         if node.name in names:
             raise ModelError(f"node name {node.name!r} is used twice; run prepare_model first")
         names.add(node.name)
-        if node.op_type in _QDQ_OPS and node.domain in (*DEFAULT_DOMAINS, "com.microsoft"):
+        if _quantized_op(node):
             raise ModelError(
                 f"node {node.name!r} is a {node.op_type}: the model is already "
                 "quantized, and qcal quantizes float models only"
