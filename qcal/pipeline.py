@@ -24,15 +24,7 @@ from typing import Any
 
 import onnx
 
-from qcal._accuracy_stage import (
-    PREPARED_CHECK_SAMPLES,
-    _Accuracy,
-    _compute_macs,
-    _improve_accuracy,
-    prepared_model_drift,
-    time_against_users_model,
-    users_model,
-)
+from qcal._accuracy_stage import _Accuracy, _compute_macs, _improve_accuracy
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
@@ -58,6 +50,12 @@ from qcal._quantize_tensors import (
 from qcal._reuse import reuse_statistics
 from qcal._stages import Progress, _stage_progress, _Timings
 from qcal._transforms import apply_transforms
+from qcal._users_model import (
+    PREPARED_CHECK_SAMPLES,
+    prepared_model_drift,
+    time_against_users_model,
+    users_model,
+)
 from qcal._weight_only import (
     WeightOnlyResult,
     check_weight_only_config,

@@ -126,7 +126,7 @@ def test_a_slower_model_exits_7_unless_allowed(tmp_path: Path,
     """The measurement stands in for a model the machine runs slower quantized: exit 7 with
     one line naming the gate and the way to accept it, both files written; --allow-slower, or a
     limit of the user's own (--fail-if-slower), accepts it."""
-    monkeypatch.setattr("qcal._accuracy_stage.time_side_by_side", _slower)
+    monkeypatch.setattr("qcal._users_model.time_side_by_side", _slower)
 
     result, report = _calibrate(tmp_path, "default")
     assert result.exit_code == errors.AccuracyGateError.exit_code
@@ -146,7 +146,7 @@ def test_a_run_found_as_fast_records_no_speed_gate(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Built-in gates are results only when they fail: measured slower but within the noise,
     the run passes and its report lists no not-slower gate."""
-    monkeypatch.setattr("qcal._accuracy_stage.time_side_by_side",
+    monkeypatch.setattr("qcal._users_model.time_side_by_side",
                         lambda *args, **kwargs: SideBySide(_slower().figures, 1.3, ()))
     result, report = _calibrate(tmp_path, "q")
     assert result.exit_code == 0, result.output

@@ -159,7 +159,7 @@ def test_the_quantized_model_is_timed_against_the_users_einsum_not_the_matmul(
 ) -> None:
     """"Slower than float" is about the model the user gave: the not-slower gate times the
     quantized model against the file's Einsum, not the MatMul qcal wrote for it."""
-    import qcal._accuracy_stage as stage
+    import qcal._users_model as stage
     from qcal.cli import main
 
     rng = np.random.default_rng(32)
