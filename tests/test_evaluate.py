@@ -307,24 +307,26 @@ def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() 
     assert len(small.outputs) == 1
 
 
+def _sigmoid_after(op: str, constant: float) -> onnx.ModelProto:
+    """p = Sigmoid(x `op` constant), x and p of shape [N, 3, 5]."""
+    nodes = [helper.make_node(op, ["x", "c"], ["t"], name="affine"),
+             helper.make_node("Sigmoid", ["t"], ["p"], name="sigmoid")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 3, 5])],
+        initializer=[onnx.numpy_helper.from_array(np.asarray(constant, np.float32), "c")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
     """Voice activity per frame, multi-label tags: every element of a sigmoid's output is a
     decision (p > 0.5), and the agreement counts them, as an independent threshold says."""
     x, _, _ = _sequence_data()
     shift = np.float32(0.3)
-
-    def model(bias: np.float32) -> onnx.ModelProto:
-        nodes = [helper.make_node("Add", ["x", "b"], ["t"], name="shift"),
-                 helper.make_node("Sigmoid", ["t"], ["p"], name="sigmoid")]
-        graph = helper.make_graph(
-            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5])],
-            [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 3, 5])],
-            initializer=[onnx.numpy_helper.from_array(np.asarray(bias, np.float32), "b")])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
     expected = float(np.mean((x > 0) == (x + shift > 0)))  # sigmoid(t) > 0.5 iff t > 0
     assert 0.0 < expected < 1.0
-    out = compare_models(model(np.float32(0.0)), model(shift), [({"x": x}, 4)]).outputs[0]
+    out = compare_models(_sigmoid_after("Add", 0.0), _sigmoid_after("Add", shift),
+                         [({"x": x}, 4)]).outputs[0]
     assert out.top1_agreement == pytest.approx(expected)
 
 
@@ -335,17 +337,8 @@ def test_a_sparse_sigmoid_map_is_held_to_the_sqnr_floor_as_well() -> None:
     rng = np.random.default_rng(7)
     x = np.where(rng.random((50, 3, 5)) < 0.02, 2.0, -6.0).astype(np.float32)
     x += rng.normal(0.0, 0.1, x.shape).astype(np.float32)
-
-    def model(scale: float) -> onnx.ModelProto:
-        nodes = [helper.make_node("Mul", ["x", "k"], ["t"], name="scale"),
-                 helper.make_node("Sigmoid", ["t"], ["p"], name="sigmoid")]
-        graph = helper.make_graph(
-            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 5])],
-            [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 3, 5])],
-            initializer=[onnx.numpy_helper.from_array(np.asarray(scale, np.float32), "k")])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-    comparison = compare_models(model(1.0), model(0.12), [({"x": x}, 50)])
+    comparison = compare_models(_sigmoid_after("Mul", 1.0), _sigmoid_after("Mul", 0.12),
+                                [({"x": x}, 50)])
     out = comparison.outputs[0]
     assert out.decisions == "threshold" and out.top1_agreement == 1.0  # every decision holds
     assert out.sqnr_db is not None and out.sqnr_db < 10  # the probabilities do not
