@@ -472,3 +472,28 @@ def test_the_report_and_console_say_which_providers_ran(tmp_path: Path) -> None:
     }
     assert "3 of 3 nodes quantized" in report["console"]
     assert "with CPUExecutionProvider" in report["console"]
+
+
+def test_a_conv_whose_output_is_below_the_smallest_step_stays_float(tmp_path: Path) -> None:
+    """A Conv whose outputs are all about 1e-9 (a ConvNeXt block's layer scale of 1e-6 folded
+    into its last Conv, random weights): its output cannot be quantized, and an integer Conv
+    writes integers, so it stays float at once, saying why (onnxruntime ran it in float on
+    dequantized weights, and the report blamed onnxruntime)."""
+    rng = np.random.default_rng(10)
+    nodes = [
+        helper.make_node("Conv", ["x", "W1"], ["h"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "W2"], ["tiny"], name="scaled"),
+        helper.make_node("Add", ["tiny", "x"], ["y"], name="residual"),
+    ]
+    model = build_model(
+        nodes, [float_input("x", ["N", 8, 6, 6])], ["y"],
+        {"W1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.3,
+         "W2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32) * 1e-9})
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 8, 6, 6)).astype(np.float32))
+    report = calibrate_cli(tmp_path, model, data, "--min-coverage", "0", "--no-fallback")
+    reasons = {n["name"]: (n["quantized"], n["reason"]) for n in report["nodes"]}
+    assert reasons["scaled"][0] is False
+    assert "its integer kernel would write its output 'tiny'" in reasons["scaled"][1]
+    assert "smallest scale the preset allows" in reasons["scaled"][1]
+    assert "onnxruntime runs it in float" not in reasons["scaled"][1]

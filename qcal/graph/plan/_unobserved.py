@@ -11,6 +11,8 @@ from qcal.graph.plan._types import ActivationTarget, NodeDecision, QuantPlan
 from qcal.graph.plan._walk import _CONTROL_FLOW_OPS, _walk_nodes
 from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs
 
+_INTEGER_OUTPUT_OPS = frozenset({"Conv", "ConvTranspose"})
+
 
 def leave_unobserved_float(
     model: onnx.ModelProto, plan: QuantPlan, unobserved: Iterable[str],
@@ -33,12 +35,15 @@ def leave_unobserved_float(
     planned = {t.tensor for t in plan.activations}
     idle: dict[str, str] = {}  # node -> why it stays float
     producers: dict[str, str] = {}  # planned activation -> node writing it
+    writes_integers: set[str] = set()  # Conv, ConvTranspose: their integer kernels write codes
 
     def visit(graph: onnx.GraphProto, where: str | None) -> None:
         local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
         for node in graph.node:
             local.update(node.output)
             producers.update((v, node.name) for v in node.output if v in planned)
+            if node.op_type in _INTEGER_OUTPUT_OPS and node.domain in DEFAULT_DOMAINS:
+                writes_integers.add(node.name)
         mine = planned & local
         if where is not None and mine and mine <= dropped:
             reason = f"inside {where}, which never ran during calibration: left float"
@@ -53,6 +58,13 @@ def leave_unobserved_float(
 
     visit(model.graph, None)
     dropped.update(why)
+    # A Conv whose own output cannot be quantized cannot run in integers at all: onnxruntime
+    # would run it in float on dequantized weights, behind a Quantize/Dequantize of its input.
+    for tensor, cause in why.items():
+        writer = producers.get(tensor)
+        if writer in writes_integers and writer not in idle:
+            idle[writer] = (f"left float: its integer kernel would write its output {tensor!r} "
+                            f"in integers, and {cause}")
     activations = []
     for target in plan.activations:
         consumers = tuple(c for c in target.consumers if c not in idle)
