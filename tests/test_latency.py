@@ -163,3 +163,18 @@ def test_who_is_held_to_the_gate(options: dict[str, Any], held: bool) -> None:
     from qcal.config import CalibrationConfig
 
     assert CalibrationConfig(**options).gates().not_slower is held
+
+
+def test_the_not_slower_gate_gives_the_ratio_of_the_thread_count_found_slower() -> None:
+    """Found slower at 2 threads only (1.26x), with a burst of load making the 1-thread figure
+    3.66x without it being beyond the noise: the gate says 2 threads and 1.26, not 3.66."""
+    from qcal.accuracy.coverage import Coverage
+    from qcal.accuracy.gates import Gates, check_gates
+
+    figures = {"latency_float_1_thread": 1.0, "latency_quantized_1_thread": 3.66,
+               "latency_float_2_threads": 1.0, "latency_quantized_2_threads": 1.26}
+    speed = SideBySide(figures, 3.66, (2,))
+    coverage = Coverage("macs", 1, 1, 10, 10)
+    (gate,) = check_gates(Gates(not_slower=True), None, coverage, speed=speed)
+    assert gate.option == "not-slower" and "slower at 2 threads" in gate.measure
+    assert gate.value == pytest.approx(1.26)

@@ -153,9 +153,12 @@ def check_gates(
             speed is not None and speed.worst_ratio <= gates.fail_if_slower and not broken))
     if gates.not_slower and speed is not None and speed.clearly_slower:
         threads = " and ".join(str(t) for t in speed.clearly_slower)
+        # the ratio at the thread counts found slower (a burst of load can make the other
+        # count's figure the larger one without it being beyond the noise)
+        ratio = max(speed.ratio(t) for t in speed.clearly_slower)
         results.append(GateResult(
             "not-slower", f"quantized/float latency on this machine, slower at {threads} "
-            f"thread{'s' * (speed.clearly_slower != (1,))} (x)", 1.0, speed.worst_ratio, False))
+            f"thread{'s' * (speed.clearly_slower != (1,))} (x)", 1.0, ratio, False))
     if fallback_reached is False and (results or gates.floor_is_gate):
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"

@@ -101,6 +101,13 @@ class SideBySide:
     worst_ratio: float
     clearly_slower: tuple[int, ...]
 
+    def ratio(self, threads: int) -> float:
+        """Quantized/float median latency at `threads` (1.0 where not timed)."""
+        unit = "thread" if threads == 1 else "threads"
+        float_s = self.figures.get(f"latency_float_{threads}_{unit}", 0.0)
+        quant_s = self.figures.get(f"latency_quantized_{threads}_{unit}", 0.0)
+        return quant_s / float_s if float_s > 0 else 1.0
+
 
 def measure_latency(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
