@@ -1,5 +1,7 @@
 """qcal: post-training calibration of ONNX models into QDQ models."""
 
+import logging
+
 from qcal._version import __version__
 
 from qcal.config import CalibrationConfig, TensorOverride
@@ -121,3 +123,7 @@ __all__ = [
     "select_range",
     "to_onnx_qparams",
 ]
+
+# The library never prints: its log records go where the application sends them (the CLI shows
+# what matters in its summary), never to Python's last-resort handler on stderr.
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -84,6 +84,10 @@ def load_labels(path: Path) -> np.ndarray:
         raise DataError(f"{path}: labels file not found") from None
     except (OSError, ValueError) as err:
         raise DataError(f"{path}: cannot read labels ({err})") from None
+    if not isinstance(labels, np.ndarray):  # an .npz archive: several arrays, not one
+        labels.close()
+        raise DataError(f"{path}: labels must be one .npy array of class indices, not an "
+                        ".npz archive")
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise DataError(f"{path}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
     return np.asarray(labels, dtype=np.int64)

@@ -127,7 +127,8 @@ def unrepresentable_ranges(
             continue  # a copy of another tensor's parameters: judged with it, below
         observed = float(np.max(choice.observed.max - choice.observed.min))
         span = np.asarray(choice.stats.max, np.float64) - np.asarray(choice.stats.min, np.float64)
-        steps = float(np.max(span / np.asarray(qparams.scale, np.float64)))
+        with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale (a constant 0)
+            steps = float(np.max(span / np.asarray(qparams.scale, np.float64)))
         grid = qparams.quant_max - qparams.quant_min
         at_floor = float(np.max(qparams.scale)) <= floor * (1 + 1e-6)
         if observed > 0 and at_floor and steps < grid * _FEWEST_STEPS_SHARE:

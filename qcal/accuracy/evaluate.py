@@ -330,8 +330,15 @@ def compare_models(
     samples = 0
     for batch, (feed, n) in enumerate(batches):
         _check_finite(feed, samples, n)
-        x_outputs = reference.run(batch, names, feed)
-        y_outputs = quant_session.run(names, dict(feed))
+        try:
+            x_outputs = reference.run(batch, names, feed)
+            y_outputs = quant_session.run(names, dict(feed))
+        except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
+            # data that fits the inputs' declared shapes may still not fit the model (a
+            # dimension only its weights fix): the data's fault, by sample
+            which = f"sample {samples}" if n == 1 else f"samples {samples}-{samples + n - 1}"
+            raise DataError(f"onnxruntime failed on evaluation {which}: "
+                            f"{' '.join(str(err).split())}") from None
         batch_labels = None
         if labels is not None:
             if samples + n > labels.shape[0]:

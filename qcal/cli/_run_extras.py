@@ -64,6 +64,13 @@ class RunExtras:
             if path.resolve() in taken:
                 raise ConfigError(f"{option}: {path} is also the path of another output")
             taken.append(path.resolve())
+        step_summary = os.environ.get(STEP_SUMMARY)
+        if step_summary:  # appended to at the end: found unwritable now, not after the work
+            try:
+                with open(step_summary, "a", encoding="utf-8"):
+                    pass
+            except OSError as err:
+                raise OutputError(f"${STEP_SUMMARY} {step_summary}: {err.strerror or err}") from None
 
     def drift(self, report: Mapping[str, Any]) -> Drift | None:
         if self._baseline_report is None or self.baseline is None:

@@ -94,7 +94,8 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
     """The inputs a calibration sample must feed: graph inputs that are not initializers.
 
     Raises:
-        ModelError: naming the input when it is not a tensor or has no element type or rank.
+        ModelError: naming the input when it is not a tensor or has no element type or rank;
+            when the model takes no inputs or declares no outputs.
     """
     initializers = {t.name for t in model.graph.initializer}
     specs = []
@@ -117,6 +118,10 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
             raise ModelError(f"model input {value.name!r} has no shape (unknown rank)")
         shape = tuple(_dimension(d) for d in tensor_type.shape.dim)
         specs.append(InputSpec(name=value.name, dtype=np.dtype(dtype), shape=shape))
+    if not specs:  # a constant model: no data reaches it, nothing is computed from data
+        raise ModelError("the model takes no inputs: there is nothing to calibrate")
+    if not model.graph.output:
+        raise ModelError("the model declares no outputs: there is nothing to calibrate")
     return specs
 
 

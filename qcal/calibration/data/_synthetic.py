@@ -4,6 +4,7 @@ without data (the result is not calibrated; callers say so loudly).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
 SYNTHETIC_FREE_DIM = 1
 """Size given to a symbolic or unknown dimension in synthetic data (dim 0, the batch, is also 1)."""
 SYNTHETIC_INT_HIGH = 10
+# A declared shape past this makes no sample of random data (a dimension of 2^40 asked 4 TiB of
+# memory and failed inside numpy).
+_LARGEST_SAMPLE_BYTES = 1 << 32
 """Synthetic integer inputs are drawn uniformly from [0, SYNTHETIC_INT_HIGH)."""
 
 
@@ -59,6 +63,13 @@ class SyntheticSource:
             )
             for spec in self._inputs
         }
+        for spec in self._inputs:
+            name, shape = spec.name, self._shapes[spec.name]
+            size = math.prod(shape) * np.dtype(spec.dtype).itemsize
+            if size > _LARGEST_SAMPLE_BYTES:
+                raise DataError(
+                    f"synthetic data: input {name!r} declares the shape {list(shape)}, "
+                    f"{size / 2**30:.3g} GiB a sample; pass --data PATH")
 
     def num_samples(self) -> int:
         """The requested number of samples (capped by the limit)."""

@@ -29,6 +29,13 @@ def check_output_path(path: Path, *, inputs: Iterable[Path], force: bool, what: 
         raise OutputError(f"{what} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{what} {path}: directory {parent} is not writable")
+    try:  # before any work: the access bits do not tell (root, read-only or virtual mounts)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise OutputError(f"{what} {path}: cannot write in directory {parent} "
+                          f"({err.strerror or err})") from None
     if resolved.exists() and not force:
         raise OutputError(f"{what} {path}: already exists (use --force to overwrite)")
 
@@ -69,7 +76,11 @@ def stage_file(path: Path, data: bytes) -> StagedFile:
     Raises:
         OutputError: the write failed (a full disk, a quota, an I/O error); nothing is left.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.resolve().parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                   dir=path.resolve().parent)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

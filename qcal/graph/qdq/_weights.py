@@ -20,6 +20,7 @@ from qcal.graph.qdq._codes import (
     _numpy_float,
     _quantize_bias_codes,
 )
+from qcal.numerics.errors import ModelError
 
 if TYPE_CHECKING:
     from qcal.graph.plan import BiasTarget, WeightTarget
@@ -105,6 +106,9 @@ class _WeightWriter(_Writer):
                     f"{bias.tensor}_corrected", values.astype(_numpy_float(float_type))))
                 scopes.drop_if_unused(bias.tensor)
             return
+        if not np.all(np.isfinite(values)):  # the model's own fault: no int32 code holds it
+            raise ModelError(f"bias {bias.tensor!r} of node {bias.node!r} holds NaN or "
+                             "infinite values: the model computes them there")
         scale, axis = self._bias_scale(bias, values.shape, input_qparams, weight_qparams)
         stored_scale = scale.astype(_numpy_float(float_type))
         if not (np.all(np.isfinite(stored_scale)) and np.all(stored_scale > 0)):

@@ -1,0 +1,159 @@
+"""Bad input meets a clear error with its documented exit code and no output, never an internal
+error; the library never prints. Cases a new user ran into."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.cli import main
+
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
+
+
+def _qcal(*args: str | Path, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=False)
+
+
+def _digits(folder: Path) -> Path:
+    for path in SAMPLES.glob("digits_cnn*"):
+        shutil.copy(path, folder / path.name)
+    return folder / "digits_cnn.onnx"
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_a_folder_the_output_cannot_be_written_in_is_found_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As root the access bits say yes where a write fails (a read-only or virtual mount)."""
+    from qcal.graph.files import atomic
+
+    model = _digits(tmp_path)
+    real = atomic.tempfile.mkstemp
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if Path(kwargs.get("dir", "")).name == "locked":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refused)
+    (tmp_path / "locked").mkdir()
+    for option in ("-o", "--report", "--summary-md"):
+        outputs = {"-o": tmp_path / "q.onnx", "--report": tmp_path / "q.json"}
+        outputs[option] = tmp_path / "locked" / "out"
+        result = _qcal("calibrate", model, *(x for pair in outputs.items() for x in pair), "-q")
+        assert result.exit_code == 6, result.output
+        assert "cannot write in directory" in result.output and "locked" in result.output
+    assert not list((tmp_path / "locked").iterdir())
+    # the CI job page, appended to at the end: found unwritable at the start
+    result = _qcal("calibrate", model, "-o", tmp_path / "q.onnx", "--report", tmp_path / "r.json",
+                   "-q", env={"GITHUB_STEP_SUMMARY": str(tmp_path / "missing" / "page.md")})
+    assert result.exit_code == 6 and "GITHUB_STEP_SUMMARY" in result.output
+    assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_labels_given_as_an_npz_archive_are_bad_data(tmp_path: Path) -> None:
+    model = _digits(tmp_path)
+    result = _qcal("calibrate", model, "--labels", tmp_path / "digits_cnn.eval.npz", "-o",
+                   tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q")
+    assert result.exit_code == 5 and "not an .npz archive" in result.output
+
+
+def test_a_model_without_inputs_or_outputs_is_a_bad_model(tmp_path: Path) -> None:
+    graph = helper.make_graph([], "empty", [], [])
+    path = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                 tmp_path / "empty.onnx")
+    result = _qcal("calibrate", path, "--synthetic", "4", "-o", tmp_path / "q.onnx",
+                   "--report", tmp_path / "q.json", "-q")
+    assert result.exit_code == 4 and "takes no inputs" in result.output
+
+
+def _symbolic_matmul(tmp_path: Path) -> Path:
+    """x: [A, B], every dimension symbolic; only the weight says B is 4."""
+    weight = numpy_helper.from_array(np.ones((4, 8), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["A", "B"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["A", 8])], [weight])
+    return _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                 tmp_path / "m.onnx")
+
+
+def test_evaluation_data_onnxruntime_cannot_run_is_bad_data(tmp_path: Path) -> None:
+    model = _symbolic_matmul(tmp_path)
+    np.savez(tmp_path / "ok.npz", x=np.ones((4, 3, 4), np.float32))
+    np.savez(tmp_path / "bad.npz", x=np.ones((4, 3, 5), np.float32))
+    for args in (("compare", model, model, "--data", tmp_path / "bad.npz"),
+                 ("calibrate", model, "--data", tmp_path / "ok.npz", "--eval-data",
+                  tmp_path / "bad.npz", "-o", tmp_path / "q.onnx", "--report",
+                  tmp_path / "q.json", "-q")):
+        result = _qcal(*args)
+        assert result.exit_code == 5, result.output
+        assert "onnxruntime failed on evaluation sample 0" in result.output
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_bias_holding_nan_is_the_models_fault(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    bias = np.zeros(8, np.float32)
+    bias[2] = np.nan
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "W"),
+             numpy_helper.from_array(bias, "B")]
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "B"], ["y"], name="gemm", transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], inits)
+    model = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                  tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 16)).astype(np.float32))
+    result = _qcal("calibrate", model, "--data", tmp_path / "d.npz", "-o", tmp_path / "q.onnx",
+                   "--report", tmp_path / "q.json", "-q")
+    assert result.exit_code == 4 and "bias 'B'" in result.output
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_synthetic_data_for_a_huge_declared_shape_is_refused(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2**40])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2**40])])
+    model = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                  tmp_path / "m.onnx")
+    result = _qcal("calibrate", model, "--synthetic", "2", "-o", tmp_path / "q.onnx",
+                   "--report", tmp_path / "q.json", "-q")
+    assert result.exit_code == 5 and "input 'x'" in result.output
+
+
+def test_the_library_never_prints(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Its log records (a Fortran-order .npy read whole) go to no last-resort handler."""
+    from qcal import CalibrationConfig
+    from qcal.pipeline import calibrate
+
+    model = _digits(tmp_path)
+    images = np.load(tmp_path / "digits_cnn.calib.npz")["image"][:8]
+    np.save(tmp_path / "images.npy", np.asfortranarray(images))
+    root = logging.getLogger()
+    before = list(root.handlers)
+    for handler in before:  # as a bare script has it: no handler anywhere
+        root.removeHandler(handler)
+    try:
+        calibrate(model, CalibrationConfig(data=tmp_path / "images.npy", allow_slower=True))
+    finally:
+        for handler in before:
+            root.addHandler(handler)
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""
