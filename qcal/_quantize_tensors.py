@@ -23,7 +23,7 @@ from qcal.graph.qdq import InsertQDQ, QuantizedWeight
 from qcal.graph.structure import FLOAT_TYPES, all_graphs
 from qcal.numerics import fakequant
 from qcal.numerics.bias_correction import output_mean_shift
-from qcal.numerics.errors import DataError, EmptyStatisticsError, ModelError
+from qcal.numerics.errors import ConfigError, DataError, EmptyStatisticsError, ModelError
 from qcal.numerics.gptq import gptq_weight
 from qcal.numerics.observers import MinMaxStats, Observer, PerChannel, PerTensor
 from qcal.numerics.onnx_mapping import OnnxQParams
@@ -372,3 +372,15 @@ def blame_nan_weights(model: onnx.ModelProto) -> None:
             if np.isnan(values).any():
                 raise ModelError(f"weight {tensor.name!r} holds NaN: the model computes NaN "
                                  "whatever the data")
+
+
+def refuse_non_finite_scales(records: Mapping[str, TensorRecord], preset: str) -> None:
+    """ConfigError naming the first tensor whose framework scale is not finite: the preset's
+    grid cannot hold its values (one code: a 1-bit signed grid with a narrow range)."""
+    for name in sorted(records):
+        qparams = records[name].qparams
+        if qparams is not None and not np.all(np.isfinite(np.asarray(qparams.scale))):
+            raise ConfigError(
+                f"preset {preset!r}: the scale of tensor {name!r} is not finite "
+                f"({np.asarray(qparams.scale).ravel()[0]:g}): the preset's grid is too narrow "
+                "for it (more bits, or another preset option)")

@@ -45,6 +45,7 @@ from qcal._quantize_tensors import (
     blame_nan_weights,
     build_quantized,
     layer_input_targets,
+    refuse_non_finite_scales,
     unrepresentable_ranges,
 )
 from qcal._reuse import reuse_statistics
@@ -253,6 +254,7 @@ def calibrate(
             )
             del layer_inputs
             records.update(weight_records)
+            refuse_non_finite_scales(records, preset.name)
 
         with timings.stage("qdq"):
             build = partial(build_quantized, prepared, act_params, weights, weight_file,

@@ -157,3 +157,14 @@ def test_the_library_never_prints(tmp_path: Path, capfd: pytest.CaptureFixture[s
             root.addHandler(handler)
     captured = capfd.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+def test_a_preset_grid_too_narrow_for_a_tensor_is_a_configuration_error(tmp_path: Path) -> None:
+    """TensorFlow's 1-bit grid (valid by its own rules) gives some tensor an infinite scale:
+    a clear exit 3 naming preset and tensor, where the report could not be written (exit 1)."""
+    model = _digits(tmp_path)
+    result = _qcal("calibrate", model, "--preset", "tensorflow", "--preset-option", "num_bits=1",
+                   "-o", tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q")
+    assert result.exit_code == 3, result.output
+    assert "preset 'tensorflow'" in result.output and "is not finite" in result.output
+    assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "q.json").exists()
