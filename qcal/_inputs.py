@@ -26,6 +26,8 @@ from qcal.numerics.observers import MinMaxStats
 from qcal.numerics.onnx_mapping import OnnxQParams
 from qcal.numerics.presets import build_preset
 
+_NEWEST_TYPES_OPSET = 21  # int4/uint4/int16/uint16 QuantizeLinear
+
 
 def _selection_rules(config: CalibrationConfig) -> SelectionRules:
     skipped = {name for name, o in config.tensors.items() if o.skip}
@@ -54,10 +56,12 @@ def _zero_at_floor(onnx_qparams: OnnxQParams) -> bool:
 
 
 def _unit_range_qparams(config: CalibrationConfig) -> OnnxQParams:
-    """The ONNX parameters the preset gives activations in [0, 1]."""
+    """The ONNX parameters the preset gives activations in [0, 1], at the newest opset the run
+    may take (a 16-bit preset has no type of its own below opset 21, where the run itself says
+    so, if it comes to that: this only tells 8-bit parameters apart)."""
     recipe = build_preset(config.preset, config.preset_options).activation
     stats = MinMaxStats(np.array(0.0, np.float32), np.array(1.0, np.float32))
-    return recipe.to_onnx(recipe.qparams(stats))
+    return recipe.to_onnx(recipe.qparams(stats), opset=max(config.opset, _NEWEST_TYPES_OPSET))
 
 
 def _eval_source_path(config: CalibrationConfig, model_path: Path) -> Path | None:

@@ -168,3 +168,18 @@ def test_a_preset_grid_too_narrow_for_a_tensor_is_a_configuration_error(tmp_path
     assert result.exit_code == 3, result.output
     assert "preset 'tensorflow'" in result.output and "is not finite" in result.output
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "q.json").exists()
+
+
+def test_opset_21_enables_16_bit_activations(tmp_path: Path) -> None:
+    """The README's `--opset 21` for int16: it was refused ("needs opset 21, got 13") by a
+    check of the preset's parameters made at the default opset."""
+    model = _digits(tmp_path)
+    args = ["calibrate", model, "--preset", "horizon", "--preset-option", "dtype=qint16",
+            "-o", tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q", "--force"]
+    result = _qcal(*args)
+    assert result.exit_code == 3 and "needs opset 21" in result.output
+    result = _qcal(*args, "--opset", "21")
+    assert result.exit_code == 0, result.output
+    codes = {t.data_type for t in onnx.load(tmp_path / "q.onnx").graph.initializer
+             if t.name.endswith("_zero_point")}
+    assert TensorProto.INT16 in codes
