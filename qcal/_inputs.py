@@ -55,6 +55,13 @@ def _zero_at_floor(onnx_qparams: OnnxQParams) -> bool:
         np.all(np.asarray(onnx_qparams.zero_point) == lowest))
 
 
+def data_described(source: Any) -> str:
+    """Calibration data as an error names it."""
+    if source.is_synthetic:  # its free dimensions are 1: a model may need others
+        return "synthetic data (every free dimension 1; pass --data PATH)"
+    return str(source.path) if source.path is not None else "calibration data"
+
+
 def _unit_range_qparams(config: CalibrationConfig) -> OnnxQParams:
     """The ONNX parameters the preset gives activations in [0, 1], at the newest opset the run
     may take (a 16-bit preset has no type of its own below opset 21, where the run itself says

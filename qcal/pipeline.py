@@ -33,6 +33,7 @@ from qcal._inputs import (
     _exact_runs,
     _labels_path,
     _selection_rules,
+    data_described,
     load_labels,
 )
 from qcal._quantize_tensors import (
@@ -224,9 +225,9 @@ def calibrate(
                         # evaluated on the calibration data: its float outputs come from here
                         outputs=None if source is not calib else _output_sink(prepared, reference),
                     )
-                except DataError:
+                except DataError as err:
                     blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
-                    raise
+                    raise DataError(f"{data_described(calib)}: {err}") from None
 
         with timings.stage("qparams"):
             records = _activation_records(plan, observers, preset.activation, config, opset,
@@ -408,6 +409,7 @@ def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSin
 
 
 _TIMED_WEIGHT_BYTES = 256 << 20  # float weights up to which a model in files is timed
+
 
 
 

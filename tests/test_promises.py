@@ -183,3 +183,15 @@ def test_opset_21_enables_16_bit_activations(tmp_path: Path) -> None:
     codes = {t.data_type for t in onnx.load(tmp_path / "q.onnx").graph.initializer
              if t.name.endswith("_zero_point")}
     assert TensorProto.INT16 in codes
+
+
+def test_calibration_data_onnxruntime_cannot_run_is_named(tmp_path: Path) -> None:
+    """Data that fits every declared (symbolic) dimension but not the weights: the error names
+    the file, or says synthetic data set the free dimensions to 1."""
+    model = _symbolic_matmul(tmp_path)
+    np.savez(tmp_path / "bad.npz", x=np.ones((4, 3, 5), np.float32))
+    outputs = ["-o", tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q"]
+    result = _qcal("calibrate", model, "--data", tmp_path / "bad.npz", *outputs)
+    assert result.exit_code == 5 and "bad.npz: onnxruntime failed on calibration" in result.output
+    result = _qcal("calibrate", model, "--synthetic", "4", *outputs)
+    assert result.exit_code == 5 and "synthetic data (every free dimension 1" in result.output
