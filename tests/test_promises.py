@@ -195,3 +195,17 @@ def test_calibration_data_onnxruntime_cannot_run_is_named(tmp_path: Path) -> Non
     assert result.exit_code == 5 and "bad.npz: onnxruntime failed on calibration" in result.output
     result = _qcal("calibrate", model, "--synthetic", "4", *outputs)
     assert result.exit_code == 5 and "synthetic data (every free dimension 1" in result.output
+
+
+def test_an_onnxruntime_table_folder_is_written_again_with_force(tmp_path: Path) -> None:
+    """The README's folder (created if missing): an existing one, empty or written by the run
+    before, was refused as "is a directory" even with --force."""
+    model = _digits(tmp_path)
+    (tmp_path / "tbl").mkdir()
+    args = ["calibrate", model, "--write-ranges", f"onnxruntime-table={tmp_path / 'tbl'}", "-o",
+            tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q"]
+    assert _qcal(*args).exit_code == 0
+    assert (tmp_path / "tbl" / "calibration.json").is_file()
+    again = _qcal(*args)
+    assert again.exit_code == 6 and "already exists" in again.output
+    assert _qcal(*args, "--force").exit_code == 0

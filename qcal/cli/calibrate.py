@@ -215,7 +215,8 @@ def _check_range_exports(
     """`--write-ranges` and `--checkpoint` paths, checked before anything runs."""
     from qcal.graph.files.atomic import check_output_path
 
-    for path in [*exports.values(), *([checkpoint] if checkpoint is not None else [])]:
+    files = [p for kind, p in exports.items() if kind != "onnxruntime-table"]  # a folder's below
+    for path in [*files, *([checkpoint] if checkpoint is not None else [])]:
         check_output_path(path, inputs=[model, *outputs], force=True, what="ranges")
     for kind, path in exports.items():
         if kind == "onnxruntime-table":  # a folder: its three files are checked
