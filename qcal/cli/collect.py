@@ -28,7 +28,9 @@ _SHARED = (
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--histograms/--no-histograms", default=True, show_default=True,
               help="Keep a histogram of every tensor beside its min/max, so that every range "
-                   "method can be chosen later (--no-histograms: faster, min/max methods only).")
+                   "method can be chosen later (--no-histograms: only what --method needs, "
+                   "min/max for minmax and moving-average, the histogram for the others; the "
+                   "file then serves that method only).")
 @click.option("--checkpoint", type=_path,
               help="Write the statistics so far to this file as the collection goes, and "
                    "resume from it if it exists.")
