@@ -7,7 +7,6 @@ y" and never a scan of ``graph.node`` by name.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,7 +38,6 @@ __all__ = [
     "int_attribute",
     "keep_declared_shapes",
     "node_subgraphs",
-    "sort_nodes",
     "static_shapes",
     "subgraph_reads",
 ]
@@ -306,49 +304,6 @@ def check_wiring(graph: onnx.GraphProto, outer: Iterable[str] = ()) -> str | Non
         if output.name not in defined:
             return f"graph output {output.name!r} is not produced"
     return None
-
-
-def sort_nodes(graph: onnx.GraphProto) -> bool:
-    """Put `graph`'s nodes, and those of its subgraphs, in topological order; whether any moved.
-
-    Stable: nodes already in order keep it, and a node waits only for the nodes of the same
-    graph that write what it reads (inside its subgraphs too). onnxruntime runs an unsorted
-    graph (onnxruntime's own float16 converter writes the input Casts last), onnx.checker
-    refuses it. A graph with a cycle keeps its order, for the checker to name.
-    """
-    moved = False
-    for body in (body for node in graph.node for body in node_subgraphs(node)):
-        moved = sort_nodes(body) or moved  # every body sorted, none skipped
-    nodes = list(graph.node)
-    writer = {value: position for position, node in enumerate(nodes)
-              for value in node.output if value}
-    waits_for = [{writer[v] for v in (*node.input, *subgraph_reads(node)) if v in writer}
-                 - {position} for position, node in enumerate(nodes)]
-    if all(w < position for position, waits in enumerate(waits_for) for w in waits):
-        return moved
-    readers: list[list[int]] = [[] for _ in nodes]
-    for position, waits in enumerate(waits_for):
-        for w in waits:
-            readers[w].append(position)
-    pending = [len(waits) for waits in waits_for]
-    ready = [position for position, count in enumerate(pending) if count == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        position = heapq.heappop(ready)
-        order.append(position)
-        for reader in readers[position]:
-            pending[reader] -= 1
-            if pending[reader] == 0:
-                heapq.heappush(ready, reader)
-    if len(order) < len(nodes):
-        return moved
-    copies = [onnx.NodeProto() for _ in nodes]
-    for copy, position in zip(copies, order):
-        copy.CopyFrom(nodes[position])
-    del graph.node[:]
-    graph.node.extend(copies)
-    return True
 
 
 def element_types(graph: onnx.GraphProto) -> dict[str, int]:

@@ -5,6 +5,7 @@ it is read, keeps large weights in their files, runs onnx.checker and hashes the
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from qcal.graph.files import large as _large
-from qcal.graph.structure import all_graphs, attribute_graphs, sort_nodes
+from qcal.graph.structure import all_graphs, attribute_graphs, node_subgraphs, subgraph_reads
 from qcal.numerics.errors import ModelError
 
 __all__ = ["LoadedModel", "load_model"]
@@ -66,7 +67,7 @@ def load_model(path: Path | str) -> LoadedModel:
     external = list(_external_tensors(model))
     # onnxruntime runs a graph whose nodes are out of order (its own float16 converter writes
     # the input Casts last); onnx.checker and qcal's passes want them sorted.
-    resorted = sort_nodes(model.graph)
+    resorted = _sort_nodes(model.graph)
     if not external:
         if _declare_output_shapes(path, model) or resorted:
             data = model.SerializeToString()  # the checker reads the model as changed
@@ -287,3 +288,46 @@ def _one_line(err: BaseException) -> str:
     """The error's text on one line (onnx.checker breaks its sentences over several)."""
     text = " ".join(str(err).split())
     return text if text else type(err).__name__
+
+
+def _sort_nodes(graph: onnx.GraphProto) -> bool:
+    """Put `graph`'s nodes, and those of its subgraphs, in topological order; whether any moved.
+
+    Stable: nodes already in order keep it, and a node waits only for the nodes of the same
+    graph that write what it reads (inside its subgraphs too). onnxruntime runs an unsorted
+    graph (onnxruntime's own float16 converter writes the input Casts last), onnx.checker
+    refuses it. A graph with a cycle keeps its order, for the checker to name.
+    """
+    moved = False
+    for body in (body for node in graph.node for body in node_subgraphs(node)):
+        moved = _sort_nodes(body) or moved  # every body sorted, none skipped
+    nodes = list(graph.node)
+    writer = {value: position for position, node in enumerate(nodes)
+              for value in node.output if value}
+    waits_for = [{writer[v] for v in (*node.input, *subgraph_reads(node)) if v in writer}
+                 - {position} for position, node in enumerate(nodes)]
+    if all(w < position for position, waits in enumerate(waits_for) for w in waits):
+        return moved
+    readers: list[list[int]] = [[] for _ in nodes]
+    for position, waits in enumerate(waits_for):
+        for w in waits:
+            readers[w].append(position)
+    pending = [len(waits) for waits in waits_for]
+    ready = [position for position, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        position = heapq.heappop(ready)
+        order.append(position)
+        for reader in readers[position]:
+            pending[reader] -= 1
+            if pending[reader] == 0:
+                heapq.heappush(ready, reader)
+    if len(order) < len(nodes):
+        return moved
+    copies = [onnx.NodeProto() for _ in nodes]
+    for copy, position in zip(copies, order):
+        copy.CopyFrom(nodes[position])
+    del graph.node[:]
+    graph.node.extend(copies)
+    return True
