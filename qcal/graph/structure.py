@@ -39,6 +39,7 @@ __all__ = [
     "keep_declared_shapes",
     "node_subgraphs",
     "static_shapes",
+    "string_attribute",
     "subgraph_reads",
 ]
 
@@ -170,6 +171,14 @@ def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
     for attribute in node.attribute:
         if attribute.name == name:
             return float(attribute.f)
+    return default
+
+
+def string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
+    """`node`'s string attribute `name`, or `default` when it has none."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return str(attribute.s.decode())
     return default
 
 

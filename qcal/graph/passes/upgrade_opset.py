@@ -13,7 +13,13 @@ from onnx.onnx_cpp2py_export import version_converter
 
 from qcal.graph.files.large import run_detached
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, all_graphs, attribute_graphs, default_opset
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    all_graphs,
+    attribute_graphs,
+    default_opset,
+    string_attribute,
+)
 from qcal.numerics.errors import ConfigError, ModelError
 
 __all__ = ["UpgradeOpset"]
@@ -127,9 +133,9 @@ def _keep_old_resize_coordinates(after: onnx.ModelProto) -> None:
             if "coordinate_transformation_mode" not in attributes:
                 node.attribute.append(onnx.helper.make_attribute(
                     "coordinate_transformation_mode", "asymmetric"))
-            mode = attributes["mode"].s if "mode" in attributes else b"nearest"
             scales = constants.get(node.input[2]) if len(node.input) > 2 else None
-            if mode != b"nearest" or "nearest_mode" in attributes or scales is None:
+            if (string_attribute(node, "mode", "nearest") != "nearest"
+                    or "nearest_mode" in attributes or scales is None):
                 continue
             resized = [float(v) for v in onnx.numpy_helper.to_array(scales).ravel() if v != 1.0]
             if all(v > 1.0 for v in resized):

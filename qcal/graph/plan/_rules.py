@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import onnx
 import onnx.numpy_helper
 
-from qcal.graph.structure import int_attribute
+from qcal.graph.structure import int_attribute, string_attribute
 
 
 def _conv_weight_axis(node: onnx.NodeProto, rank: int) -> int | None:
@@ -84,7 +84,7 @@ def _pad_refuses(
 ) -> str | None:
     """A Pad copies its input's values and, in constant mode, adds its constant: a quantized
     Pad is exact when that constant is 0 (the zero point's code), the default."""
-    if _string_attribute(node, "mode", "constant") != "constant":
+    if string_attribute(node, "mode", "constant") != "constant":
         return None
     value = node.input[2] if len(node.input) > 2 else ""
     if not value:
@@ -236,10 +236,3 @@ SAME_SCALE_OPS = frozenset(
         "Pad",  # its input's values and 0, which every grid holds exactly (the zero point)
     }
 )
-
-
-def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return str(attribute.s.decode())
-    return default

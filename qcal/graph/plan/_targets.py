@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from qcal.graph.plan._rules import SAME_SCALE_OPS, _string_attribute
+from qcal.graph.plan._rules import SAME_SCALE_OPS
 from qcal.graph.plan._types import BiasTarget, NodeDecision, WeightTarget
-from qcal.graph.structure import DEFAULT_DOMAINS
+from qcal.graph.structure import DEFAULT_DOMAINS, string_attribute
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _shared_outputs(
         return []
     if node.op_type not in SAME_SCALE_OPS:
         return []
-    if node.op_type == "Resize" and _string_attribute(node, "mode", "nearest") == "cubic":
+    if node.op_type == "Resize" and string_attribute(node, "mode", "nearest") == "cubic":
         return []  # cubic interpolation overshoots its inputs
     source = node.input[0] if node.input else ""
     outputs = [o for o in node.output[: None if node.op_type == "Split" else 1] if o]

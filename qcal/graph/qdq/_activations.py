@@ -13,7 +13,13 @@ import onnx
 from qcal.graph.placement import ANCHOR_OPS, FUSED_ACTIVATIONS
 from qcal.graph.qdq._base import _Writer
 from qcal.graph.qdq._codes import _same_qparams
-from qcal.graph.structure import DEFAULT_DOMAINS, SHAPE_READERS, SUBGRAPH_SLOT, Use
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    SHAPE_READERS,
+    SUBGRAPH_SLOT,
+    Use,
+    string_attribute,
+)
 
 if TYPE_CHECKING:
     from qcal.graph.plan import ActivationTarget
@@ -186,7 +192,7 @@ class _ActivationWriter(_Writer):
         parameters of its output `tensor`, so that onnxruntime runs it on the integers."""
         if producer.op_type not in _INTEGER_DATA_OPS or tensor != producer.output[0]:
             return False
-        if producer.op_type == "Resize" and _string_attribute(producer, "mode") not in (
+        if producer.op_type == "Resize" and string_attribute(producer, "mode", "") not in (
             "", "nearest"  # the default
         ):
             return False
@@ -225,10 +231,3 @@ class _ActivationWriter(_Writer):
 def _reads_shape_only(use: Use) -> bool:
     return (use.slot == 0 and use.node.op_type in SHAPE_READERS
             and use.node.domain in DEFAULT_DOMAINS)
-
-
-def _string_attribute(node: onnx.NodeProto, name: str) -> str:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return str(attribute.s.decode())
-    return ""

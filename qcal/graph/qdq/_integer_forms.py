@@ -43,6 +43,7 @@ from qcal.graph.structure import (
     drop_unread_initializers,
     drop_value_info,
     float_attribute,
+    string_attribute,
 )
 
 __all__ = ["write_integer_forms"]
@@ -151,7 +152,7 @@ def _pad_codes(
     dequantize, quantize, x_scale, x_zero, y_scale, y_zero, _ = pair
     if (x_scale, x_zero) != (y_scale, y_zero):
         return None
-    constant_mode = all(a.s in (b"", b"constant") for a in node.attribute if a.name == "mode")
+    constant_mode = string_attribute(node, "mode", "constant") == "constant"
     inputs = [dequantize.input[0], node.input[1],
               dequantize.input[2] if constant_mode else "", *node.input[3:4]]
     while not inputs[-1]:
