@@ -26,7 +26,7 @@ import onnx
 from qcal.accuracy.decisions import DecisionRule, decision_rules
 from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
-from qcal.numerics.errors import DataError, ModelError
+from qcal.numerics.errors import DataError, ModelError, one_line
 
 __all__ = [
     "Comparison", "FloatReference", "OutputMetrics", "compare_models", "numeric_outputs",
@@ -337,8 +337,7 @@ def compare_models(
             # data that fits the inputs' declared shapes may still not fit the model (a
             # dimension only its weights fix): the data's fault, by sample
             which = f"sample {samples}" if n == 1 else f"samples {samples}-{samples + n - 1}"
-            raise DataError(f"onnxruntime failed on evaluation {which}: "
-                            f"{' '.join(str(err).split())}") from None
+            raise DataError(f"onnxruntime failed on evaluation {which}: {one_line(err)}") from None
         batch_labels = None
         if labels is not None:
             if samples + n > labels.shape[0]:

@@ -36,7 +36,7 @@ from qcal.calibration.runtime import create_session
 from qcal.graph.model import NodeDecision, QuantPlan
 from qcal.graph.placement import QUANTIZE_SEES_THROUGH, integer_output_writers
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
-from qcal.numerics.errors import ModelError
+from qcal.numerics.errors import ModelError, one_line
 
 __all__ = ["Runnable", "make_runnable", "noted_as_integer", "quantized_by_onnxruntime"]
 
@@ -137,8 +137,7 @@ def _run_failure(
                 return _run_failure(model, feed, providers, read_back=False)
             if isinstance(err, ModelError):
                 return str(err), None, None
-            text = str(err).strip()
-            return (" ".join(text.split()) if text else type(err).__name__), None, None
+            return one_line(err), None, None
         optimized = None
         if optimized_path is not None and optimized_path.is_file():  # its weights stay there
             try:

@@ -23,6 +23,7 @@ __all__ = [
     "OutputError",
     "QcalError",
     "StatisticsError",
+    "one_line",
 ]
 
 EXIT_OK = 0
@@ -93,3 +94,10 @@ class CalibrationInterrupted(QcalError):
 
     exit_code = 130
     title = "interrupted"
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's text on one line, as an error message carries it (onnx.checker and
+    onnxruntime break theirs over several); its type's name when it has no text."""
+    text = " ".join(str(err).split())
+    return text or type(err).__name__

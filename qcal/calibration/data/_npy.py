@@ -21,8 +21,8 @@ from typing import IO, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from qcal.calibration.data._source import _native, _one_line
-from qcal.numerics.errors import DataError
+from qcal.calibration.data._source import _native
+from qcal.numerics.errors import DataError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _open_zip(path: Path) -> Iterator[zipfile.ZipFile]:
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, zipfile.BadZipFile, ValueError) as err:
-        raise DataError(f"{path}: not a readable .npz file ({_one_line(err)})") from None
+        raise DataError(f"{path}: not a readable .npz file ({one_line(err)})") from None
     with zf:
         yield zf
 
@@ -117,7 +117,7 @@ def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[i
         else:
             raise DataError(f"{origin}: unsupported .npy format version {version[0]}.{version[1]}")
     except _READ_ERRORS as err:
-        raise DataError(f"{origin}: not a valid .npy array ({_one_line(err)})") from None
+        raise DataError(f"{origin}: not a valid .npy array ({one_line(err)})") from None
     if dtype.hasobject:
         # Object arrays can only be stored pickled; loading a pickle can run arbitrary code.
         raise DataError(
@@ -137,7 +137,7 @@ def _read_headers(path: Path, names: Sequence[str]) -> dict[str, _NpyHeader]:
         with open(path, "rb") as fp:
             dtype, shape, fortran = _read_npy_header(fp, str(path))
     except OSError as err:
-        raise DataError(f"{path}: cannot read ({_one_line(err)})") from None
+        raise DataError(f"{path}: cannot read ({one_line(err)})") from None
     return {key: _NpyHeader(path.name, dtype, shape, fortran)}
 
 
@@ -156,7 +156,7 @@ def _read_npz_headers(path: Path) -> dict[str, _NpyHeader]:
                 with zf.open(info) as fp:
                     dtype, shape, fortran = _read_npy_header(fp, origin)
             except _READ_ERRORS as err:
-                raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+                raise DataError(f"{origin}: cannot read ({one_line(err)})") from None
             headers[key] = _NpyHeader(info.filename, dtype, shape, fortran)
     return headers
 
@@ -176,7 +176,7 @@ def _read_exact(
     try:
         got = fp.readinto(flat) if flat.size else 0  # type: ignore[attr-defined]
     except _READ_ERRORS as err:
-        raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+        raise DataError(f"{origin}: cannot read ({one_line(err)})") from None
     if got != flat.size:
         raise DataError(f"{origin}: truncated (expected {flat.size} bytes, found {got})")
     return out if dtype.isnative else out.astype(_native(dtype))
@@ -190,7 +190,7 @@ def _read_member(zf: _Arrays, path: Path, key: str, member: str) -> npt.NDArray[
             dtype, shape, fortran = _read_npy_header(fp, origin)
             return _read_exact(fp, shape, dtype, origin, fortran_order=fortran)
     except _READ_ERRORS as err:
-        raise DataError(f"{origin}: cannot read ({_one_line(err)})") from None
+        raise DataError(f"{origin}: cannot read ({one_line(err)})") from None
 
 
 class _RowReader:
@@ -202,7 +202,7 @@ class _RowReader:
         try:
             self._fp = zf.open(header.member)
         except _READ_ERRORS as err:
-            raise DataError(f"{self._origin}: cannot read ({_one_line(err)})") from None
+            raise DataError(f"{self._origin}: cannot read ({one_line(err)})") from None
         self._dtype, shape, fortran = _read_npy_header(self._fp, self._origin)
         self._row_shape = shape[1:]
         self._whole: npt.NDArray[Any] | None = None

@@ -27,11 +27,10 @@ from qcal.calibration.data._source import (
     Feed,
     SampleLayout,
     _check_names,
-    _one_line,
     _quoted,
     _visible,
 )
-from qcal.numerics.errors import DataError
+from qcal.numerics.errors import DataError, one_line
 
 if TYPE_CHECKING:
     from qcal.graph.model import InputSpec
@@ -185,7 +184,7 @@ def _read_tensor_header(path: Path) -> _TensorHeader:
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: cannot read TensorProto ({_one_line(err)})") from None
+        raise DataError(f"{path}: cannot read TensorProto ({one_line(err)})") from None
     return _TensorHeader(name, data_type, tuple(dims), is_external)
 
 
@@ -206,7 +205,7 @@ def _load_tensor(path: Path) -> npt.NDArray[Any]:
         tensor.ParseFromString(path.read_bytes())
         return numpy_helper.to_array(tensor)
     except (DecodeError, ValueError) as err:  # corrupt wire format; payload size != dims
-        raise DataError(f"{path}: cannot read TensorProto ({_one_line(err)})") from None
+        raise DataError(f"{path}: cannot read TensorProto ({one_line(err)})") from None
 
 
 def _test_data_sets(folder: Path) -> list[Path]:

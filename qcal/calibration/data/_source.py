@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from qcal.numerics.errors import DataError
+from qcal.numerics.errors import DataError, one_line
 
 if TYPE_CHECKING:
     from qcal.graph.model import InputSpec
@@ -54,11 +54,6 @@ class SampleLayout:
     arrays: Mapping[str, ArrayInfo]
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text or type(err).__name__
-
-
 def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
     native: np.dtype[Any] = dtype.newbyteorder("=")
     return native
@@ -96,4 +91,4 @@ def _visible(folder: Path) -> list[Path]:
             (p for p in folder.iterdir() if not p.name.startswith(".")), key=lambda p: p.name
         )
     except OSError as err:
-        raise DataError(f"{folder}: cannot list folder ({_one_line(err)})") from None
+        raise DataError(f"{folder}: cannot list folder ({one_line(err)})") from None

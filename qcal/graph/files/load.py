@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from qcal.graph.files import large as _large
 from qcal.graph.structure import all_graphs, attribute_graphs, node_subgraphs, subgraph_reads
-from qcal.numerics.errors import ModelError
+from qcal.numerics.errors import ModelError, one_line
 
 __all__ = ["LoadedModel", "load_model"]
 
@@ -91,7 +91,7 @@ def load_model(path: Path | str) -> LoadedModel:
     try:
         onnx.external_data_helper.load_external_data_for_model(model, os.fspath(folder))
     except (OSError, ValueError, onnx.checker.ValidationError) as err:
-        raise ModelError(f"{path}: cannot read external data: {_one_line(err)}") from None
+        raise ModelError(f"{path}: cannot read external data: {one_line(err)}") from None
     for tensor in _external_tensors(model):  # onnx loads dense tensors only
         raise ModelError(
             f"{path}: external data of tensor {tensor.name!r} was not loaded "
@@ -169,7 +169,7 @@ def _run_checker(path: Path, model: bytes | str) -> None:
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as err:
-        raise ModelError(f"{path}: fails onnx.checker: {_one_line(err)}") from None
+        raise ModelError(f"{path}: fails onnx.checker: {one_line(err)}") from None
 
 
 def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -281,13 +281,6 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
     if dtype.kind in "OSU":
         return None
     return count * dtype.itemsize
-
-
-
-def _one_line(err: BaseException) -> str:
-    """The error's text on one line (onnx.checker breaks its sentences over several)."""
-    text = " ".join(str(err).split())
-    return text if text else type(err).__name__
 
 
 def _sort_nodes(graph: onnx.GraphProto) -> bool:
