@@ -5,15 +5,17 @@ prepared-model gate), and the quantized model is timed against it (the not-slowe
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from qcal.accuracy.evaluate import compare_models
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.gates import GateResult
 from qcal.accuracy.latency import SideBySide, time_side_by_side
+from qcal.calibration.runtime import create_session, run_feed
 from qcal.config import CalibrationConfig
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.structure import keep_declared_shapes
@@ -44,23 +46,45 @@ def users_model(model_path: Path) -> onnx.ModelProto | None:
 
 def prepared_model_drift(
     users: onnx.ModelProto, prepared: onnx.ModelProto,
-    batches: Iterable[tuple[Mapping[str, np.ndarray], int]], config: CalibrationConfig,
+    feeds: Iterable[Mapping[str, np.ndarray]], config: CalibrationConfig,
 ) -> GateResult | None:
     """The built-in "prepared-model" gate: the prepared float model, which every figure of the
     run compares the quantized model with, must compute what the user's does on the first
-    calibration samples (`batches`; SQNR from energies summed over them, as every evaluation
-    sums: a blank page's detection map holds 1e-7 and its float rounding alone, so one such
-    sample says nothing), worst output SQNR at least PREPARED_MIN_SQNR_DB. None where
-    onnxruntime cannot run the user's model as it is."""
-    try:
-        comparison = compare_models(users, prepared, batches, providers=config.providers)
-    except Exception:  # noqa: BLE001  onnxruntime's own too: the user's may not run as it is
-        return None
-    worst = comparison.worst_finite_sqnr_db()
+    calibration samples (`feeds`: each output's error energy over their signal energy, summed
+    over them, as the evaluation sums: a blank page's detection map holds 1e-7 and its float
+    rounding alone, so one such sample says nothing), worst output SQNR at least
+    PREPARED_MIN_SQNR_DB. None where onnxruntime cannot run the user's model as it is."""
+    sessions = []
+    for model, what in ((users, "your float model"), (prepared, "the prepared float model")):
+        try:
+            session = create_session(model, providers=config.providers,
+                                     threads=COMPARE_THREADS, what=what)
+        except Exception:  # noqa: BLE001  onnxruntime's own too: the user's may not run
+            return None
+        sessions.append((session, [o.name for o in session.get_outputs()], what))
+    energy: dict[str, list[float]] = {}  # output -> [signal, noise]
+    for feed in feeds:
+        try:
+            theirs_all, ours_all = (run_feed(s, names, feed, what=what)
+                                    for s, names, what in sessions)
+        except Exception:  # noqa: BLE001  likewise
+            return None
+        for name, theirs in theirs_all.items():
+            ours = ours_all.get(name)
+            if not (isinstance(theirs, np.ndarray) and isinstance(ours, np.ndarray)
+                    and theirs.dtype.kind == "f" and theirs.shape == ours.shape):
+                continue  # sequences and maps, integer outputs: the floor compares them alone
+            finite = np.isfinite(theirs) & np.isfinite(ours)
+            a, b = theirs[finite].astype(np.float64), ours[finite].astype(np.float64)
+            sums = energy.setdefault(name, [0.0, 0.0])
+            sums[0] += float(a @ a)
+            sums[1] += float((a - b) @ (a - b))
+    worst = min((10 * math.log10(max(signal, 1e-300) / noise)
+                 for signal, noise in energy.values() if noise > 0), default=math.inf)
     return GateResult(
         "prepared-model", "worst output SQNR of qcal's prepared float model against yours on "
-        "the first calibration samples (dB)", PREPARED_MIN_SQNR_DB, worst,
-        worst is None or worst >= PREPARED_MIN_SQNR_DB)
+        "the first calibration samples (dB)", PREPARED_MIN_SQNR_DB,
+        None if math.isinf(worst) else worst, worst >= PREPARED_MIN_SQNR_DB)
 
 
 def time_against_users_model(

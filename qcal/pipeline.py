@@ -326,7 +326,7 @@ def calibrate(
         # a float16 model widened to float32 computes more precisely than the user's: no gauge
         widened = any(step.name == "widen-half" for step in steps)
         drift = None if users is None or widened else prepared_model_drift(
-            users, prepared, islice(data_mod.iter_batches(calib, inputs, 1),
+            users, prepared, islice((feed for feed, _ in data_mod.iter_batches(calib, inputs, 1)),
                                     PREPARED_CHECK_SAMPLES), config)
         with timings.stage("latency"):
             speed = time_against_users_model(users, prepared, loaded, quant_model,
