@@ -45,7 +45,7 @@ import onnx
 from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
 from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
-from qcal.graph.placement import FUSED_ACTIVATIONS
+from qcal.graph.placement import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
@@ -67,7 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
 
 Shapes = Mapping[str, tuple[int, ...]]
 ShapeProbe = Callable[[list[str]], Shapes]
@@ -173,7 +172,7 @@ def quantized_compute(model: onnx.ModelProto, plan: QuantPlan) -> set[str]:
             for t in _float_data_inputs(node, types)
         )
         if inputs_ok and (
-            node.op_type not in _OUTPUT_QUANTIZED_OPS or _output_quantized(node, index, outputs)
+            node.op_type not in INTEGER_OUTPUT_ANCHORS or _output_quantized(node, index, outputs)
         ):
             found.add(node.name)
     return found

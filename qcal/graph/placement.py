@@ -67,6 +67,7 @@ from qcal.graph.structure import (
 __all__ = [
     "ANCHOR_OPS",
     "FUSED_ACTIVATIONS",
+    "INTEGER_OUTPUT_ANCHORS",
     "PLACEMENTS",
     "QUANTIZE_SEES_THROUGH",
     "Placement",
@@ -78,7 +79,7 @@ __all__ = [
 PLACEMENTS = ("auto", "all")
 ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
-_INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
+INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
 # Activations onnxruntime folds into the QuantizeLinear after an integer kernel.
 FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 # Cheap operators onnxruntime runs on integers when their inputs and output are quantized.
@@ -220,7 +221,7 @@ def _place_among(
     tensors: dict[str, str] = {}
     for anchor in sorted(anchors):
         node = by_name[anchor]
-        if node.op_type in _INTEGER_OUTPUT_ANCHORS or not node.output:
+        if node.op_type in INTEGER_OUTPUT_ANCHORS or not node.output:
             continue
         tail = fused.get(anchor)
         if tail and node.op_type in _QUANTIZED_WITH_ACTIVATION:
@@ -384,7 +385,7 @@ def integer_output_writers(graph: onnx.GraphProto) -> dict[str, str]:
     for scope in all_graphs(graph):
         index = UseIndex.build(scope)
         for node in scope.node:
-            if (node.op_type not in _INTEGER_OUTPUT_ANCHORS or node.domain not in DEFAULT_DOMAINS
+            if (node.op_type not in INTEGER_OUTPUT_ANCHORS or node.domain not in DEFAULT_DOMAINS
                     or not node.output or not node.output[0]):
                 continue
             output = node.output[0]

@@ -7,11 +7,10 @@ from collections.abc import Iterable, Mapping
 
 import onnx
 
+from qcal.graph.placement import INTEGER_OUTPUT_ANCHORS
 from qcal.graph.plan._types import ActivationTarget, NodeDecision, QuantPlan
 from qcal.graph.plan._walk import _CONTROL_FLOW_OPS, _walk_nodes
 from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs
-
-_INTEGER_OUTPUT_OPS = frozenset({"Conv", "ConvTranspose"})
 
 
 def leave_unobserved_float(
@@ -42,7 +41,7 @@ def leave_unobserved_float(
         for node in graph.node:
             local.update(node.output)
             producers.update((v, node.name) for v in node.output if v in planned)
-            if node.op_type in _INTEGER_OUTPUT_OPS and node.domain in DEFAULT_DOMAINS:
+            if node.op_type in INTEGER_OUTPUT_ANCHORS and node.domain in DEFAULT_DOMAINS:
                 writes_integers.add(node.name)
         mine = planned & local
         if where is not None and mine and mine <= dropped:
