@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qcal.accuracy.evaluate import floor_sqnr_applies
 from qcal.accuracy.gates import GateResult, shown_down
 from qcal.report import gate_warning
 
@@ -43,7 +44,7 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
     sqnrs = [o["sqnr_db"] for o in outputs
-             if o["top1_agreement"] is None or o.get("decisions") == "threshold"]
+             if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"))]
     figures = []
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "

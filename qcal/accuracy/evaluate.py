@@ -29,7 +29,8 @@ from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
 
 __all__ = [
-    "Comparison", "FloatReference", "OutputMetrics", "compare_models", "numeric_outputs",
+    "Comparison", "FloatReference", "OutputMetrics", "compare_models", "floor_sqnr_applies",
+    "numeric_outputs",
 ]
 
 Feed = Mapping[str, np.ndarray]
@@ -41,6 +42,13 @@ Feed = Mapping[str, np.ndarray]
 # (a float Conv reading dequantized values did, in a detector head's quantized model), and
 # neither the figures (reports, `qcal compare`) nor the fallback's choices may depend on it.
 COMPARE_THREADS = 1
+
+
+def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None) -> bool:
+    """Whether the floor's SQNR applies to an output: one without decisions, or a sigmoid's map,
+    whose per-element agreement a sparse map's confident background fills (a pitch detector's
+    note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73)."""
+    return top1_agreement is None or decisions == "threshold"
 
 
 @dataclass(frozen=True)
@@ -64,10 +72,8 @@ class OutputMetrics:
 
     @property
     def floor_sqnr(self) -> bool:
-        """Whether the floor's SQNR applies: outputs without decisions, and sigmoid maps, whose
-        per-element agreement a sparse map's confident background fills (a pitch detector's
-        note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73)."""
-        return self.top1_agreement is None or self.decisions == "threshold"
+        """Whether the floor's SQNR applies (`floor_sqnr_applies`)."""
+        return floor_sqnr_applies(self.top1_agreement, self.decisions)
 
     @property
     def broken(self) -> bool:
