@@ -322,12 +322,13 @@ def calibrate(
     # timed.
     if (weight_file is None or config.fail_if_slower is not None
             or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
-        users = users_model(model_path)
-        # a float16 model widened to float32 computes more precisely than the user's: no gauge
-        widened = any(step.name == "widen-half" for step in steps)
-        drift = None if users is None or widened else prepared_model_drift(
-            users, prepared, islice((feed for feed, _ in data_mod.iter_batches(calib, inputs, 1)),
-                                    PREPARED_CHECK_SAMPLES), config)
+        with timings.stage("prepared check"):  # the user's model read again, run beside ours
+            users = users_model(model_path)
+            # a float16 model widened to float32 computes more precisely than the user's
+            widened = any(step.name == "widen-half" for step in steps)
+            drift = None if users is None or widened else prepared_model_drift(
+                users, prepared, islice((f for f, _ in data_mod.iter_batches(calib, inputs, 1)),
+                                        PREPARED_CHECK_SAMPLES), config)
         with timings.stage("latency"):
             speed = time_against_users_model(users, prepared, loaded, quant_model,
                                              first_feed, config)
