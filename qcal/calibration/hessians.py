@@ -379,7 +379,8 @@ def collect_hessians(
         names = tensors + sorted({name for o in sum_outputs.values()
                                   for name in (o.codes, o.fine, o.shape, o.total)})
         session = create_session(expose_tensors(counted, tensors), providers=providers,
-                                 threads=threads, what="layer-input model", node_order=True)
+                                 threads=threads, what="layer-input model", node_order=True,
+                                 literal_qdq=True)
         del counted
         retake = Retake(model, summed, providers, threads)
         acc = {t.node: _ExactSum(t) for t in group}

@@ -30,9 +30,15 @@ def available_providers() -> list[str]:
 
 
 def _session_options(
-    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = False
+    threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = False,
+    literal_qdq: bool = False,
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if literal_qdq:
+        # Q/DQ nodes that compute codes, not a model to deploy: onnxruntime's QDQ rewrites
+        # (moving a DequantizeLinear past a Reshape, ...) are of no use there, and at opset 21
+        # they write a QuantizeLinear whose types do not match (int8 codes, uint8 zero point).
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
     if not spin:
         # Idle onnxruntime threads sleep instead of spinning: a core they would spin on is
         # free for qcal's work between runs (statistics, metrics, the next batch's data) and
@@ -64,6 +70,7 @@ def create_session(
     spin: bool = False,
     repack: bool = False,
     optimized_to: Path | None = None,
+    literal_qdq: bool = False,
 ) -> ort.InferenceSession:
     """Open `model` in onnxruntime; `what` names the model in error messages.
 
@@ -81,6 +88,8 @@ def create_session(
     `repack`, onnxruntime repacks them as it does for any deployed model (a copy of each weight
     in its kernels' layout), for timings: its integer kernels run much slower on unpacked weights.
     With `optimized_to`, onnxruntime also writes the graph it will run there (after its fusions).
+    With `literal_qdq`, onnxruntime runs QuantizeLinear/DequantizeLinear nodes as they are
+    written, without its QDQ fusions (for graphs that compute integer codes).
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
@@ -88,7 +97,8 @@ def create_session(
             f"provider: {', '.join(missing)} not available in this onnxruntime "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
-    options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin)
+    options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin,
+                               literal_qdq=literal_qdq)
     if optimized_to is not None:
         options.optimized_model_filepath = str(optimized_to)
         # Large weights go to a file beside it: the graph is what is read back.
