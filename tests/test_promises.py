@@ -4,6 +4,7 @@ error; the library never prints. Cases a new user ran into."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
@@ -183,6 +185,38 @@ def test_opset_21_enables_16_bit_activations(tmp_path: Path) -> None:
     codes = {t.data_type for t in onnx.load(tmp_path / "q.onnx").graph.initializer
              if t.name.endswith("_zero_point")}
     assert TensorProto.INT16 in codes
+
+
+def test_signed_activations_at_opset_21_keep_bias_correction(tmp_path: Path) -> None:
+    """TensorFlow's int8 activations at `--opset 21`: onnxruntime's QDQ rewrites of the graph
+    that sums the layers' codes (bias correction) made a QuantizeLinear of mismatched types,
+    and qcal exited 4 blaming the user's model."""
+    model = _digits(tmp_path)
+    result = _qcal("calibrate", model, "--preset", "tensorflow", "--opset", "21",
+                   "-o", tmp_path / "q.onnx", "--report", tmp_path / "q.json", "-q",
+                   "--no-fallback", "--allow-slower")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert report["config"]["bias_correction"] is True
+    session = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    sample = np.load(tmp_path / "digits_cnn.eval.npz")
+    name = session.get_inputs()[0].name
+    assert np.isfinite(session.run(None, {name: sample[name][:1]})[0]).all()
+
+
+def test_an_int4_read_onnxruntime_refuses_keeps_its_node_float(tmp_path: Path) -> None:
+    """4-bit activations at `--opset 21`: onnxruntime refuses the MaxPool it would run on int4
+    codes ("... in node (pool) is invalid"). What it reads is kept float and said so; it exited
+    4 blaming the model, since the message's lower-case "node (...)" went unread."""
+    model = _digits(tmp_path)
+    result = _qcal("calibrate", model, "--preset", "tensorflow", "--preset-option",
+                   "num_bits=4", "--opset", "21", "-o", tmp_path / "q.onnx",
+                   "--report", tmp_path / "q.json", "-q", "--no-fallback", "--allow-slower")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q.json").read_text())
+    repaired = [n for n in report["nodes"] if "onnxruntime cannot run it quantized" in n["reason"]]
+    assert repaired and not any(n["quantized"] for n in repaired)
+    ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
 
 
 def test_calibration_data_onnxruntime_cannot_run_is_named(tmp_path: Path) -> None:

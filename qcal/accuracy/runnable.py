@@ -45,7 +45,7 @@ _MAX_READ_BACKS = 3  # each keeps every node found float at once: more rounds fi
 _NODE_NAMES = (
     re.compile(r"Name:'([^']+)'"),
     re.compile(r"node with name '([^']+)'"),
-    re.compile(r"Node \(([^)]+)\)"),
+    re.compile(r"Node \(([^)]+)\)", re.IGNORECASE),  # "in node (pool)" too
     re.compile(r"node ([^\s:]+):", re.IGNORECASE),
 )
 _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
