@@ -395,6 +395,9 @@ def _check_override_types(values: Mapping[str, Any], where: str) -> None:
         raise ConfigError(f"{where}method: expected a string, got {values['method']!r}")
     if "skip" in values and not isinstance(values["skip"], bool):
         raise ConfigError(f"{where}skip: expected true or false, got {values['skip']!r}")
+    if values.get("skip") and (ranged := sorted({"method", "percentile"} & set(values))):
+        raise ConfigError(f"{where}skip = true keeps the tensor float, so {ranged[0]} would "
+                          "not apply: give one or the other")
     if "percentile" in values:
         value = values["percentile"]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
