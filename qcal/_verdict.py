@@ -74,7 +74,9 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")
-    if config["fallback"] and not config["target_sqnr"] and config["max_agreement_drop"] is None:
+    # The floor is checked by the fallback, which a weight-only run does not have.
+    if (config["fallback"] and config.get("weight_only") is None and not config["target_sqnr"]
+            and config["max_agreement_drop"] is None):
         return Verdict("within-floor", "quality: within the accuracy floor", said)
     return Verdict("measured", "quality", said)
 

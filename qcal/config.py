@@ -226,7 +226,8 @@ class CalibrationConfig:
                               sqnr_on_classifiers=False)
 
     def gates(self) -> Gates:
-        """The gates of this run; missing the default floor is one even when no gate is set."""
+        """The gates of this run; missing the fallback's target (the default floor, or the
+        user's target that replaces it) is one even when no gate is set."""
         if self.target_sqnr is not None:
             target = ("target-sqnr", self.target_sqnr)
         elif self.max_agreement_drop is not None:
@@ -234,7 +235,7 @@ class CalibrationConfig:
         else:
             target = ("accuracy-floor", 0.0)
         return Gates(self.fail_under_sqnr, self.fail_under_agreement, self.fail_if_coverage_below,
-                     self.fail_if_slower, target, floor_is_gate=not self.has_fallback_target,
+                     self.fail_if_slower, target,
                      # weight-only saves memory, placement "all" emulates: not about speed
                      not_slower=(not self.allow_slower and self.fail_if_slower is None
                                  and self.weight_only is None and self.placement_mode != "all"),

@@ -302,6 +302,8 @@ def test_the_summary_and_json_line_say_what_went_to_4_bits(tmp_path: Path) -> No
     shown = CliRunner().invoke(main, base)
     assert shown.exit_code == 0, shown.output
     assert "2 MatMul/Gemm weights to 4 bits" in " ".join(shown.output.split())
+    # No fallback runs here, so no floor was checked: the figures, not a floor's verdict.
+    assert "quality:" in shown.output and "accuracy floor" not in shown.output
     line = CliRunner().invoke(main, [*base, "--json"])
     summary = json.loads(line.output)["weight_only"]
     report = json.loads((tmp_path / "o.json").read_text())["weight_only"]

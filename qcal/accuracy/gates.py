@@ -30,14 +30,14 @@ _YES_NO = " (1 yes, 0 no)"
 @dataclass(frozen=True)
 class Gates:
     """The thresholds a run must meet (None: that gate is off), and the fallback's own target
-    (its option name and threshold), which counts as a gate when the fallback misses it."""
+    (its option name and threshold: the default floor or the user's target), which counts as a
+    gate when the fallback misses it."""
 
     fail_under_sqnr: float | None = None
     fail_under_agreement: float | None = None
     fail_if_coverage_below: float | None = None
     fail_if_slower: float | None = None
     fallback_target: tuple[str, float] | None = None
-    floor_is_gate: bool = False  # the default accuracy floor: missing it fails the run
     # With the fallback on: the share of compute MACs (%) that must run in integers, whatever
     # kept the rest float (the selection, onnxruntime's own graph, the fallback).
     coverage_floor: float | None = None
@@ -159,7 +159,7 @@ def check_gates(
         results.append(GateResult(
             "not-slower", f"quantized/float latency on this machine, slower at {threads} "
             f"thread{'s' * (speed.clearly_slower != (1,))} (x)", 1.0, ratio, False))
-    if fallback_reached is False and (results or gates.floor_is_gate):
+    if fallback_reached is False:  # the default floor, or the target that replaced it
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"
                        else ("fallback target", []))
