@@ -9,6 +9,7 @@ from typing import Any
 
 from qcal.accuracy.evaluate import floor_sqnr_applies
 from qcal.accuracy.gates import GateResult, shown_down
+from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB
 from qcal.report import gate_warning
 
 __all__ = ["Verdict", "other_warnings", "quality_verdict"]
@@ -70,7 +71,8 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                else "Keeping float every tensor where the error jumps did not reach it")
         return Verdict(
             "below-floor",
-            "quality: below the accuracy floor (99 % of decisions, 10 dB on values and sigmoids)",
+            f"quality: below the accuracy floor ({100 - DEFAULT_FLOOR_AGREEMENT_DROP:g} % of "
+            f"decisions, {DEFAULT_FLOOR_SQNR_DB:g} dB on values and sigmoids)",
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")

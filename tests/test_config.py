@@ -63,8 +63,8 @@ def test_tensor_override_skip_with_a_range_names_both_keys(tmp_path: Path) -> No
     cfg = tmp_path / "qcal.toml"
     for key in ('method = "minmax"', "percentile = 99.9"):
         cfg.write_text(f'[tensors."x"]\nskip = true\n{key}\n')
-        with pytest.raises(ConfigError, match=r"qcal.toml: tensors.x.skip = true keeps the "
-                           rf"tensor float, so {key.split()[0]} would not apply"):
+        with pytest.raises(ConfigError, match=r"qcal.toml: tensors.x.skip = true keeps it "
+                           rf"float: {key.split()[0]} cannot apply"):
             config_from_mapping(load_config_file(cfg), where=f"{cfg}: ")
     cfg.write_text('[tensors."x"]\nskip = false\nmethod = "minmax"\n')
     assert config_from_mapping(load_config_file(cfg)).method_for("x") == "minmax"
