@@ -278,6 +278,41 @@ def test_a_residual_sum_or_an_output_named_as_hidden_states_has_no_agreement() -
         assert out.top1_agreement is None and out.sqnr_db is not None, kwargs
 
 
+def _two_dim_output(kind: str) -> onnx.ModelProto:
+    """[N, 4] -> y [N, 4], computed by two MatMuls then: "shift" (a normalization's last step:
+    one MatMul's output times a gain plus a beta, as tf2onnx and jax2tf write LayerNorm),
+    "residual" (a MatMul's output added to its input) or "heads" (the two MatMuls' scores
+    added, as a distilled classifier averages its heads)."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="head1"),
+             helper.make_node("MatMul", ["x", "w2"], ["m2"], name="head2")]
+    if kind == "shift":
+        nodes += [helper.make_node("Mul", ["m1", "gain"], ["scaled"], name="gain"),
+                  helper.make_node("Add", ["scaled", "beta"], ["y"], name="beta")]
+    else:
+        nodes.append(helper.make_node("Add", ["x" if kind == "residual" else "m2", "m1"], ["y"],
+                                      name="sum"))
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[onnx.numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32),
+                                                  name) for name in ("w1", "w2")]
+        + [onnx.numpy_helper.from_array(np.full(4, v, np.float32), name)
+           for name, v in (("gain", 1.5), ("beta", 0.25))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("kind", "decisions"),
+                         [("shift", False), ("residual", False), ("heads", True)])
+def test_an_add_ending_an_output_holds_scores_only_when_it_adds_heads(
+        kind: str, decisions: bool) -> None:
+    """A [N, 4] feature vector ending in a LayerNorm's shift had its argmax counted (a JAX ViT
+    failed the floor on one flip of its 64-d features while its logits agreed at 100 %)."""
+    from qcal.accuracy.decisions import decision_rules
+
+    assert ("y" in decision_rules(_two_dim_output(kind))) is decisions
+
+
 def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() -> None:
     from qcal.accuracy.evaluate import FloatReference
 

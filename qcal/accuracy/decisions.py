@@ -5,8 +5,8 @@ what a user reads; an output computed otherwise (a pooled or normalized embeddin
 states) has no meaningful argmax and is compared by SQNR and cosine only. Which outputs are
 read how, and at which shapes:
 
-* scores ``[N, classes]`` (at least 2 classes) from Gemm, MatMul, Conv, Add, Softmax or
-  LogSoftmax: one argmax per sample (a convolutional head's class maps reach it through a
+* scores ``[N, classes]`` (at least 2 classes) from Gemm, MatMul, Conv, Softmax or
+  LogSoftmax, or an Add of a constant bias or of two heads' scores to those: one argmax per sample (a convolutional head's class maps reach it through a
   global pooling, a Relu or a 1x1 Conv and a flatten);
 * a softmax over the last axis of a higher rank (a CTC recognizer's ``[N, T, classes]``, a token
   classifier): one argmax per position, since that is how such an output is decoded; and so is
@@ -126,7 +126,12 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             # Pooled too: a mean (or max) of probabilities is one, thresholded alike (a
             # voice-activity model averaging its per-frame sigmoid over the chunk).
             found[output.name] = DecisionRule(threshold=True)
-        elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer)):
+        elif node.op_type == "Add" and not (_linear(node, producer, constants)
+                                            or _class_maps(node, producer, constants)
+                                            or _sum_of_heads(node, producer, constants)):
+            continue  # a residual sum, a normalization's shift: values, not scores
+        elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer,
+                                                                             constants)):
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped),
                 linear=not pooled and _linear(node, producer, constants))
@@ -183,22 +188,39 @@ def _linear(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
             constants: set[str]) -> bool:
     """A MatMul or Gemm, or a constant added to a MatMul's output (its bias, as exporters that
     split Linear write it)."""
-    if node.op_type in ("MatMul", "Gemm"):
-        return True
+    return node.op_type in ("MatMul", "Gemm") or _bias_of(node, producer, constants, "MatMul")
+
+
+def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+                constants: set[str]) -> bool:
+    """A Conv's output, or its bias added on its own (as paddle2onnx writes it)."""
+    return node.op_type == "Conv" or _bias_of(node, producer, constants, "Conv")
+
+
+def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+                  constants: set[str]) -> bool:
+    """An Add of two heads' scores: a linear layer (or Conv) each, as a distilled classifier
+    averages its two heads (LeViT, EfficientFormer). A residual connection adds a layer's
+    output to what that layer read, a value computed otherwise."""
+    heads = [producer.get(v) for v in node.input]
+    return len(heads) == 2 and all(
+        h is not None and (h.op_type in ("Gemm", "MatMul", "Conv")
+                           or _linear(h, producer, constants)
+                           or _class_maps(h, producer, constants)) for h in heads)
+
+
+def _bias_of(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+             constants: set[str], op_type: str) -> bool:
+    """An Add of a constant to the output of an `op_type` node. Not a sum of two computed
+    values (a residual connection) nor a normalization's shift (LayerNorm written out, as
+    tf2onnx and jax2tf write it, ends in an Add of its beta to a Mul)."""
     if node.op_type != "Add" or len(node.input) != 2:
         return False
     a, b = node.input
     if b in constants:
         a, b = b, a
     computed = producer.get(b)
-    return a in constants and computed is not None and computed.op_type == "MatMul"
-
-
-def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> bool:
-    """A Conv's output, or its bias added on its own (as paddle2onnx writes it)."""
-    if node.op_type == "Add":
-        return any(p.op_type == "Conv" for p in (producer.get(v) for v in node.input) if p)
-    return node.op_type == "Conv"
+    return a in constants and computed is not None and computed.op_type == op_type
 
 
 def _positive_scalars(model: onnx.ModelProto) -> set[str]:
