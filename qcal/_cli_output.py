@@ -173,9 +173,14 @@ def _show_accuracy(report: dict[str, Any]) -> None:
         stdout.print("  compute quantized: no Conv/MatMul/Gemm in the main graph")
     elif "macs_quantized_fraction" in cov:
         unit = "MACs" if cov["basis"] == "macs" else "nodes (shapes unknown)"
+        # a recurrent layer in a Loop (as tf2onnx writes Keras RNNs) may hold most of the work
+        inside = cov.get("compute_nodes_in_bodies") or 0
+        where = "the main graph's " if inside else ""
+        left_out = f"; {inside} more inside If/Loop/Scan bodies, not counted" if inside else ""
         stdout.print(
-            f"  compute quantized: {cov['macs_quantized_fraction']:.1%} of Conv/MatMul/Gemm {unit} "
-            f"({cov['quantized_compute_nodes']} of {cov['compute_nodes']} nodes)"
+            f"  compute quantized: {cov['macs_quantized_fraction']:.1%} of {where}"
+            f"Conv/MatMul/Gemm {unit} ({cov['quantized_compute_nodes']} of "
+            f"{cov['compute_nodes']} nodes{left_out})"
         )
     sensitivity = report.get("sensitivity")
     if sensitivity and sensitivity.get("method") == "error-jump":

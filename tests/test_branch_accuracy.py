@@ -4,6 +4,9 @@ tensor kept float there takes with it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -168,6 +171,37 @@ def test_a_model_whose_compute_is_all_in_a_branch_claims_no_share(tmp_path) -> N
     assert "no Conv/MatMul/Gemm in the main graph" in result.output
     assert "% of Conv/MatMul/Gemm" not in result.output
     assert "3 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies" in " ".join(result.output.split())
+
+
+def test_the_summary_says_its_share_is_the_main_graphs_when_bodies_hold_compute(
+        tmp_path: Path) -> None:
+    """A MatMul after an If whose branch holds three: "100 %" of compute said nothing of the
+    branch's (a Keras GRU that tf2onnx writes as a Loop was "100 % quantized", all float)."""
+    from click.testing import CliRunner
+
+    from qcal.cli import main
+
+    other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
+    model = _if_model(_matmul_branch(), other, ["N", 8])
+    model.graph.node[-1].CopyFrom(helper.make_node("MatMul", ["chosen", "head"], ["y"],
+                                                   name="head"))
+    model.graph.initializer.append(numpy_helper.from_array(
+        np.random.default_rng(14).standard_normal((8, 8)).astype(np.float32), "head"))
+    path = tmp_path / "branchy.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(13)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 1, 8)).astype(np.float32),
+             flag=np.ones(16, bool))
+    result = CliRunner().invoke(main, ["calibrate", str(path), "--data",
+                                       str(tmp_path / "data.npz"), "-o",
+                                       str(tmp_path / "q.onnx"), "--report",
+                                       str(tmp_path / "q.json"), "--allow-slower"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "of the main graph's Conv/MatMul/Gemm MACs (" in said
+    assert "of 1 nodes; 3 more inside If/Loop/Scan bodies, not counted)" in said
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert report["coverage"]["compute_nodes_in_bodies"] == 3
 
 
 def test_an_if_returning_indices_is_no_float_value_to_watch() -> None:

@@ -89,6 +89,7 @@ class Coverage:
         mostly_in_bodies: the compute nodes inside If/Loop/Scan bodies hold more weights than
             those of the main graph: the figure is no measure of the model (the coverage
             floor is not checked on it).
+        nodes_in_bodies: compute nodes inside If/Loop/Scan bodies, which the figure leaves out.
     """
 
     basis: str
@@ -99,6 +100,7 @@ class Coverage:
     note: str | None = None
     anything_quantized: bool = True
     mostly_in_bodies: bool = False
+    nodes_in_bodies: int = 0
 
     @property
     def fraction(self) -> float:
@@ -120,6 +122,7 @@ class Coverage:
             "macs_quantized": self.macs_quantized,
             "compute_nodes": self.compute_nodes,
             "quantized_compute_nodes": self.quantized_nodes,
+            "compute_nodes_in_bodies": self.nodes_in_bodies,
             "note": self.note,
         }
 
@@ -188,6 +191,8 @@ def measure_coverage(
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
     mostly_in_bodies = _mostly_in_bodies(model)
+    in_bodies = sum(_is_compute(n) for g in all_graphs(model.graph) if g is not model.graph
+                    for n in g.node)
     bodies_note = _bodies_note(model, plan)
     if mostly_in_bodies and bodies_note:
         bodies_note += ("; they hold most of its weights, so the coverage floor is not checked "
@@ -199,11 +204,13 @@ def measure_coverage(
             f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
         )
         return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
-                        "; ".join(n for n in (note, bodies) if n), anything, mostly_in_bodies)
+                        "; ".join(n for n in (note, bodies) if n), anything, mostly_in_bodies,
+                        in_bodies)
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
     return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
-                    anything_quantized=anything, mostly_in_bodies=mostly_in_bodies)
+                    anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
+                    nodes_in_bodies=in_bodies)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
