@@ -22,6 +22,7 @@ from rich.table import Table
 
 from qcal._verdict import other_warnings, quality_verdict
 from qcal.accuracy.gates import GateResult
+from qcal.accuracy.latency import looks_slower
 from qcal.drift import Drift
 from qcal.report import reasons_by_kind
 
@@ -247,7 +248,7 @@ def _show_latency(timings: Mapping[str, float], weight_only: bool = False) -> No
     why = ("unpacking 4-bit weights costs more than reading them saves"
            if weight_only else "the Q/DQ pairs and the float ops between them cost more than the "
            "integer kernels save")
-    if ratio > 1.05:
+    if looks_slower(ratio):
         stdout.print(f"[yellow]{line}: slower than the float model; on this model {why}[/]")
     else:
         stdout.print(line)

@@ -39,7 +39,8 @@ def test_the_chance_of_losing_is_the_binomial_tail() -> None:
     (1.10, 10, 10, True),   # every one of 10 blocks: a fair coin does that one time in 1024
     (1.10, 10, 9, False),   # 9 of 10: one time in 93, within the noise
     (1.10, 30, 24, True),   # 24 of 30: one time in 1400
-    (1.04, 30, 30, False),  # every block, but by less than two measurements of one model differ
+    (1.04, 30, 30, True),   # every block, by more than two measurements of one model differ
+    (1.02, 30, 30, False),  # every block, but by less than that
     (0.90, 10, 0, False),
 ])
 def test_slower_means_beyond_the_noise(quantized: float, blocks: int, lost: int,

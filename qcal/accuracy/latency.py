@@ -26,7 +26,7 @@ import onnx
 
 from qcal.calibration.runtime import create_session
 
-__all__ = ["Latency", "SideBySide", "measure_latency", "time_side_by_side"]
+__all__ = ["Latency", "SideBySide", "looks_slower", "measure_latency", "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
 # A model as fast as float is timed for this many pairs (its figure); one that looks slower for
@@ -52,8 +52,15 @@ _NOISE_LEVEL = 1e-3
 # ...and its median time is over this ratio of the float model's (in both rounds, see
 # `time_side_by_side`): a run measures one sample on a machine that may be doing other work,
 # where two sessions of one model timed side by side at 2 threads differ by up to a few per cent
-# (on a 2-core machine with the other core busy, 1 of 40 runs found 1.03x in both rounds).
-_TOLERANCE = 1.05
+# (on a 2-core machine with the other core busy: 1 of 40 runs found 1.03x in both rounds, and
+# 80 runs of three models against themselves none beyond the noise, at most 1.023x). At 1.05,
+# models 4-9 % slower (a CLIP and a GPT step from torch's dynamo exporter) passed.
+_TOLERANCE = 1.03
+
+
+def looks_slower(ratio: float) -> bool:
+    """Whether a quantized/float median latency ratio is over what the gate tolerates."""
+    return ratio > _TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class Latency:
     @property
     def clearly_slower(self) -> bool:
         """Whether the quantized model is slower beyond the timing noise (`_NOISE_LEVEL`)."""
-        return (self.ratio > _TOLERANCE
+        return (looks_slower(self.ratio)
                 and _chance_of_losing(self.blocks, self.blocks_lost) < _NOISE_LEVEL)
 
 
@@ -165,7 +172,7 @@ def measure_latency(
                           len(medians[0]), sum(q > f for f, q in zip(*medians)))
         if pairs >= _MAX_PAIRS:
             return latency
-        if latency.ratio <= _TOLERANCE and not fill:
+        if not looks_slower(latency.ratio) and not fill:
             # as fast as float: the report's figure needs a few dozen pairs at most
             if pairs >= _FIGURE_PAIRS or elapsed >= budget:
                 return latency
