@@ -149,55 +149,47 @@ def test_an_input_kept_float_takes_the_weight_of_the_conv_reading_it() -> None:
     assert not conv2.quantized and "dequantize the weight at every run" in conv2.reason
 
 
-def test_a_model_whose_compute_is_all_in_a_branch_claims_no_share(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Coverage counts the main graph: with every MatMul inside an If, there is no share of
-    compute to state, and the summary says so instead of 100 % (the warning counts the
-    branch's MatMuls and how many are quantized)."""
+def _calibrate_cli(model: onnx.ModelProto, folder: Path) -> str:
+    """`qcal calibrate` on `model` (an If over x [N, 8] read by its branches) with 16 samples
+    taking the then-branch; its output, whitespace joined (rich wraps lines)."""
     from click.testing import CliRunner
 
     from qcal.cli import main
 
-    other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
-    path = tmp_path / "branchy.onnx"
-    onnx.save(_if_model(_matmul_branch(), other, ["N", 8]), path)
+    path = folder / "branchy.onnx"
+    onnx.save(model, path)
     rng = np.random.default_rng(13)
-    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 1, 8)).astype(np.float32),
+    np.savez(folder / "data.npz", x=rng.standard_normal((16, 1, 8)).astype(np.float32),
              flag=np.ones(16, bool))
-    result = CliRunner().invoke(main, ["calibrate", str(path), "--data",
-                                       str(tmp_path / "data.npz"), "-o",
-                                       str(tmp_path / "q.onnx"), "--report",
-                                       str(tmp_path / "q.json"), "--allow-slower"])
+    result = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(folder / "data.npz"),
+                                       "-o", str(folder / "q.onnx"), "--report",
+                                       str(folder / "q.json"), "--allow-slower"])
     assert result.exit_code == 0, result.output
-    assert "no Conv/MatMul/Gemm in the main graph" in result.output
-    assert "% of Conv/MatMul/Gemm" not in result.output
-    assert "3 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies" in " ".join(result.output.split())
+    return " ".join(result.output.split())
+
+
+def test_a_model_whose_compute_is_all_in_a_branch_claims_no_share(tmp_path: Path) -> None:
+    """Coverage counts the main graph: with every MatMul inside an If, there is no share of
+    compute to state, and the summary says so instead of 100 % (the warning counts the
+    branch's MatMuls and how many are quantized)."""
+    other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
+    said = _calibrate_cli(_if_model(_matmul_branch(), other, ["N", 8]), tmp_path)
+    assert "no Conv/MatMul/Gemm in the main graph" in said
+    assert "% of Conv/MatMul/Gemm" not in said
+    assert "3 Conv/MatMul/Gemm nodes inside If/Loop/Scan bodies" in said
 
 
 def test_the_summary_says_its_share_is_the_main_graphs_when_bodies_hold_compute(
         tmp_path: Path) -> None:
     """A MatMul after an If whose branch holds three: "100 %" of compute said nothing of the
     branch's (a Keras GRU that tf2onnx writes as a Loop was "100 % quantized", all float)."""
-    from click.testing import CliRunner
-
-    from qcal.cli import main
-
     other = _branch("else", [helper.make_node("Identity", ["x"], ["e_o"])], "e_o")
     model = _if_model(_matmul_branch(), other, ["N", 8])
     model.graph.node[-1].CopyFrom(helper.make_node("MatMul", ["chosen", "head"], ["y"],
                                                    name="head"))
     model.graph.initializer.append(numpy_helper.from_array(
         np.random.default_rng(14).standard_normal((8, 8)).astype(np.float32), "head"))
-    path = tmp_path / "branchy.onnx"
-    onnx.save(model, path)
-    rng = np.random.default_rng(13)
-    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 1, 8)).astype(np.float32),
-             flag=np.ones(16, bool))
-    result = CliRunner().invoke(main, ["calibrate", str(path), "--data",
-                                       str(tmp_path / "data.npz"), "-o",
-                                       str(tmp_path / "q.onnx"), "--report",
-                                       str(tmp_path / "q.json"), "--allow-slower"])
-    assert result.exit_code == 0, result.output
-    said = " ".join(result.output.split())
+    said = _calibrate_cli(model, tmp_path)
     assert "of the main graph's Conv/MatMul/Gemm MACs (" in said
     assert "of 1 nodes; 3 more inside If/Loop/Scan bodies, not counted)" in said
     report = json.loads((tmp_path / "q.json").read_text())
