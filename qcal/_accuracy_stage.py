@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+import numpy as np
 import onnx
 
 from qcal._inputs import _SampleRange
@@ -30,13 +32,24 @@ class _Accuracy:
     comparison: Comparison | None = None  # the full model's, when the floor held without help
 
 
+# Samples looked at for the one whose shapes the MACs are counted at.
+_SHAPE_SAMPLES = 32
+
+
 def _compute_macs(
     model: onnx.ModelProto, calib: Any, config: CalibrationConfig
 ) -> dict[str, int | None]:
-    first = next(iter(calib.samples()), None)
-    probe = None if first is None else shape_probe(
-        model, first, providers=config.providers, threads=config.threads)
-    return compute_macs(model, first, run_shapes=probe)
+    """MACs per compute node at the shapes of the largest of the first few samples (most input
+    values; the first of equals): a decoder step's first sample may hold an empty cache, whose
+    attention products count nothing (coverage read 99.8 % where it is 87 % at a cache of 31)."""
+    largest, most = None, -1
+    for sample in islice(calib.samples(), _SHAPE_SAMPLES):
+        size = sum(int(np.size(value)) for value in sample.values())
+        if size > most:
+            largest, most = sample, size
+    probe = None if largest is None else shape_probe(
+        model, largest, providers=config.providers, threads=config.threads)
+    return compute_macs(model, largest, run_shapes=probe)
 
 
 def _improve_accuracy(

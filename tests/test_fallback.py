@@ -313,6 +313,30 @@ def test_digits_macs_match_the_layer_formulas() -> None:
     assert coverage.macs_quantized == sum(macs.values()) - macs[nodes[0].name]
 
 
+def test_macs_are_counted_at_the_largest_of_the_first_samples(tmp_path: Path) -> None:
+    """A projection then scores against itself over T positions: T x 8 x 8 + T x T x 8 MACs.
+    The first sample holds one position (a decoder step's empty cache), the others 16: the
+    figure is that of 16 positions, where the float product of activations weighs twice the
+    projection (its share read 89 % at one position, 33 % at 16)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="project"),
+             helper.make_node("Transpose", ["h"], ["ht"], perm=[0, 2, 1], name="turn"),
+             helper.make_node("MatMul", ["h", "ht"], ["y"], name="scores")]
+    rng = np.random.default_rng(31)
+    model = build_model(nodes, [float_input("x", [1, "T", 8])], ["y"],
+                        {"w": rng.standard_normal((8, 8)).astype(np.float32)})
+    path = tmp_path / "steps.onnx"
+    onnx.save(model, path)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i, length in enumerate([1, 16, 16, 16, 16, 16, 16, 16]):
+        np.savez(folder / f"{i:02d}.npz",
+                 x=rng.standard_normal((1, length, 8)).astype(np.float32))
+    result = calibrate(path, CalibrationConfig(data=folder, fallback=False))
+    coverage = result.report["coverage"]
+    assert coverage["macs_total"] == 16 * 8 * 8 + 16 * 16 * 8
+    assert coverage["macs_quantized"] == 16 * 8 * 8
+
+
 def test_attention_counts_alike_written_out_or_as_one_operator() -> None:
     """Two heads of width 4 over 6 positions: Q K^T and the weighted sum of V hold
     2 x (1 x 2 x 6 x 6 x 4) = 576 MACs, whether two MatMuls or opset 23's Attention compute
