@@ -221,6 +221,31 @@ def test_products_of_two_activations_stay_float_under_auto() -> None:
     assert everything["qk"] and everything["pv"] and {"q", "xt", "p", "x"} <= activations
 
 
+def test_what_computes_from_constants_alone_stays_float_and_out_of_the_macs() -> None:
+    """A projection of a constant table (DeBERTa's relative positions, Swin-v2's position-bias
+    MLP), which onnxruntime computes once when it loads the float model: with Q/DQ it ran at
+    every run (1.21x float), and its MACs counted as quantized work."""
+    from qcal.accuracy.coverage import compute_macs
+
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("MatMul", ["table", "wp"], ["pos"], name="pos_proj"),
+        helper.make_node("Relu", ["pos"], ["pos_r"], name="pos_relu"),
+        helper.make_node("Transpose", ["pos_r"], ["pos_t"], name="pos_t", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj"),
+        helper.make_node("MatMul", ["q", "pos_t"], ["y"], name="scores"),
+    ]
+    inits = {name: rng.standard_normal(shape).astype(np.float32)
+             for name, shape in (("table", (5, 4)), ("wp", (4, 4)), ("wq", (4, 4)))}
+    prepared, _ = prepare_model(build_model(nodes, [float_input("x", [3, 4])], ["y"], inits))
+    decisions = {d.node: d for d in plan_quantization(prepared, SelectionRules()).nodes}
+    assert decisions["q_proj"].quantized
+    for name in ("pos_proj", "pos_relu", "pos_t"):
+        assert not decisions[name].quantized
+        assert "constants alone" in decisions[name].reason, decisions[name].reason
+    assert set(compute_macs(prepared, None)) == {"q_proj", "scores"}
+
+
 def test_a_node_onnxruntime_cannot_run_quantized_is_kept_float(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -52,6 +52,7 @@ from qcal.graph.structure import (
     FLOAT_TYPES,
     UseIndex,
     all_graphs,
+    computed_from_constants,
     element_types,
     static_shapes,
 )
@@ -133,7 +134,8 @@ def compute_macs(
     *,
     run_shapes: ShapeProbe | None = None,
 ) -> dict[str, int | None]:
-    """MACs per compute node of the main graph for `sample` (None where shapes are unknown).
+    """MACs per compute node of the main graph for `sample` (None where shapes are unknown),
+    but those that compute from constants alone (`computed_from_constants`: not work per run).
 
     Args:
         model: a prepared model (named nodes, value_info from shape inference).
@@ -142,7 +144,8 @@ def compute_macs(
             unknown (None: do not run).
     """
     graph = model.graph
-    nodes = [n for n in graph.node if _is_compute(n)]
+    once = computed_from_constants(graph)  # onnxruntime computes them when it loads the model
+    nodes = [n for n in graph.node if _is_compute(n) and n.name not in once]
     needed = sorted({t for n in nodes for t in _shape_tensors(n) if t})
     shapes = static_shapes(graph, sample)
     missing = [t for t in needed if t not in shapes]

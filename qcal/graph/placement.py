@@ -61,6 +61,7 @@ from qcal.graph.structure import (
     FLOAT_TYPES,
     UseIndex,
     all_graphs,
+    computed_from_constants,
     int_attribute,
 )
 
@@ -140,7 +141,13 @@ def place(
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
+    # Q/DQ there would make onnxruntime compute at every run what it otherwise folds once
+    for name in computed_from_constants(graph) & {n.name for n in nodes}:
+        placement.nodes[name] = ("placement auto: it computes from constants alone, which "
+                                 "onnxruntime does once, when it loads the model")
     for node in nodes:
+        if node.name in placement.nodes:
+            continue
         if node.op_type in ANCHOR_OPS and len(quantized_inputs(node)) > 1:
             if loop_body:
                 placement.nodes[node.name] = (

@@ -27,6 +27,7 @@ __all__ = [
     "all_graphs",
     "attribute_graphs",
     "check_wiring",
+    "computed_from_constants",
     "default_opset",
     "drop_unread_initializers",
     "drop_value_info",
@@ -250,6 +251,26 @@ def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     """The graphs `node` holds (an If's branches, a Loop's or Scan's body), none for most."""
     for attribute in node.attribute:
         yield from attribute_graphs(attribute)
+
+
+# Operators whose output is not a function of their inputs alone.
+_NOT_FUNCTIONS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
+                            "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
+
+def computed_from_constants(graph: onnx.GraphProto) -> set[str]:
+    """Names of the nodes of `graph` (in topological order) that compute from its initializers
+    alone, through other such nodes: work onnxruntime does once, when it loads the model
+    (DeBERTa's projections of its relative-position table, Swin-v2's position-bias MLP)."""
+    constant = {t.name for t in graph.initializer}
+    found: set[str] = set()
+    for node in graph.node:
+        inputs = [v for v in node.input if v]
+        if (inputs and all(v in constant for v in inputs) and node.domain in DEFAULT_DOMAINS
+                and node.op_type not in _NOT_FUNCTIONS and not any(node_subgraphs(node))):
+            found.add(node.name)
+            constant.update(v for v in node.output if v)
+    return found
 
 
 def subgraph_reads(node: onnx.NodeProto) -> set[str]:
