@@ -41,6 +41,8 @@ softmax, GELU, recurrent state). So under "auto":
   ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm or MatMul
   with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels
   with a float output, so attention logits and final logits stay float;
+* a node that computes from constants alone stays float: onnxruntime computes it once, when
+  it loads the model, where Q/DQ around it would have it computed at every run;
 * every other node stays float.
 
 Placement "all" quantizes every node that has a rule (full emulation of an integer target, as
