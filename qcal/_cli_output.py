@@ -21,7 +21,7 @@ from rich.progress import (
 from rich.table import Table
 
 from qcal._verdict import other_warnings, quality_verdict
-from qcal.accuracy.gates import GateResult
+from qcal.accuracy.gates import GateResult, shown_down
 from qcal.accuracy.latency import looks_slower
 from qcal.drift import Drift
 from qcal.report import reasons_by_kind
@@ -219,9 +219,13 @@ def _metrics_table(title: str, outputs: list[dict[str, Any]]) -> Table:
     for col in ("output", "SQNR dB", "cosine", "max |err|", "top-1 agree", "acc float", "acc quant"):
         table.add_column(col, justify="left" if col == "output" else "right")
     for out in outputs:
+        # SQNR and agreement rounded down, as the verdict and the gates show them: a figure
+        # just under a floor never shows as the floor, nor two figures for one measure
+        sqnr, agreement = out["sqnr_db"], out["top1_agreement"]
         table.add_row(
-            out["name"], _fmt(out["sqnr_db"], ".1f", "exact"), _fmt(out["cosine"], ".5f"),
-            _fmt(out["max_abs_error"], ".4g"), _fmt(out["top1_agreement"], ".2%"),
+            out["name"], "exact" if sqnr is None else shown_down(sqnr, 1),
+            _fmt(out["cosine"], ".5f"), _fmt(out["max_abs_error"], ".4g"),
+            "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%",
             _fmt(out["float_accuracy"], ".2%"), _fmt(out["quantized_accuracy"], ".2%"),
         )
     return table

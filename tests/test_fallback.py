@@ -753,6 +753,22 @@ def _down(percent: float) -> str:
     return f"{int(percent * 100 + 1e-9) / 100:.2f}"
 
 
+def test_the_summary_table_rounds_down_as_the_verdict_does() -> None:
+    """63 of 64 decisions (98.4375 %) at 51.56 dB: the table said 98.44 % and 51.6 dB where the
+    verdict line and the gates said 98.43 % and 51.5 dB."""
+    from rich.console import Console
+
+    from qcal._cli_output import _metrics_table
+
+    output = {"name": "logits", "sqnr_db": 51.56, "cosine": 0.99999, "max_abs_error": 0.01,
+              "top1_agreement": 63 / 64, "float_accuracy": None, "quantized_accuracy": None}
+    console = Console(width=200, record=True)
+    console.print(_metrics_table("t", [output]))
+    text = console.export_text()
+    assert f"{_down(100 * 63 / 64)}%" in text and "98.44" not in text
+    assert "51.5" in text and "51.6" not in text
+
+
 def test_a_floor_the_fallback_cannot_reach_is_a_failed_gate(trap: Path, tmp_path: Path) -> None:
     """Everything quantized and the traps armed: no choice above the coverage floor gets top-1
     agreement to 99 %. The model and report are written and the run exits 7 with the reason."""
