@@ -313,6 +313,39 @@ def test_an_add_ending_an_output_holds_scores_only_when_it_adds_heads(
     assert ("y" in decision_rules(_two_dim_output(kind))) is decisions
 
 
+def _qa_head(squeezed: bool) -> onnx.ModelProto:
+    """[N, T, 4] hidden states -> a linear head of 2 scores per position, split into start and
+    end logits [N, T] (squeezed, as a question-answering head is exported) or kept [N, T, 1]."""
+    nodes = [helper.make_node("MatMul", ["h", "w"], ["m"], name="qa"),
+             helper.make_node("Add", ["m", "b"], ["scores"], name="qa_bias"),
+             helper.make_node("Split", ["scores", "sizes"], ["s1", "e1"], name="split", axis=-1)]
+    outputs = ["s1", "e1"]
+    if squeezed:
+        nodes += [helper.make_node("Squeeze", [f"{v}1", "last"], [f"{v}_logits"], name=f"sq_{v}")
+                  for v in ("s", "e")]
+        outputs = ["s_logits", "e_logits"]
+    rng = np.random.default_rng(6)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", 7, 4])],
+        [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in outputs],
+        initializer=[onnx.numpy_helper.from_array(rng.standard_normal((4, 2)).astype(np.float32), "w"),
+                     onnx.numpy_helper.from_array(np.zeros(2, np.float32), "b"),
+                     onnx.numpy_helper.from_array(np.array([1, 1], np.int64), "sizes"),
+                     onnx.numpy_helper.from_array(np.array([-1], np.int64), "last")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_question_answering_start_and_end_logits_are_decisions_over_positions() -> None:
+    """A linear head split into one score per position and squeezed: each output's argmax over
+    the positions is the answer's start (end); they were read as values, SQNR only."""
+    from qcal.accuracy.decisions import decision_rules
+
+    rules = decision_rules(_qa_head(squeezed=True))
+    assert set(rules) == {"s_logits", "e_logits"}
+    assert all(rule.applies((2, 7)) for rule in rules.values())
+    assert decision_rules(_qa_head(squeezed=False)) == {}  # a split alone: values
+
+
 def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() -> None:
     from qcal.accuracy.evaluate import FloatReference
 

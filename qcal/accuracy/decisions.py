@@ -146,9 +146,15 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
     returns are read as computed values."""
     node = producer.get(value)
     reshaped = pooled = False
+    after = ""  # the op on the way after this one
     while node is not None and node.input:
         if node.op_type in _PASS_THROUGH:
             reshaped = reshaped or node.op_type != "Identity"
+            value = node.input[0]
+        elif node.op_type == "Split" and after == "Squeeze":
+            # one score channel of a head split off and squeezed: a question-answering head's
+            # start (or end) logits over the positions, each position a candidate
+            reshaped = True
             value = node.input[0]
         elif node.op_type in _CLASS_MAP_OPS:
             pooled = True
@@ -163,6 +169,7 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
             return _branches_sigmoid(node, index, producer, positive), True, True
         else:
             break
+        after = node.op_type
         node = producer.get(value)
     return node, reshaped, pooled
 
