@@ -179,3 +179,30 @@ def test_the_not_slower_gate_gives_the_ratio_of_the_thread_count_found_slower() 
     (gate,) = check_gates(Gates(not_slower=True), None, coverage, speed=speed)
     assert gate.option == "not-slower" and "slower at 2 threads" in gate.measure
     assert gate.value == pytest.approx(1.26)
+
+
+@pytest.mark.timing_verdict
+@pytest.mark.parametrize(("gate_failed", "allow_slower", "said"), [
+    (True, False, "slower than the float model; on this model the Q/DQ pairs"),
+    (False, False, "slower in this measurement, within the timing noise by the not-slower gate"),
+    (False, True, "slower than the float model in this measurement"),
+])
+def test_the_summary_names_a_cause_only_where_the_gate_found_it_slower(
+        gate_failed: bool, allow_slower: bool, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run under load printed "1.36x: slower than the float model; ... cost more than the
+    integer kernels save" while its not-slower gate, timing longer, passed it (0.93x in fact)."""
+    from rich.console import Console
+
+    from qcal import _cli_output
+
+    console = Console(width=300, record=True)
+    monkeypatch.setattr(_cli_output, "stdout", console)
+    gates = [{"option": "not-slower", "passed": False}] if gate_failed else []
+    config = {"preset": "pytorch", "placement": None, "allow_slower": allow_slower,
+              "fail_if_slower": None, "weight_only": None}
+    _cli_output._show_latency({
+        "timings_seconds": {"latency_float_1_thread": 1e-3, "latency_quantized_1_thread": 1.3e-3},
+        "gates": gates, "config": config})
+    text = " ".join(console.export_text().split())
+    assert said in text and "(1.30x)" in text, text
+    assert ("on this model" in text) is gate_failed  # a cause, only for a slower verdict
