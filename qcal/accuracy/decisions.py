@@ -130,6 +130,9 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
                                             or _class_maps(node, producer, constants)
                                             or _sum_of_heads(node, producer, constants)):
             continue  # a residual sum, a normalization's shift: values, not scores
+        elif not pooled and _class_maps(node, producer, constants) and not _reads_pooled(
+                node, producer, constants):
+            continue  # a Conv over a feature map, reshaped: a regression head's coordinates
         elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer,
                                                                              constants)):
             found[output.name] = DecisionRule(
@@ -214,6 +217,26 @@ def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
         h is not None and (h.op_type in ("Gemm", "MatMul", "Conv")
                            or _linear(h, producer, constants)
                            or _class_maps(h, producer, constants)) for h in heads)
+
+
+# Between a global pooling and the Conv that scores its output as a classifier head.
+_HEAD_INPUT_OPS = _PASS_THROUGH | {"Dropout", "Relu", "Clip", "HardSwish"}
+_GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax"})
+
+
+def _reads_pooled(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+                  constants: set[str]) -> bool:
+    """Whether the Conv of `node` (a Conv, or its bias added on its own) scores a globally
+    pooled vector, as a classifier's 1x1 Conv head does (Keras MobileNet: pooling, reshape,
+    Conv, reshape). A Conv over a feature map whose output is only reshaped is a regression
+    head (MediaPipe's landmark models write their coordinates so)."""
+    if node.op_type == "Add":
+        node = next(p for p in (producer.get(v) for v in node.input)
+                    if p is not None and p.op_type == "Conv")
+    source = producer.get(node.input[0]) if node.input else None
+    while source is not None and source.op_type in _HEAD_INPUT_OPS and source.input:
+        source = producer.get(source.input[0])
+    return source is not None and source.op_type in _GLOBAL_POOLS
 
 
 def _bias_of(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
