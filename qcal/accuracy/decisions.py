@@ -6,8 +6,10 @@ states) has no meaningful argmax and is compared by SQNR and cosine only. Which 
 read how, and at which shapes:
 
 * scores ``[N, classes]`` (at least 2 classes) from Gemm, MatMul, Conv, Softmax or
-  LogSoftmax, or an Add of a constant bias or of two heads' scores to those: one argmax per sample (a convolutional head's class maps reach it through a
-  global pooling, a Relu or a 1x1 Conv and a flatten);
+  LogSoftmax, or an Add of a constant bias or of two heads' scores to those: one argmax per
+  sample (a convolutional head's class maps reach it through a global pooling, a Relu or a
+  1x1 Conv on the pooled vector and a flatten; a Conv over a feature map, only reshaped, is a
+  regression head's coordinates);
 * a softmax over the last axis of a higher rank (a CTC recognizer's ``[N, T, classes]``, a token
   classifier): one argmax per position, since that is how such an output is decoded; and so is
   a linear layer's output of a higher rank (a MatMul or Gemm, or its bias added on its own,
@@ -131,7 +133,7 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
                                             or _sum_of_heads(node, producer, constants)):
             continue  # a residual sum, a normalization's shift: values, not scores
         elif not pooled and _class_maps(node, producer, constants) and not _reads_pooled(
-                node, producer, constants):
+                node, producer):
             continue  # a Conv over a feature map, reshaped: a regression head's coordinates
         elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer,
                                                                              constants)):
@@ -224,16 +226,15 @@ _HEAD_INPUT_OPS = _PASS_THROUGH | {"Dropout", "Relu", "Clip", "HardSwish"}
 _GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax"})
 
 
-def _reads_pooled(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
-                  constants: set[str]) -> bool:
+def _reads_pooled(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> bool:
     """Whether the Conv of `node` (a Conv, or its bias added on its own) scores a globally
     pooled vector, as a classifier's 1x1 Conv head does (Keras MobileNet: pooling, reshape,
     Conv, reshape). A Conv over a feature map whose output is only reshaped is a regression
     head (MediaPipe's landmark models write their coordinates so)."""
-    if node.op_type == "Add":
-        node = next(p for p in (producer.get(v) for v in node.input)
-                    if p is not None and p.op_type == "Conv")
-    source = producer.get(node.input[0]) if node.input else None
+    conv = node if node.op_type == "Conv" else next(
+        (p for p in (producer.get(v) for v in node.input) if p is not None
+         and p.op_type == "Conv"), None)
+    source = producer.get(conv.input[0]) if conv is not None and conv.input else None
     while source is not None and source.op_type in _HEAD_INPUT_OPS and source.input:
         source = producer.get(source.input[0])
     return source is not None and source.op_type in _GLOBAL_POOLS
