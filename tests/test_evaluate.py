@@ -157,14 +157,30 @@ def test_a_rank_2_output_not_computed_as_scores_has_no_agreement() -> None:
     assert out.top1_agreement is None and out.cosine == pytest.approx(-1.0)
 
 
-def test_non_finite_evaluation_inputs_are_refused_naming_the_sample() -> None:
+def test_nan_evaluation_inputs_are_refused_naming_the_sample() -> None:
     from qcal.numerics.errors import DataError
 
     good = np.ones((2, 5), np.float32)
     bad = good.copy()
     bad[1, 2] = np.nan
-    with pytest.raises(DataError, match=r"input 'x' holds NaN or infinite values in samples 2-3"):
+    with pytest.raises(DataError, match=r"input 'x' holds NaN values in samples 2-3"):
         compare_models(_scale_model(1.0), _scale_model(1.1), iter([({"x": good}, 2), ({"x": bad}, 2)]))
+
+
+def test_an_infinite_mask_in_the_evaluation_inputs_is_data() -> None:
+    """PyTorch's causal mask holds -inf; the outputs stay finite (exp(-inf) = 0). Refused as
+    "NaN or infinite", the run exited 5 where the same data calibrated without a word."""
+    nodes = [helper.make_node("Add", ["x", "mask"], ["s"], name="masked"),
+             helper.make_node("Softmax", ["s"], ["y"], name="softmax", axis=-1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(v, TensorProto.FLOAT, ["N", 5])
+                     for v in ("x", "mask")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.random.default_rng(8).standard_normal((4, 5)).astype(np.float32)
+    mask = np.where(np.arange(5) > 2, -np.inf, 0.0).astype(np.float32)[None].repeat(4, 0)
+    out = compare_models(model, model, [({"x": x, "mask": mask}, 4)]).outputs[0]
+    assert out.nonfinite_float == 0 and out.sqnr_db is None and out.top1_agreement == 1.0
 
 
 def _sequence_model(factor: np.ndarray, last: str, *, opset: int = 17,

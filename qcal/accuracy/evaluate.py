@@ -362,11 +362,14 @@ def compare_models(
 
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:
-    """Non-finite evaluation inputs make every figure meaningless: refuse them, naming where."""
-    bad = find_nonfinite({name: np.asarray(array) for name, array in feed.items()})
+    """NaN in the evaluation inputs makes every figure meaningless: refuse it, naming where.
+    Infinities are data: an attention mask of -inf (PyTorch's causal mask) is how a model is
+    fed, and the outputs' own non-finite values are counted where they occur."""
+    bad = [name for name in find_nonfinite({k: np.asarray(v) for k, v in feed.items()})
+           if np.isnan(np.asarray(feed[name])).any()]
     if bad:
         where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
-        raise DataError(f"evaluation data: input {bad[0]!r} holds NaN or infinite values in "
+        raise DataError(f"evaluation data: input {bad[0]!r} holds NaN values in "
                         f"{where} (0-based); the comparison would mean nothing")
 
 
