@@ -4,6 +4,7 @@ metric tables of a run (the report's figures, formatted for a terminal)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -30,9 +31,13 @@ from qcal.report import reasons_by_kind
 
 def _console(*, stderr: bool) -> Console:
     """Plain text when NO_COLOR is set (no colour nor any other style: https://no-color.org);
-    rich itself writes no control character when the stream is not a terminal."""
+    rich itself writes no control character when the stream is not a terminal. Nor does it
+    wrap lines there: a CI log keeps each message on one line (grep finds the verdict whole,
+    where it was cut at 80 columns)."""
     plain = bool(os.environ.get("NO_COLOR"))
-    return Console(stderr=stderr, highlight=False, color_system=None if plain else "auto")
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, highlight=False, color_system=None if plain else "auto",
+                   soft_wrap=not stream.isatty())
 
 
 stderr = _console(stderr=True)
