@@ -74,7 +74,7 @@ QCAL_REFUSALS = (3, 4, 5, 6)
 INPUT_REFUSALS = {
     "sequence, optional or map model input": r"model input '.*' is an? (sequence|optional|map)_type",
     "already quantized": r"the model is already quantized",
-    "non-finite data": r"holds NaN or infinite values|calibration data contains NaN",
+    "non-finite data": r"holds NaN( or infinite)? values|calibration data contains NaN",
     "model without inputs (empty data set)": r"no calibration data in this folder",
     # Scan-8's batch axis goes when onnx converts it to opset 9+: the model would take other inputs
     "opset upgrade would change the inputs": r"converter changes input '.*' from rank",
