@@ -181,7 +181,7 @@ def calibrate(
         check_weight_only_config(config, statistics=statistics is not None)
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
                                                            collected=statistics is not None)
-        macs = _compute_macs(prepared, calib, config)
+        macs = _compute_macs(prepared, calib, inputs, config)
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]
@@ -410,8 +410,6 @@ def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSin
 
 
 _TIMED_WEIGHT_BYTES = 256 << 20  # float weights up to which a model in files is timed
-
-
 
 
 def _large_model(model: onnx.ModelProto) -> bool:

@@ -194,9 +194,9 @@ def measure_coverage(
     anything = any(d.quantized for d in plan.nodes)
     unknown = sorted(name for name, value in macs.items() if value is None)
     mostly_in_bodies = _mostly_in_bodies(model)
-    in_bodies = sum(_is_compute(n) for g in all_graphs(model.graph) if g is not model.graph
-                    for n in g.node)
-    bodies_note = _bodies_note(model, plan)
+    in_bodies = [n.name for g in all_graphs(model.graph) if g is not model.graph
+                 for n in g.node if _is_compute(n)]
+    bodies_note = _bodies_note(in_bodies, plan)
     if mostly_in_bodies and bodies_note:
         bodies_note += ("; they hold most of its weights, so the coverage floor is not checked "
                         "on this figure")
@@ -208,12 +208,12 @@ def measure_coverage(
         )
         return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
                         "; ".join(n for n in (note, bodies) if n), anything, mostly_in_bodies,
-                        in_bodies)
+                        len(in_bodies))
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
     return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                     anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
-                    nodes_in_bodies=in_bodies)
+                    nodes_in_bodies=len(in_bodies))
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
@@ -231,11 +231,9 @@ def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
     return inside > weights(model.graph)
 
 
-def _bodies_note(model: onnx.ModelProto, plan: QuantPlan) -> str | None:
-    """What the figure leaves out: compute inside If/Loop/Scan bodies, whose MACs depend on
-    the branch taken and the number of iterations."""
-    inside = [n.name for g in all_graphs(model.graph) if g is not model.graph
-              for n in g.node if _is_compute(n)]
+def _bodies_note(inside: list[str], plan: QuantPlan) -> str | None:
+    """What the figure leaves out: compute inside If/Loop/Scan bodies (`inside`, their names),
+    whose MACs depend on the branch taken and the number of iterations."""
     if not inside:
         return None
     planned = {d.node for d in plan.nodes if d.quantized}

@@ -216,9 +216,8 @@ def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
     output to what that layer read, a value computed otherwise."""
     heads = [producer.get(v) for v in node.input]
     return len(heads) == 2 and all(
-        h is not None and (h.op_type in ("Gemm", "MatMul", "Conv")
-                           or _linear(h, producer, constants)
-                           or _class_maps(h, producer, constants)) for h in heads)
+        h is not None and (_linear(h, producer, constants) or _class_maps(h, producer, constants))
+        for h in heads)
 
 
 # Between a global pooling and the Conv that scores its output as a classifier head.

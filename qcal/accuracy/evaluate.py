@@ -24,7 +24,6 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import DecisionRule, decision_rules
-from qcal.calibration.data import find_nonfinite
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
 
@@ -365,8 +364,8 @@ def _check_finite(feed: Feed, first: int, n: int) -> None:
     """NaN in the evaluation inputs makes every figure meaningless: refuse it, naming where.
     Infinities are data: an attention mask of -inf (PyTorch's causal mask) is how a model is
     fed, and the outputs' own non-finite values are counted where they occur."""
-    bad = [name for name in find_nonfinite({k: np.asarray(v) for k, v in feed.items()})
-           if np.isnan(np.asarray(feed[name])).any()]
+    arrays = {name: np.asarray(value) for name, value in feed.items()}
+    bad = [name for name, a in arrays.items() if a.dtype.kind in "fc" and np.isnan(a).any()]
     if bad:
         where = f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
         raise DataError(f"evaluation data: input {bad[0]!r} holds NaN values in "
