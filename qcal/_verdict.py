@@ -44,16 +44,19 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                        "with the float model (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
-    sqnrs = [o["sqnr_db"] for o in outputs
-             if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"))]
+    held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"))]
+    sqnrs = [o["sqnr_db"] for o in held]
     figures = []
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
                        "float model")
     if sqnrs:
         worst = min((s for s in sqnrs if s is not None), default=None)
+        # the part of a concatenated output it is measured on (a detector's class scores)
+        part = next((f" on {o['name']}{o['sqnr_part']}" for o in held
+                     if o["sqnr_db"] == worst and o.get("sqnr_part")), "")
         figures.append("outputs identical to the float model's" if worst is None else
-                       f"worst SQNR {shown_down(worst, 1)} dB (error energy "
+                       f"worst SQNR {shown_down(worst, 1)} dB{part} (error energy "
                        f"{100 * 10 ** (-worst / 10):.2g} % of the signal's)")
     said = "; ".join(figures)
     floor = next((g for g in report["gates"] if g["option"] == "accuracy-floor"), None)

@@ -1,7 +1,8 @@
 """Float model against quantized model: how far apart their outputs are, streamed over data.
 
 Per output, with x the float output and y the quantized one, accumulated over all samples:
-SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical), cosine = Σxy / √(Σx²·Σy²),
+SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical; for an output that
+concatenates parts of different kinds or sizes, the worst part's: `qcal.accuracy.output_parts`), cosine = Σxy / √(Σx²·Σy²),
 max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
 decisions that are the same. With labels (one per sample), top-1 accuracy of both models on the
@@ -17,13 +18,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import DecisionRule, decision_rules
+from qcal.accuracy.output_parts import (
+    OutputPart,
+    describe_parts,
+    measured_groups,
+    output_parts,
+    part_of,
+)
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
 
@@ -68,6 +76,9 @@ class OutputMetrics:
     # How `top1_agreement` counts: "argmax" (per sample or position), "threshold" (a
     # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs); None: no decisions.
     decisions: str | None = None
+    # The part of a concatenated output whose SQNR `sqnr_db` is (`describe_part`); None: the
+    # whole output's.
+    sqnr_part: str | None = None
 
     @property
     def floor_sqnr(self) -> bool:
@@ -92,6 +103,7 @@ class OutputMetrics:
             "nonfinite_quantized": self.nonfinite_quantized,
             "nonfinite_introduced": self.nonfinite_introduced,
             "decisions": self.decisions,
+            "sqnr_part": self.sqnr_part,
         }
 
 
@@ -156,6 +168,10 @@ class _Accumulator:
     # batch (a softmax however it is spelled, as jax2tf's Exp / ReduceSum / Div) is read as
     # decisions, one argmax per row.
     measure: bool = False
+    # An output that concatenates separately computed parts: each part's sums.
+    parts: tuple[OutputPart, ...] = ()
+    part_signal: list[float] = field(default_factory=list)
+    part_noise: list[float] = field(default_factory=list)
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
         self.batches += 1
@@ -182,6 +198,13 @@ class _Accumulator:
         self.quant_energy += float(y64 @ y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
+        if self.parts and x.ndim >= max(len(p.box) for p in self.parts):
+            if not self.part_signal:
+                self.part_signal, self.part_noise = [0.0] * len(self.parts), [0.0] * len(self.parts)
+            for i, part in enumerate(self.parts):
+                signal, noise = _energies(part_of(x, part.box), part_of(y, part.box))
+                self.part_signal[i] += signal
+                self.part_noise[i] += noise
         if self.measure:
             if _distributions(x) and (self.batches == 1 or self.rule is not None):
                 self.rule = self.rule or _MEASURED_SOFTMAX
@@ -205,6 +228,16 @@ class _Accumulator:
 
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
+        worst_part = None
+        groups = (measured_groups(self.part_signal, [p.probabilities for p in self.parts])
+                  if self.part_signal else [])
+        for group in groups if len(groups) > 1 else ():
+            signal = sum(self.part_signal[i] for i in group)
+            noise = sum(self.part_noise[i] for i in group)
+            # parts the float model leaves at zero have no signal to measure their error against
+            if noise > 0.0 and signal > 0.0 and sqnr is not None and (
+                    part_sqnr := 10.0 * math.log10(signal / noise)) < sqnr:
+                sqnr, worst_part = part_sqnr, describe_parts([self.parts[i].box for i in group])
         denom = math.sqrt(self.signal * self.quant_energy)
         cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
         agreement = self.agree / self.rows if self.rule is not None and self.rows else None
@@ -231,10 +264,22 @@ class _Accumulator:
             float_all_zero=(not self.integer and self.signal == 0.0 and self.nonfinite_float == 0
                             and self.batches > self.other_shape),
             decisions=decisions,
+            sqnr_part=None if self.integer else worst_part,
         )
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
+
+
+def _energies(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Σx² and Σ(x−y)² over the elements both models computed finite."""
+    x64 = x.astype(np.float64).ravel()
+    y64 = y.astype(np.float64).ravel()
+    both = np.isfinite(x64) & np.isfinite(y64)
+    if not both.all():
+        x64, y64 = x64[both], y64[both]
+    diff = x64 - y64
+    return float(x64 @ x64), float(diff @ diff)
 
 
 def _distributions(x: np.ndarray) -> bool:
@@ -259,6 +304,7 @@ class FloatReference:
     def __init__(self, budget_bytes: int = 256 << 20) -> None:
         self.session: Any = None
         self.rules: dict[str, DecisionRule] | None = None  # how each output is read
+        self.parts: dict[str, tuple[OutputPart, ...]] = {}  # outputs compared part by part
         self.names: list[str] = []  # the outputs kept, in this order
         self.outputs: list[list[np.ndarray]] = []  # per batch, from the first on
         self.budget = budget_bytes
@@ -268,6 +314,7 @@ class FloatReference:
     def release(self) -> None:
         """Drop the session and the outputs (a later comparison makes them again)."""
         self.session, self.rules, self.names, self.outputs = None, None, [], []
+        self.parts = {}
         self.kept_bytes, self.full = 0, False
 
     def keep(self, names: list[str], outputs: list[np.ndarray]) -> None:
@@ -322,6 +369,7 @@ def compare_models(
         reference.session = create_session(float_model, providers=providers,
                                            threads=COMPARE_THREADS, what="float model")
         reference.rules = decision_rules(float_model)
+        reference.parts = output_parts(float_model)
     float_session = reference.session
     if quant_session is None:
         quant_session = create_session(quant_model, providers=providers,
@@ -330,7 +378,8 @@ def compare_models(
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
     rules = reference.rules or {}
-    accumulators = {name: _Accumulator(rule=rules.get(name), measure=name not in rules)
+    accumulators = {name: _Accumulator(rule=rules.get(name), measure=name not in rules,
+                                       parts=reference.parts.get(name, ()))
                     for name in names}
     samples = 0
     for batch, (feed, n) in enumerate(batches):
