@@ -85,7 +85,7 @@ def test_parts_follow_concats_inside_concats_along_other_axes() -> None:
          helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert _boxes(output_parts(model)) == {"y": [((0, 2), (0, 3)), ((0, 2), (3, 5)), ((2, 3),)]}
+    assert _boxes(output_parts(model)) == {"y": [((0, 2), (0, 3)), ((0, 2), (3, 5)), ((2, 3), None)]}
 
 
 def test_a_part_of_unknown_size_leaves_the_output_whole() -> None:
@@ -183,3 +183,16 @@ def test_probabilities_and_values_are_measured_apart() -> None:
     assert measured_groups([1.0, 1e-4, 0.5], [True, True, False]) == [[2], [0, 1]]
     assert measured_groups([1.0, 0.01], [False, False]) == [[0], [1]]  # 20 dB apart
     assert measured_groups([1.0, 0.1], [False, False]) == [[0, 1]]  # 10 dB apart
+
+
+def test_an_output_of_another_rank_than_its_parts_is_measured_whole() -> None:
+    """A model may declare an output's shape wrongly (a recognizer declared [1, T] computes
+    [T, 1, classes]): parts found at one rank are not cut from another."""
+    parts = (OutputPart((None, (0, 4))), OutputPart((None, (4, 6)), probabilities=True))
+    accumulator = _Accumulator(parts=parts)
+    x = np.random.default_rng(4).standard_normal((2, 3, 6)).astype(np.float32)
+    y = x.copy()
+    y[..., 4:] *= np.float32(1.5)
+    accumulator.add(x, y, None)
+    out = accumulator.metrics("y")
+    assert out.sqnr_db == pytest.approx(_sqnr(x, y), rel=1e-9) and out.sqnr_part is None

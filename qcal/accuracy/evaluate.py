@@ -2,8 +2,8 @@
 
 Per output, with x the float output and y the quantized one, accumulated over all samples:
 SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical; for an output that
-concatenates parts of different kinds or sizes, the worst part's: `qcal.accuracy.output_parts`), cosine = Σxy / √(Σx²·Σy²),
-max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
+concatenates parts of different kinds or sizes, the worst part's: `qcal.accuracy.output_parts`),
+cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
 decisions that are the same. With labels (one per sample), top-1 accuracy of both models on the
 per-sample classifier outputs. Only running sums are kept, never the outputs.
@@ -76,8 +76,8 @@ class OutputMetrics:
     # How `top1_agreement` counts: "argmax" (per sample or position), "threshold" (a
     # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs); None: no decisions.
     decisions: str | None = None
-    # The part of a concatenated output whose SQNR `sqnr_db` is (`describe_part`); None: the
-    # whole output's.
+    # The parts of a concatenated output whose SQNR `sqnr_db` is (`describe_parts`); None:
+    # the whole output's.
     sqnr_part: str | None = None
 
     @property
@@ -168,7 +168,8 @@ class _Accumulator:
     # batch (a softmax however it is spelled, as jax2tf's Exp / ReduceSum / Div) is read as
     # decisions, one argmax per row.
     measure: bool = False
-    # An output that concatenates separately computed parts: each part's sums.
+    # An output that concatenates parts of different kinds or sizes: each part's sums (when
+    # the output has the rank they were found at).
     parts: tuple[OutputPart, ...] = ()
     part_signal: list[float] = field(default_factory=list)
     part_noise: list[float] = field(default_factory=list)
@@ -198,7 +199,7 @@ class _Accumulator:
         self.quant_energy += float(y64 @ y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
-        if self.parts and x.ndim >= max(len(p.box) for p in self.parts):
+        if self.parts and x.ndim == len(self.parts[0].box):
             if not self.part_signal:
                 self.part_signal, self.part_noise = [0.0] * len(self.parts), [0.0] * len(self.parts)
             for i, part in enumerate(self.parts):

@@ -30,7 +30,7 @@ from qcal.graph.passes._inference import infer_shapes
 
 __all__ = ["OutputPart", "Part", "describe_parts", "measured_groups", "output_parts", "part_of"]
 
-# (start, stop) per axis from the first, up to the last axis a Concat splits; None: the whole axis.
+# (start, stop) per axis of the output; None: the whole axis.
 Part = tuple[tuple[int, int] | None, ...]
 
 # Concats and the Transposes and Reshapes between them followed this deep, and at most this many
@@ -65,7 +65,7 @@ def output_parts(model: onnx.ModelProto) -> dict[str, tuple[OutputPart, ...]]:
             continue
         parts = _split(output.name, rank, producer, sizes, 0)
         if 1 < len(parts) <= _MAX_PARTS:
-            found[output.name] = tuple(OutputPart(_trim(p.box), p.probabilities) for p in parts)
+            found[output.name] = tuple(parts)
     return found
 
 
@@ -94,7 +94,7 @@ def measured_groups(signals: Sequence[float], probabilities: Sequence[bool]) -> 
 
 def describe_parts(parts: Sequence[Part]) -> str:
     """Parts as numpy indices: ``[:, 4:22]``; several joined by ``+`` (the first three)."""
-    shown = ["[" + ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in part) + "]"
+    shown = ["[" + ", ".join(":" if s is None else f"{s[0]}:{s[1]}" for s in _trim(part)) + "]"
              for part in parts[:3]]
     return " + ".join(shown) + (" + ..." if len(parts) > 3 else "")
 
