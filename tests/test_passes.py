@@ -396,6 +396,40 @@ def test_partial_inference_keeps_what_it_found() -> None:
     assert "of 3 intermediate tensors" in result.detail
 
 
+def test_inference_states_only_the_dimension_names_the_model_states() -> None:
+    """A size computed from the data (the count NonZero finds) has no name of its own: shape
+    inference makes one up (``unk__0``), and onnxruntime, told that two tensors share it, folds
+    a Reshape between them into a target that fails on zero boxes (a RetinaNet's detections).
+    The pass records such a dimension as unknown, and keeps the names the model gives."""
+    nodes = [
+        helper.make_node("Greater", ["scores", "threshold"], ["keep"]),
+        helper.make_node("NonZero", ["keep"], ["where"]),
+        helper.make_node("Squeeze", ["where", "axis0"], ["picked"]),
+        helper.make_node("Gather", ["boxes", "picked"], ["kept"], axis=0),
+        helper.make_node("Relu", ["kept"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [float_input("scores", ["anchors"]), float_input("boxes", ["anchors", 4])],
+        [float_input("y", None)],
+        initializer=[numpy_helper.from_array(np.float32(0.5), "threshold"),
+                     numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    inferred = onnx.shape_inference.infer_shapes(model)
+    assert any(d.dim_param.startswith("unk__") for v in inferred.graph.value_info
+               for d in v.type.tensor_type.shape.dim)  # what the pass must not pass on
+    result = InferShapes()(_copy(model))
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                     for d in v.type.tensor_type.shape.dim]
+            for v in (*result.model.graph.value_info, *result.model.graph.output)}
+    assert dims["kept"] == [None, 4] and dims["y"] == [None, 4]
+    assert dims["keep"] == ["anchors"]
+    boxes = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    for scores in (np.zeros(6, np.float32), np.linspace(0, 1, 6, dtype=np.float32)):
+        expected = np.maximum(boxes[scores > 0.5], 0)
+        got = run(result.model, {"scores": scores, "boxes": boxes})[0]
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_an_old_ir_model_is_converted_whole_and_says_so() -> None:
     """IR 3 lists every initializer as a graph input too; the opset-13 model needs IR 7, where
     such inputs would read as values a caller may override: they are dropped, and the step says

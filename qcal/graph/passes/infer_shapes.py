@@ -12,7 +12,7 @@ import onnx
 
 from qcal.graph.passes._base import StepResult
 from qcal.graph.passes._inference import infer_shapes
-from qcal.graph.structure import attribute_graphs, element_types
+from qcal.graph.structure import all_graphs, attribute_graphs, element_types
 
 __all__ = ["InferShapes", "infer_shapes"]
 
@@ -22,6 +22,12 @@ class InferShapes:
 
     Runs strict inference first; when it fails, keeps what non-strict inference could still
     infer and says why in the step detail.
+
+    A dimension is recorded only as the model states it (a number, or a name the model gives
+    it): a name shape inference makes up (``unk__3``) stands for a size computed from the
+    data, such as a detector's count of boxes, and onnxruntime, told that two tensors share
+    it, folds a Reshape between them into a target that fails when the count is 0 (RetinaNet
+    failed on every image without a box, in calibration and as written; the float model runs).
     """
 
     name: ClassVar[str] = "infer-shapes"
@@ -37,7 +43,7 @@ class InferShapes:
             except Exception as err2:  # noqa: BLE001  same: an untyped model is still usable
                 detail = f"shape inference could not complete: {_first_line(err2)}"
                 return StepResult(model, False, detail)
-        _copy_types(inferred.graph, model.graph)
+        _copy_types(inferred.graph, model.graph, _dimension_names(model.graph))
         known, total = _typed_count(model.graph)
         detail = f"element types known for {known} of {total} intermediate tensors"
         if failure:
@@ -45,18 +51,30 @@ class InferShapes:
         return StepResult(model, True, detail)
 
 
-def _copy_types(source: onnx.GraphProto, target: onnx.GraphProto) -> None:
-    """Copy value_info and output types of `source` into the same-shaped `target`, recursively."""
+def _copy_types(source: onnx.GraphProto, target: onnx.GraphProto, names: set[str]) -> None:
+    """Copy value_info and output types of `source` into the same-shaped `target`, recursively,
+    with only the dimension `names` the model states."""
     del target.value_info[:]
     target.value_info.extend(source.value_info)
     for source_output, target_output in zip(source.output, target.output):
         if source_output.HasField("type"):
             target_output.type.CopyFrom(source_output.type)
+    for value in (*target.value_info, *target.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param not in names:
+                dim.ClearField("dim_param")
     for source_node, target_node in zip(source.node, target.node):
         for source_attribute, target_attribute in zip(source_node.attribute, target_node.attribute):
             pairs = zip(attribute_graphs(source_attribute), attribute_graphs(target_attribute))
             for source_graph, target_graph in pairs:
-                _copy_types(source_graph, target_graph)
+                _copy_types(source_graph, target_graph, names)
+
+
+def _dimension_names(graph: onnx.GraphProto) -> set[str]:
+    """The dimension names the model states (inputs, outputs, value_info, in every graph)."""
+    return {dim.dim_param for g in all_graphs(graph)
+            for value in (*g.input, *g.output, *g.value_info)
+            for dim in value.type.tensor_type.shape.dim if dim.HasField("dim_param")}
 
 
 def _typed_count(graph: onnx.GraphProto) -> tuple[int, int]:
