@@ -21,8 +21,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qcal._verdict import other_warnings, quality_verdict
-from qcal.accuracy.gates import GateResult, shown_down
+from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
+from qcal.accuracy.gates import GateResult
 from qcal.accuracy.latency import looks_slower
 from qcal.config import CalibrationConfig
 from qcal.drift import Drift
@@ -33,11 +33,18 @@ def _console(*, stderr: bool) -> Console:
     """Plain text when NO_COLOR is set (no colour nor any other style: https://no-color.org);
     rich itself writes no control character when the stream is not a terminal. Nor does it
     wrap lines there: a CI log keeps each message on one line (grep finds the verdict whole,
-    where it was cut at 80 columns)."""
+    where it was cut at 80 columns), and tables are as wide as what they hold (an output or
+    tensor name whole, where it was cut to "keypoint…")."""
     plain = bool(os.environ.get("NO_COLOR"))
     stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty()
     return Console(stderr=stderr, highlight=False, color_system=None if plain else "auto",
-                   soft_wrap=not stream.isatty())
+                   soft_wrap=piped, width=_PIPED_WIDTH if piped else None)
+
+
+# Columns a Console writing to a file or pipe lays tables out in: wider than any of its lines,
+# so that no name is cut (tables take the width of what they hold, not this).
+_PIPED_WIDTH = 10_000
 
 
 stderr = _console(stderr=True)
@@ -135,7 +142,7 @@ def _show_summary(result: Any) -> None:
             evaluation["outputs"]))
     for gate in report["gates"]:  # worded as in the failure message
         style = "green" if gate["passed"] else "bold red"
-        stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}", soft_wrap=False)
+        stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}")
     _show_verdict(report)
     _show_latency(report)
     for warning in other_warnings(report):  # a failed gate's is its red "gate:" line above
@@ -225,13 +232,9 @@ def _metrics_table(title: str, outputs: list[dict[str, Any]]) -> Table:
     for col in ("output", "SQNR dB", "cosine", "max |err|", "top-1 agree", "acc float", "acc quant"):
         table.add_column(col, justify="left" if col == "output" else "right")
     for out in outputs:
-        # SQNR and agreement rounded down, as the verdict and the gates show them: a figure
-        # just under a floor never shows as the floor, nor two figures for one measure
-        sqnr, agreement = out["sqnr_db"], out["top1_agreement"]
         table.add_row(
-            out["name"], "exact" if sqnr is None else shown_down(sqnr, 1),
-            _fmt(out["cosine"], ".5f"), _fmt(out["max_abs_error"], ".4g"),
-            "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%",
+            out["name"], sqnr_cell(out), _fmt(out["cosine"], ".5f"),
+            _fmt(out["max_abs_error"], ".4g"), agreement_cell(out),
             _fmt(out["float_accuracy"], ".2%"), _fmt(out["quantized_accuracy"], ".2%"),
         )
     return table

@@ -12,7 +12,23 @@ from qcal.accuracy.gates import GateResult, shown_down
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB
 from qcal.report import gate_warning
 
-__all__ = ["Verdict", "other_warnings", "quality_verdict"]
+__all__ = ["Verdict", "agreement_cell", "other_warnings", "quality_verdict", "sqnr_cell"]
+
+
+def sqnr_cell(output: Mapping[str, Any]) -> str:
+    """An output's SQNR as the tables show it, rounded down as the verdict and the gates show
+    figures (one just under a floor never shows as the floor): "exact" only when the outputs
+    are identical; "-" when there is none (an integer output's labels have an agreement
+    instead, however many differ)."""
+    if output["sqnr_db"] is not None:
+        return shown_down(output["sqnr_db"], 1)
+    return "exact" if output["max_abs_error"] == 0 else "-"
+
+
+def agreement_cell(output: Mapping[str, Any]) -> str:
+    """An output's share of agreeing decisions as the tables show it (rounded down), or "-"."""
+    agreement = output["top1_agreement"]
+    return "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
-from qcal._verdict import other_warnings, quality_verdict
+from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
 from qcal.drift import Drift
 
 __all__ = ["machine_summary", "markdown_summary"]
@@ -65,8 +65,8 @@ def markdown_summary(report: Mapping[str, Any], *, drift: Drift | None = None,
     if evaluation:
         lines += ["| output | SQNR dB | top-1 agreement | accuracy float | accuracy quantized |",
                   "| --- | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {_cell(o['name'])} | {_fmt(o['sqnr_db'], '.1f', 'exact')} | "
-                  f"{_fmt(o['top1_agreement'], '.2%')} | {_fmt(o['float_accuracy'], '.2%')} | "
+        lines += [f"| {_cell(o['name'])} | {sqnr_cell(o)} | "
+                  f"{agreement_cell(o)} | {_fmt(o['float_accuracy'], '.2%')} | "
                   f"{_fmt(o['quantized_accuracy'], '.2%')} |" for o in evaluation["outputs"]]
         lines.append("")
     if report["gates"]:

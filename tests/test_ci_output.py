@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +127,35 @@ def test_shell_completion_is_clicks_own(tmp_path: Path) -> None:
                            env=_env(_QCAL_COMPLETE="bash_complete", COMP_WORDS="qcal di",
                                     COMP_CWORD="1"), timeout=60)
     assert "diff" in words.stdout
+
+
+@pytest.mark.parametrize(("output", "sqnr", "agreement"), [
+    ({"sqnr_db": None, "max_abs_error": 0.0, "top1_agreement": 1.0}, "exact", "100.00%"),
+    # labels of a detector, most of them different: no SQNR, and not "exact"
+    ({"sqnr_db": None, "max_abs_error": 86.0, "top1_agreement": 0.1054}, "-", "10.54%"),
+    # just under a floor: never shown as the floor
+    ({"sqnr_db": 13.96, "max_abs_error": 0.5, "top1_agreement": 0.98996}, "13.9", "98.99%"),
+])
+def test_the_tables_show_figures_rounded_down_and_exact_only_for_equal_outputs(
+        output: dict[str, float | None], sqnr: str, agreement: str) -> None:
+    from qcal._verdict import agreement_cell, sqnr_cell
+
+    assert (sqnr_cell(output), agreement_cell(output)) == (sqnr, agreement)
+
+
+def test_a_pipe_gets_names_whole_and_each_gate_on_one_line(tmp_path: Path) -> None:
+    """A CI log is read with grep: a table keeps a long output name whole (it was cut to
+    "keypoint…" at 80 columns) and a gate's line is one line."""
+    name = "roi_heads/keypoint_predictor/kps_score_lowres/ConvTranspose_output_0/keypoints_scores"
+    model = onnx.load(DIGITS)
+    old = model.graph.output[0].name
+    for node in model.graph.node:
+        node.output[:] = [name if o == old else o for o in node.output]
+    model.graph.output[0].name = name
+    onnx.save(model, tmp_path / "long.onnx")
+    done = qcal("calibrate", tmp_path / "long.onnx", "--data", DIGITS.with_suffix(".calib.npz"),
+                "--fail-under-sqnr", "99", cwd=tmp_path)
+    assert done.returncode == 7
+    assert f"│ {name} │" in done.stdout
+    gates = [line for line in done.stdout.splitlines() if line.startswith("gate:")]
+    assert gates and all(line.endswith(("PASSED", "FAILED")) for line in gates)

@@ -8,7 +8,7 @@ from html import escape
 from pathlib import PurePath
 from typing import Any
 
-from qcal._verdict import other_warnings, quality_verdict
+from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
 from qcal.html_report._plots import fallback_svg, histogram_svg, sensitivity_svg
 from qcal.html_report._tensors import TensorView, tensor_views
 from qcal.report import reasons_by_kind
@@ -135,8 +135,8 @@ def _outputs(report: Mapping[str, Any]) -> str:
     body = [
         "<tr>" + f"<td>{escape(o['name'])}</td>" + "".join(
             f'<td class="num">{v}</td>' for v in (
-                _fmt(o["sqnr_db"], ".1f", "exact"), _fmt(o["cosine"], ".5f"),
-                _fmt(o["max_abs_error"], ".4g"), _fmt(o["top1_agreement"], ".2%"),
+                sqnr_cell(o), _fmt(o["cosine"], ".5f"),
+                _fmt(o["max_abs_error"], ".4g"), agreement_cell(o),
                 _fmt(o["float_accuracy"], ".2%"), _fmt(o["quantized_accuracy"], ".2%"))) + "</tr>"
         for o in evaluation["outputs"]
     ]
