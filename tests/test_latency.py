@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from qcal.accuracy import latency
 from qcal.accuracy.latency import Latency, SideBySide, time_side_by_side
 from qcal.cli import main
 from qcal.numerics import errors
+from qcal.numerics.errors import ModelError
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "sample_models" / "digits_cnn.onnx"
@@ -99,7 +102,7 @@ def test_figures_keep_the_ratio_of_a_model_of_microseconds(monkeypatch: pytest.M
     monkeypatch.setattr(latency, "measure_latency",
                         lambda *args, **kwargs: Latency(6.4e-6, 6.9e-6, 50, 10, 6))
     model = onnx.load(DIGITS)
-    timed = time_side_by_side(model, model, {}, providers=("CPUExecutionProvider",),
+    timed = latency.time_here(model, model, {}, providers=("CPUExecutionProvider",),
                               threads=(1, 2))
     for unit in ("1_thread", "2_threads"):
         ratio = timed.figures[f"latency_quantized_{unit}"] / timed.figures[f"latency_float_{unit}"]
@@ -206,3 +209,24 @@ def test_the_summary_names_a_cause_only_where_the_gate_found_it_slower(
     text = " ".join(console.export_text().split())
     assert said in text and "(1.30x)" in text, text
     assert ("on this model" in text) is gate_failed  # a cause, only for a slower verdict
+
+
+def test_the_timing_runs_apart_and_a_crash_there_is_said_not_fatal() -> None:
+    """The two models are timed in a process of their own: its figures come back, and where
+    onnxruntime crashes running the quantized model there (a fault in one of its kernels, at
+    2 threads with every optimization), qcal says so instead of vanishing with the process."""
+    model = onnx.load(DIGITS)
+    feed = {"image": np.zeros((1, 1, 8, 8), np.float32)}
+    timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
+                              threads=(1, 2))
+    assert set(timed.figures) == {f"latency_{m}_{u}" for m in ("float", "quantized")
+                                  for u in ("1_thread", "2_threads")}
+    assert all(v > 0 for v in timed.figures.values()) and timed.clearly_slower == ()
+    crashed = subprocess.run(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
+        capture_output=True, text=True, check=False)
+    with pytest.raises(ModelError, match=r"onnxruntime crashed \(SIGSEGV\)"):
+        latency._read_child(crashed)
+    failed = subprocess.CompletedProcess([], 0, '{"error": "Required inputs are missing"}\n', "")
+    with pytest.raises(ModelError, match="failed: Required inputs are missing"):
+        latency._read_child(failed)

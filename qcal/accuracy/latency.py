@@ -15,18 +15,28 @@ interleaved blocks of runs, `Latency.clearly_slower`) fails the built-in "not-sl
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 
 from qcal.calibration.runtime import create_session
+from qcal.graph.files.save import needs_external_data, stage_model
+from qcal.numerics.errors import ModelError
 
-__all__ = ["Latency", "SideBySide", "looks_slower", "measure_latency", "time_side_by_side"]
+__all__ = ["Latency", "SideBySide", "looks_slower", "measure_latency", "time_here",
+           "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
 # A model as fast as float is timed for this many pairs (its figure); one that looks slower for
@@ -191,8 +201,73 @@ def time_side_by_side(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
     *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
 ) -> SideBySide:
-    """Both models at each thread count. The figure every run reports shares one budget between
-    the thread counts; the `--fail-if-slower` gate's takes a whole one for each."""
+    """Both models at each thread count (`time_here`), timed in a process of their own: this is
+    where the quantized model first runs on several threads with every onnxruntime optimization,
+    as a deployment runs it, and a fault in one of onnxruntime's kernels there (a torchvision
+    Keypoint R-CNN quantized on every node crashed it at 2 threads) ends that process, not qcal's.
+    qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
+    with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
+        return _read_child(_run_child(Path(folder), float_model, quant_model, feed, {
+            "providers": list(providers), "threads": list(threads), "for_gate": for_gate,
+            "tolerance": _TOLERANCE}))
+
+
+def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
+               feed: Mapping[str, np.ndarray], settings: dict[str, object],
+               ) -> subprocess.CompletedProcess[str]:
+    for model, name in ((float_model, "float.onnx"), (quant_model, "quantized.onnx")):
+        # Weights kept in files (`qcal.graph.files.large`) stay there: the file refers to them
+        # by their absolute paths, and the child's sessions map them as this process's would.
+        if needs_external_data(model):  # inline weights over 2 GiB: written out beside it
+            with stage_model(model, folder / name, external=True) as staged:
+                staged.commit()
+        else:  # a scratch file: no atomic write, no sync to disk
+            (folder / name).write_bytes(model.SerializeToString())
+    names = list(feed)
+    # numbers and strings (never objects: the child loads them without pickle)
+    arrays = [np.asarray(feed[n]).astype(str) if np.asarray(feed[n]).dtype == object
+              else np.asarray(feed[n]) for n in names]
+    np.savez(folder / "feed.npz", *arrays)  # arr_0, arr_1, ...: names may be any string
+    settings = {**settings, "inputs": names}
+    # the child imports the qcal this process runs, wherever it was imported from
+    source = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "qcal.accuracy._timing", str(folder), json.dumps(settings)],
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": path})
+
+
+def _read_child(done: subprocess.CompletedProcess[str]) -> SideBySide:
+    """The child's timings, or why there are none."""
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        raise ModelError(f"onnxruntime crashed ({name}) running the quantized model as a "
+                         "deployment does (every optimization, 1 and 2 threads): a fault in one "
+                         "of its kernels on this graph; nothing was written (--placement auto, "
+                         "or fewer nodes with --op-types, may avoid the kernel at fault)")
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        answer = {}
+    if "figures" not in answer:
+        reason = answer.get("error") or (done.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise ModelError(f"timing the quantized model against the float one failed: {reason}")
+    return SideBySide({str(k): float(v) for k, v in answer["figures"].items()},
+                      float(answer["worst_ratio"]),
+                      tuple(int(t) for t in answer["clearly_slower"]))
+
+
+def time_here(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
+) -> SideBySide:
+    """Both models at each thread count, in this process. The figure every run reports shares
+    one budget between the thread counts; the `--fail-if-slower` gate's takes a whole one for
+    each."""
     figures: dict[str, float] = {}
     worst, slower = 0.0, []
     budget = _BUDGET_SECONDS if for_gate else _BUDGET_SECONDS / len(threads)
