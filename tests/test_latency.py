@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -230,3 +231,11 @@ def test_the_timing_runs_apart_and_a_crash_there_is_said_not_fatal() -> None:
     failed = subprocess.CompletedProcess([], 0, '{"error": "Required inputs are missing"}\n', "")
     with pytest.raises(ModelError, match="failed: Required inputs are missing"):
         latency._read_child(failed)
+
+
+def test_a_stop_signal_the_timing_process_got_is_this_processs_too() -> None:
+    """Ctrl-C reaches the child timing the models as well: qcal stops as interrupted, never
+    as a crash of onnxruntime's."""
+    stopped = subprocess.CompletedProcess([], -int(signal.SIGINT), "", "")
+    with pytest.raises(KeyboardInterrupt):
+        latency._read_child(stopped)

@@ -212,6 +212,11 @@ def time_side_by_side(
             "tolerance": _TOLERANCE}))
 
 
+# Signals that stop a job rather than crash it: the terminal's Ctrl-C and a CI system's cancel
+# reach the whole process group, the child timing the models too.
+_STOPS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
 def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
                feed: Mapping[str, np.ndarray], settings: dict[str, object],
                ) -> subprocess.CompletedProcess[str]:
@@ -239,11 +244,17 @@ def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.Mod
 
 def _read_child(done: subprocess.CompletedProcess[str]) -> SideBySide:
     """The child's timings, or why there are none."""
+    if -done.returncode in _STOPS:
+        # stopped with this process (Ctrl-C, a CI job cancelled): the signal is ours as well
+        signal.raise_signal(-done.returncode)
     if done.returncode < 0:
         try:
             name = signal.Signals(-done.returncode).name
         except ValueError:
             name = f"signal {-done.returncode}"
+        if -done.returncode == signal.SIGKILL:
+            raise ModelError("the process timing the quantized model against the float one "
+                             "was killed (SIGKILL: out of memory?); nothing was written")
         raise ModelError(f"onnxruntime crashed ({name}) running the quantized model as a "
                          "deployment does (every optimization, 1 and 2 threads): a fault in one "
                          "of its kernels on this graph; nothing was written (--placement auto, "
