@@ -8,6 +8,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
+from qcal.accuracy.gates import GateResult
 from qcal.drift import Drift
 
 __all__ = ["machine_summary", "markdown_summary"]
@@ -70,9 +71,10 @@ def markdown_summary(report: Mapping[str, Any], *, drift: Drift | None = None,
                   f"{_fmt(o['quantized_accuracy'], '.2%')} |" for o in evaluation["outputs"]]
         lines.append("")
     if report["gates"]:
-        lines += [f"- {'passed' if g['passed'] else '**FAILED**'}: {_cell(g['option'])} "
-                  f"({_cell(g['measure'])} {_fmt(g['value'], '.4g', 'n/a')}, threshold "
-                  f"{g['threshold']:g})" for g in report["gates"]]
+        # worded as the terminal's "gate:" lines (a yes/no gate read "(1 yes, 0 no) 0,
+        # threshold 0")
+        lines += [f"- {'passed' if g['passed'] else '**FAILED**'}: {_cell(g['option'])}: "
+                  f"{_cell(GateResult(**g).describe())}" for g in report["gates"]]
         lines.append("")
     if drift is not None:
         lines += _drift_lines(drift)

@@ -65,6 +65,8 @@ def test_summary_md_and_the_github_step_summary(tmp_path: Path) -> None:
     assert done.returncode == 7
     text = (tmp_path / "s.md").read_text()
     assert "FAIL" in text.splitlines()[0] and "**FAILED**: fail-under-sqnr" in text
+    # worded as the terminal's gate line, the measure and the option named
+    assert "vs --fail-under-sqnr 99: FAILED" in text
     assert "gate failed" not in text  # the gate's line says it; its warning is not repeated
 
 
