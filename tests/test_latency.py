@@ -227,10 +227,10 @@ def test_the_timing_runs_apart_and_a_crash_there_is_said_not_fatal() -> None:
         [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
         capture_output=True, text=True, check=False)
     with pytest.raises(ModelError, match=r"onnxruntime crashed \(SIGSEGV\)"):
-        latency._read_child(crashed)
-    failed = subprocess.CompletedProcess([], 0, '{"error": "Required inputs are missing"}\n', "")
+        latency._read_child(crashed, "")
+    failed = subprocess.CompletedProcess([], 0, "", "")
     with pytest.raises(ModelError, match="failed: Required inputs are missing"):
-        latency._read_child(failed)
+        latency._read_child(failed, '{"error": "Required inputs are missing"}')
 
 
 def test_a_stop_signal_the_timing_process_got_is_this_processs_too() -> None:
@@ -238,4 +238,4 @@ def test_a_stop_signal_the_timing_process_got_is_this_processs_too() -> None:
     as a crash of onnxruntime's."""
     stopped = subprocess.CompletedProcess([], -int(signal.SIGINT), "", "")
     with pytest.raises(KeyboardInterrupt):
-        latency._read_child(stopped)
+        latency._read_child(stopped, "")

@@ -3,8 +3,8 @@
 ``python -m qcal.accuracy._timing FOLDER SETTINGS``: FOLDER holds ``float.onnx``,
 ``quantized.onnx`` and ``feed.npz`` (the inputs as ``arr_0``, ``arr_1``, ... in the order
 SETTINGS names them); SETTINGS is JSON (providers, threads, for_gate, tolerance, inputs). The
-last line on stdout is JSON: the figures, the worst ratio and the thread counts found slower, or
-the error that stopped the timing.
+answer goes to ``answer.json`` in FOLDER: the figures, the worst ratio and the thread counts
+found slower, or the error that stopped the timing.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ def main(argv: list[str]) -> int:
             providers=tuple(settings["providers"]), threads=tuple(settings["threads"]),
             for_gate=bool(settings["for_gate"]))
     except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-        print(json.dumps({"error": one_line(err)}))
-        return 0
-    print(json.dumps({"figures": result.figures, "worst_ratio": result.worst_ratio,
-                      "clearly_slower": list(result.clearly_slower)}))
+        answer: dict[str, object] = {"error": one_line(err)}
+    else:
+        answer = {"figures": result.figures, "worst_ratio": result.worst_ratio,
+                  "clearly_slower": list(result.clearly_slower)}
+    (folder / latency.TIMING_ANSWER).write_text(json.dumps(answer))
     return 0
 
 

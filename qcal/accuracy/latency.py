@@ -207,11 +207,15 @@ def time_side_by_side(
     Keypoint R-CNN quantized on every node crashed it at 2 threads) ends that process, not qcal's.
     qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
     with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
-        return _read_child(_run_child(Path(folder), float_model, quant_model, feed, {
+        done = _run_child(Path(folder), float_model, quant_model, feed, {
             "providers": list(providers), "threads": list(threads), "for_gate": for_gate,
-            "tolerance": _TOLERANCE}))
+            "tolerance": _TOLERANCE})
+        answer = Path(folder) / TIMING_ANSWER
+        return _read_child(done, answer.read_text() if answer.exists() else "")
 
 
+# Where the timing process (`qcal.accuracy._timing`) writes what it found, in its folder.
+TIMING_ANSWER = "answer.json"
 # Signals that stop a job rather than crash it: the terminal's Ctrl-C and a CI system's cancel
 # reach the whole process group, the child timing the models too.
 _STOPS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -242,8 +246,8 @@ def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.Mod
         capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": path})
 
 
-def _read_child(done: subprocess.CompletedProcess[str]) -> SideBySide:
-    """The child's timings, or why there are none."""
+def _read_child(done: subprocess.CompletedProcess[str], answer_text: str) -> SideBySide:
+    """The child's timings (`answer_text`, what it wrote), or why there are none."""
     if -done.returncode in _STOPS:
         # stopped with this process (Ctrl-C, a CI job cancelled): the signal is ours as well
         signal.raise_signal(-done.returncode)
@@ -259,9 +263,8 @@ def _read_child(done: subprocess.CompletedProcess[str]) -> SideBySide:
                          "deployment does (every optimization, 1 and 2 threads): a fault in one "
                          "of its kernels on this graph; nothing was written (--placement auto, "
                          "or fewer nodes with --op-types, may avoid the kernel at fault)")
-    lines = done.stdout.strip().splitlines()
     try:
-        answer = json.loads(lines[-1]) if lines else {}
+        answer = json.loads(answer_text) if answer_text else {}
     except json.JSONDecodeError:
         answer = {}
     if "figures" not in answer:
