@@ -222,7 +222,7 @@ def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
 
 # Between a global pooling and the Conv that scores its output as a classifier head.
 _HEAD_INPUT_OPS = _PASS_THROUGH | {"Dropout", "Relu", "Clip", "HardSwish"}
-_GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax"})
+_GLOBAL_POOLS = _CLASS_MAP_OPS - {"Relu"}
 
 
 def _reads_pooled(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> bool:

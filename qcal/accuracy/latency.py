@@ -233,10 +233,10 @@ def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.Mod
         else:  # a scratch file: no atomic write, no sync to disk
             (folder / name).write_bytes(model.SerializeToString())
     names = list(feed)
-    # numbers and strings (never objects: the child loads them without pickle)
-    arrays = [np.asarray(feed[n]).astype(str) if np.asarray(feed[n]).dtype == object
-              else np.asarray(feed[n]) for n in names]
-    np.savez(folder / "feed.npz", *arrays)  # arr_0, arr_1, ...: names may be any string
+    arrays = [np.asarray(feed[n]) for n in names]
+    # numbers and strings (never objects: the child loads them without pickle); arr_0, arr_1,
+    # ...: input names may be any string
+    np.savez(folder / "feed.npz", *(a.astype(str) if a.dtype == object else a for a in arrays))
     settings = {**settings, "inputs": names}
     # the child imports the qcal this process runs, wherever it was imported from
     source = str(Path(__file__).resolve().parents[2])

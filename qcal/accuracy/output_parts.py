@@ -55,17 +55,29 @@ def output_parts(model: onnx.ModelProto) -> dict[str, tuple[OutputPart, ...]]:
     Reshapes that keep its axis) -> their parts, in order (each output listed has two or
     more)."""
     producer = {v: n for n in model.graph.node for v in n.output}
-    if not any(_joins(o.name, producer, 0) for o in model.graph.output):
-        return {}
-    ranks, sizes = _shapes(model)
+    joined = [o.name for o in model.graph.output if _joins(o.name, producer, 0)]
+    found = _parts_at(joined, producer, model, model.graph)
+    if len(found) < len(joined):
+        # sizes the model does not state (a prepared model, shapes inferred, states them all)
+        try:
+            inferred = infer_shapes(model, strict=False).graph
+        except Exception:  # noqa: BLE001  a model shape inference cannot read: no more parts
+            return found
+        found = _parts_at(joined, producer, model, inferred)
+    return found
+
+
+def _parts_at(joined: list[str], producer: Mapping[str, onnx.NodeProto],
+              model: onnx.ModelProto, shaped: onnx.GraphProto,
+              ) -> dict[str, tuple[OutputPart, ...]]:
+    """The parts of the `joined` outputs at the shapes `shaped` states."""
+    ranks, sizes = _shapes(model, shaped)
     found = {}
-    for output in model.graph.output:
-        rank = ranks.get(output.name)
-        if not rank or not _joins(output.name, producer, 0):
-            continue
-        parts = _split(output.name, rank, producer, sizes, 0)
+    for name in joined:
+        rank = ranks.get(name)
+        parts = _split(name, rank, producer, sizes, 0) if rank else []
         if 1 < len(parts) <= _MAX_PARTS:
-            found[output.name] = tuple(parts)
+            found[name] = tuple(parts)
     return found
 
 
@@ -197,12 +209,10 @@ def _trim(part: Part) -> Part:
     return part[:end]
 
 
-def _shapes(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, tuple[int | None, ...]]]:
-    """Rank and known dims (None: unknown) of every value, from onnx shape inference."""
-    try:
-        graph = infer_shapes(model, strict=False).graph
-    except Exception:  # noqa: BLE001  a model shape inference cannot read: nothing is split
-        graph = model.graph
+def _shapes(model: onnx.ModelProto, graph: onnx.GraphProto,
+            ) -> tuple[dict[str, int], dict[str, tuple[int | None, ...]]]:
+    """Rank and known dims (None: unknown) of every value `graph` states a shape for, and of
+    the model's weights and outputs."""
     ranks: dict[str, int] = {}
     sizes: dict[str, tuple[int | None, ...]] = {t.name: tuple(int(d) for d in t.dims)
                                                 for t in model.graph.initializer}
