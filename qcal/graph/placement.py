@@ -19,10 +19,10 @@ softmax, GELU, recurrent state). So under "auto":
   than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
 * a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
   onnxruntime's integer kernel computes one narrow matrix product per group, several times its
-  float kernel (_MIN_CHANNELS_PER_GROUP); nor is a Conv of one input and one output channel,
+  float kernel (`qcal.graph.narrow_convs`); nor is a Conv of one input and one output channel,
   which onnxruntime runs as a slow depthwise one; nor is a 2-D or 3-D Conv of one group with few
   input channels and a small kernel (an image's stem), whose integer kernel with the
-  QuantizeLinear of its input costs more than its float one (_MIN_INPUT_CHANNELS). Unless its input is dequantized and its output runs
+  QuantizeLinear of its input costs more than its float one. Unless its input is dequantized and its output runs
   straight into a quantized node: onnxruntime then quantizes its weight itself (per tensor) and
   runs that kernel anyway;
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
@@ -51,20 +51,19 @@ accelerator toolchains do); so does an explicit ``--op-types`` list.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import onnx
 import onnx.defs
 
+from qcal.graph.narrow_convs import slow_narrow_conv
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     UseIndex,
     all_graphs,
     computed_from_constants,
-    int_attribute,
 )
 
 __all__ = [
@@ -158,7 +157,7 @@ def place(
             elif node.op_type in _PRODUCT_OPS:
                 placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
     nodes = [n for n in nodes if n.name not in placement.nodes]
-    slow = {n.name: why for n in nodes if (why := _slow_narrow_conv(n, index)) is not None}
+    slow = {n.name: why for n in nodes if (why := slow_narrow_conv(n, index)) is not None}
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
     bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"
                and (anchor := added_bias_of(n, index, constant)) is not None}
@@ -301,64 +300,6 @@ _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")
-
-
-# Channels per group below which a grouped (not depthwise) Conv stays float: onnxruntime's
-# integer kernel runs one matrix product per group, and products this narrow cost 2-11x its
-# float kernel (one Conv with its Q/DQ, one thread: 1 input and 2 output channels per group
-# 6-11x, 2 and 2 5.5x, 4 and 4 2.3-3.1x, 8 and 8 0.8-1.4x).
-_MIN_CHANNELS_PER_GROUP = 8
-# A 2-D or 3-D Conv of one group with fewer input channels than this and a kernel of at most
-# _MAX_NARROW_TAPS taps per channel (an image's stem: 1 or 3 channels, 3x3 or 5x5; a small
-# network's narrow layers) stays float: its integer kernel, with the QuantizeLinear of its input
-# and the change to channels-last, costs more than onnxruntime's float kernel for it. A stem
-# Conv (32 output channels) before three integer 3x3 Convs of 32, the whole with the stem float
-# against quantized: 0.78-0.95x at 28-224 pixels with 1 or 3 input channels and 3x3 or 5x5
-# kernels, 0.93-1.04x with 4 and 6 channels, 1.14-1.27x with 8 to 16 (the integer stem faster);
-# a LeNet (1 and 6 input channels, 5x5, 28 x 28) 1.07x float with both float, 1.42x with the
-# second quantized, 2.4x with both; a 3-D UNet's first Conv (1 input channel, 3x3x3) 156 us in
-# float against 2391 us in integers. Larger kernels pay in integers: 4x4 patches level
-# (1.00-1.02x), 7x7 0.92-1.14x, 8x8 1.14x, a ViT's 16x16 patches 1.52x (its model 0.52x float
-# quantized, 0.88x with them float). Not a 1-D Conv, which runs in float as an unfolding and a
-# matrix product: a waveform's stem (1 input channel, a kernel of 80, stride 4) ran its model
-# 0.29x float quantized against 1.17x with it float.
-_MIN_INPUT_CHANNELS = 8
-_MAX_NARROW_TAPS = 27
-
-
-def _slow_narrow_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
-    """Why a Conv with few channels stays float under "auto", or None: a depthwise Conv (one
-    input and one output channel per group) has an integer kernel of its own, slow on a single
-    channel (one group, one input and one output channel); other grouped
-    Convs with few channels per group (_MIN_CHANNELS_PER_GROUP), and 2-D and 3-D Convs of one
-    group with few input channels and a small kernel (_MIN_INPUT_CHANNELS), do not pay."""
-    if node.op_type != "Conv" or len(node.input) < 2:
-        return None
-    group = int_attribute(node, "group", 1)
-    weight = index.constant(node.input[1])
-    if weight is None or len(weight.dims) < 3 or group < 1 or weight.dims[0] % group:
-        return None
-    inputs, outputs = weight.dims[1], weight.dims[0] // group
-    if group == 1 and (inputs, outputs) == (1, 1):
-        # onnxruntime's integer kernel takes it for a depthwise one, whose integer kernel
-        # is 5x the float one on a single channel (1x256 and 5x5 taps alike; 2 output
-        # channels are 0.6x): a pitch detector's 1-channel filters took 8 ms of its 19
-        return ("placement auto: a convolution of one input and one output channel, which "
-                "onnxruntime runs as a depthwise one: its integer kernel is slower than its "
-                "float kernel")
-    if group == 1:
-        taps = math.prod(int(d) for d in weight.dims[2:])
-        if (inputs >= _MIN_INPUT_CHANNELS or len(weight.dims) < 4
-                or taps > _MAX_NARROW_TAPS):
-            return None
-        return (f"placement auto: a convolution with {inputs} input channel"
-                f"{'s' if inputs > 1 else ''}, whose integer kernel (with the quantization of "
-                "its input) is slower than its float kernel")
-    if (inputs, outputs) == (1, 1) or min(inputs, outputs) >= _MIN_CHANNELS_PER_GROUP:
-        return None
-    return (f"placement auto: a grouped convolution with {inputs} input and {outputs} output "
-            f"channels per group, which onnxruntime's integer kernel computes as {group} "
-            "narrow matrix products: slower than its float kernel")
 
 
 def added_bias_of(
