@@ -315,6 +315,46 @@ def test_a_stem_with_few_input_channels_runs_in_float_before_integer_convolution
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
 
 
+@pytest.mark.parametrize("pool_is_an_output", [False, True])
+def test_a_stem_before_a_max_pool_is_quantized_so_the_pool_runs_channels_last(
+    tmp_path: Path, pool_is_an_output: bool
+) -> None:
+    """A 3-channel 3x3 stem, Relu, MaxPool, then integer Convs (SqueezeNet 1.1, ShuffleNetV2):
+    with the stem float, onnxruntime moves the MaxPool's QuantizeLinear up through it and runs
+    the MaxPool on uint8 in its channels-first loop, many times its float kernel. So the stem
+    is quantized, and onnxruntime runs the MaxPool in its channels-last integer kernel. Where
+    the MaxPool's output is also read in float (here a model output), no QuantizeLinear moves
+    and the stem stays float."""
+    rng = np.random.default_rng(31)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1, 1, 1, 1],
+                         strides=[2, 2]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("MaxPool", ["r0"], ["p0"], name="pool0", kernel_shape=[3, 3],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p0", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((16, 3, 3, 3)) * 0.4).astype(np.float32),
+               "w1": (rng.standard_normal((16, 16, 3, 3)) * 0.2).astype(np.float32),
+               "w2": (rng.standard_normal((8, 16, 3, 3)) * 0.2).astype(np.float32)}
+    outputs = ["y", "p0"] if pool_is_an_output else ["y"]
+    model = build_model(nodes, [float_input("x", ["N", 3, 32, 32])], outputs, weights)
+    data = rng.standard_normal((16, 3, 32, 32)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert decisions["stem"]["quantized"] is not pool_is_an_output, decisions["stem"]
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["QLinearConv"] == 3 - pool_is_an_output
+    assert ops["QLinearConv"] == result.report["coverage"]["quantized_compute_nodes"]
+    if not pool_is_an_output:
+        assert ops["NhwcMaxPool"] == 1 and ops["MaxPool"] == 0, ops
+    got, want = _outputs(result.model, {"x": data[:4]}), _outputs(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
 def test_a_narrow_convolution_between_integer_ones_is_quantized(tmp_path: Path) -> None:
     """A Conv of 4 input channels read from a quantized Conv and writing straight (through a
     Relu) into another: onnxruntime would quantize its weight itself, per tensor, and run its
