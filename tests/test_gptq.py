@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.calibration import hessians
 from qcal.calibration.hessians import HessianTarget, collect_hessians, hessian_target
 from qcal.cli import main
+from qcal.numerics import bias_correction
 from qcal.numerics.bias_correction import output_mean_shift
 from qcal.numerics.gptq import gptq_codes, output_error
 from qcal.numerics.onnx_mapping import OnnxQParams
@@ -295,6 +296,35 @@ def test_output_mean_shift_is_the_quantized_mean_less_the_float_mean() -> None:
     got = output_mean_shift(w2, c2, row_axis=1, scale=np.float32(0.05),
                             zero_point=np.int8(0), input_means=mean2, real_means=mean2)
     assert got == pytest.approx((c2 * float(np.float32(0.05)) - w2).T @ mean2[0], rel=1e-9)
+
+
+@pytest.mark.parametrize(("shape", "row_axis", "groups"), [
+    ((24, 8, 3, 3), 0, 1), ((24, 1, 3, 3), 0, 24), ((24, 4, 3, 3), 0, 6), ((40, 24), 1, 1)])
+def test_output_mean_shift_in_blocks_of_rows_is_the_shift_of_the_whole_weight(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], row_axis: int, groups: int
+) -> None:
+    """A large weight is converted to float64 a block of rows at a time (memory); the shift is
+    the one the whole weight gives, exactly where rows are contiguous (Conv weights)."""
+    rng = np.random.default_rng(7)
+    weight = rng.normal(size=shape).astype(np.float32)
+    rows = shape[row_axis]
+    along = [1] * len(shape)
+    along[row_axis] = rows
+    scale = (np.abs(weight).max(axis=tuple(a for a in range(len(shape)) if a != row_axis))
+             / 127).astype(np.float32)
+    codes = np.clip(np.rint(weight / scale.reshape(along)), -127, 127).astype(np.int8)
+    inputs = weight.size // rows
+    means, real = rng.normal(size=(groups, inputs)), rng.normal(size=(groups, inputs))
+    kwargs = {"row_axis": row_axis, "scale": scale, "zero_point": np.zeros(rows, np.int8),
+              "input_means": means, "real_means": real}
+    whole = output_mean_shift(weight, codes, **kwargs)
+    for block in (1, 5, 40):  # fewer values than one row, a few rows, several groups
+        monkeypatch.setattr(bias_correction, "_BLOCK_VALUES", block)
+        blocked = output_mean_shift(weight, codes, **kwargs)
+        if row_axis == 0:
+            assert np.array_equal(blocked, whole), block
+        else:
+            np.testing.assert_allclose(blocked, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_bias_correction_removes_the_mean_output_error(tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ import numpy as np
 
 __all__ = ["output_mean_shift"]
 
+# Values of the weight converted to float64 at a time (32 MB per temporary).
+_BLOCK_VALUES = 1 << 22
+
 
 def output_mean_shift(
     array: np.ndarray, codes: np.ndarray, *, row_axis: int, scale: np.ndarray,
@@ -30,17 +33,33 @@ def output_mean_shift(
     layer multiplies, per group of output channels (a grouped Conv's groups), in the order the
     weight's other axes hold them.
     """
-    weights = np.moveaxis(np.asarray(array, dtype=np.float64), row_axis, 0)
+    weights = np.moveaxis(np.asarray(array), row_axis, 0)
     rows = weights.shape[0]
-    flat_codes = np.moveaxis(np.asarray(codes), row_axis, 0).reshape(rows, -1)
-    along = (-1, 1)
+    groups = input_means.shape[0]
+    per_group = rows // groups
+    # (groups, rows per group, inputs): views, where the layout allows, of the caller's arrays
+    weights = weights.reshape(groups, per_group, -1)
+    codes = np.moveaxis(np.asarray(codes), row_axis, 0).reshape(groups, per_group, -1)
     scale64 = np.broadcast_to(np.asarray(scale, dtype=np.float64).reshape(-1), (rows,))
     zero64 = np.broadcast_to(np.asarray(zero_point, dtype=np.float64).reshape(-1), (rows,))
-    restored = (flat_codes.astype(np.float64) - zero64.reshape(along)) * scale64.reshape(along)
-    groups = input_means.shape[0]
-    quantized = np.einsum("gri,gi->gr", restored.reshape(groups, rows // groups, -1),
-                          np.asarray(input_means, dtype=np.float64))
-    exact = np.einsum("gri,gi->gr", weights.reshape(groups, rows // groups, -1),
-                      np.asarray(real_means, dtype=np.float64))
-    shift: np.ndarray = (quantized - exact).reshape(rows)
-    return shift
+    along = (groups, per_group, 1)
+    scale64, zero64 = scale64.reshape(along), zero64.reshape(along)
+    means = np.asarray(input_means, dtype=np.float64)
+    real = np.asarray(real_means, dtype=np.float64)
+    shift = np.empty((groups, per_group), np.float64)
+    # float64 copies of a block of rows at a time, not of the whole weight (a VGG classifier's
+    # 25088 x 4096 weight took 0.8 GB per copy, three at once). The blocks follow from the
+    # shapes alone; a weight of at most _BLOCK_VALUES values is one block.
+    inputs = max(weights.shape[2], 1)
+    row_step = max(1, min(per_group, _BLOCK_VALUES // inputs))
+    group_step = max(1, _BLOCK_VALUES // (inputs * per_group)) if row_step == per_group else 1
+    for g in range(0, groups, group_step):
+        gs = slice(g, g + group_step)
+        for r in range(0, per_group, row_step):
+            rs = slice(r, r + row_step)
+            restored = (codes[gs, rs].astype(np.float64) - zero64[gs, rs]) * scale64[gs, rs]
+            quantized = np.einsum("gri,gi->gr", restored, means[gs])
+            exact = np.einsum("gri,gi->gr", weights[gs, rs].astype(np.float64), real[gs])
+            shift[gs, rs] = quantized - exact
+    flat: np.ndarray = shift.reshape(rows)
+    return flat
