@@ -33,9 +33,9 @@ from qcal.calibration.statistics import (
 from qcal.calibration.value_types import complete_value_types
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, write_atomic
-from qcal.graph.files.large import WeightFile, has_external_data
+from qcal.graph.files.large import WeightFile
 from qcal.graph.files.load import LoadedModel, load_model
-from qcal.graph.files.save import needs_external_data
+from qcal.graph.files.save import weights_in_files
 from qcal.graph.model import QuantPlan, model_inputs, plan_quantization, prepare_model
 from qcal.numerics.errors import ConfigError, DataError, StatisticsError
 from qcal.numerics.histogram import HistogramObserver
@@ -89,7 +89,7 @@ def prepare_collection(
     loaded = load_model(model_path)
     prepared, _ = prepare_model(loaded.model, min_opset=config.opset, in_place=True)
     weight_file = None
-    if has_external_data(prepared) or needs_external_data(prepared):
+    if weights_in_files(prepared):
         weight_file = WeightFile()
         prepared = weight_file.offload(prepared)
         loaded = dataclasses.replace(loaded, model=prepared)

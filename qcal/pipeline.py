@@ -77,12 +77,11 @@ from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
     WeightFile,
-    has_external_data,
     load_external_data,
     weight_bytes,
 )
 from qcal.graph.files.load import LoadedModel, load_model
-from qcal.graph.files.save import data_path, needs_external_data, stage_model
+from qcal.graph.files.save import data_path, needs_external_data, stage_model, weights_in_files
 from qcal.graph.model import (
     PrepStep,
     QuantPlan,
@@ -150,7 +149,7 @@ def calibrate(
         # A large model is calibrated with its large weights in files (its own external data,
         # or a temporary file for those in memory): onnxruntime maps them and qcal reads one
         # at a time, so memory stays close to one copy of the weights.
-        weight_file = WeightFile() if _large_model(prepared) else None
+        weight_file = WeightFile() if weights_in_files(prepared) else None
         if weight_file is not None:
             prepared = weight_file.offload(prepared)
             loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
@@ -316,12 +315,10 @@ def calibrate(
         exactness_notes = [*exactness_notes, warning]
     coverage = measure_coverage(prepared, plan, macs, integer_anyway)
     speed = drift = None
-    # A model of large weights is timed only for the --fail-if-slower gate: two more sessions
-    # would double memory (so the built-in not-slower gate is not checked on it). Small weights
-    # in a file of their own (torch.onnx's dynamo exporter writes a model of a few MB so) are
-    # timed.
-    if (weight_file is None or config.fail_if_slower is not None
-            or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES):
+    # A model of over 1 GiB of weights is timed only for the --fail-if-slower gate: two more
+    # sessions would hold its weights twice more (so the built-in not-slower gate is not
+    # checked on it).
+    if config.fail_if_slower is not None or weight_bytes(prepared) <= _TIMED_WEIGHT_BYTES:
         with timings.stage("prepared check"):  # the user's model read again, run beside ours
             users = users_model(model_path)
             # a float16 model widened to float32 computes more precisely than the user's
@@ -342,10 +339,11 @@ def calibrate(
 
     # Large models (or inputs with external data) are written with external data,
     # <output>.data, staged beside the output before the report, which records both files.
+    # Weights qcal kept in files while calibrating count as the bytes they are.
     external = output is not None and (
-        bool(loaded.external_files) or has_external_data(quant_model)
-        or needs_external_data(quant_model)
-    )
+        bool(loaded.external_files) or needs_external_data(quant_model))
+    if weight_file is not None and not external:  # written inline: its weights come back now
+        load_external_data(quant_model)
     if external:
         assert output is not None
         check_output_path(data_path(output), inputs=read, force=force, what="output data")
@@ -409,12 +407,7 @@ def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSin
     return OutputSink(tuple(names), partial(reference.keep, names))
 
 
-_TIMED_WEIGHT_BYTES = 256 << 20  # float weights up to which a model in files is timed
-
-
-def _large_model(model: onnx.ModelProto) -> bool:
-    """Whether `model` is calibrated with its large weights in files (`qcal.graph.files.large`)."""
-    return has_external_data(model) or needs_external_data(model)
+_TIMED_WEIGHT_BYTES = 1 << 30  # float weights up to which a model is timed
 
 
 def _min_opset(config: CalibrationConfig) -> int:

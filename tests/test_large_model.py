@@ -227,6 +227,49 @@ def test_a_large_inline_model_goes_external_above_the_threshold(
     assert inline.SerializeToString() == external.SerializeToString()  # same model, other layout
 
 
+def test_an_inline_model_of_large_weights_is_calibrated_with_them_in_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights over `WEIGHTS_IN_FILES_BYTES` go to a file while qcal calibrates an inline
+    model (onnxruntime maps them instead of copying them into each session); the model is
+    still timed against float, and written inline, as its size asks."""
+    from qcal.graph.files import large
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["x", "W0"], ["h"], name="mm0"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W1"], ["y"], name="mm1")]
+    weights = {"W0": rng.standard_normal((64, 128)).astype(np.float32) / 8,
+               "W1": rng.standard_normal((128, 16)).astype(np.float32) / 11}
+    model = build_model(nodes, [float_input("x", ["N", 64])], ["y"], weights)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 64)).astype(np.float32))
+    mapped: list[bool] = []
+    original = qcal.calibration.runtime._mapping_weights
+
+    def spy(model: onnx.ModelProto, *args: Any, **kwargs: Any) -> bytes | None:
+        mapped.append(large.has_external_data(model))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(qcal.calibration.runtime, "_mapping_weights", spy)
+    monkeypatch.setattr(large, "DETACH_MIN_BYTES", 1024)
+    for limit, in_files in ((1 << 20, False), (4096, True)):  # 40 KB of weights
+        monkeypatch.setattr(qcal.graph.files.save, "WEIGHTS_IN_FILES_BYTES", limit)
+        mapped.clear()
+        out = tmp_path / f"q{limit}.onnx"
+        result = calibrate(tmp_path / "m.onnx", "--data", tmp_path / "d.npz", "-o", out,
+                           "--report", tmp_path / "q.json", "--force", "-q")
+        assert result.exit_code == 0, result.output
+        assert any(mapped) is in_files, mapped
+        report = json.loads((tmp_path / "q.json").read_text())
+        assert "latency_quantized_1_thread" in report["timings_seconds"]
+        assert report["output_model"]["external_data"] is None
+        assert not out.with_name(out.name + ".data").exists()
+        written = onnx.load(out)
+        assert not large.has_external_data(written)
+        onnx.checker.check_model(written)
+
+
 def test_an_existing_data_file_needs_force(
     small_external: tuple[Path, Path], tmp_path: Path
 ) -> None:
