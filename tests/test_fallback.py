@@ -223,6 +223,10 @@ def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
     # warning: asking for more than the floor gave a weaker verdict than asking for nothing).
     (gate,) = result.report["gates"]
     assert gate["option"] == "target-sqnr" and not gate["passed"]
+    # a yes/no in the report's own units (value 0: not reached; it needed 1), the target's
+    # figure in its measure: a CI reading value >= threshold gets the verdict right
+    assert (gate["value"], gate["threshold"]) == (0.0, 1.0)
+    assert "--target-sqnr 80" in gate["measure"]
     with pytest.raises(AccuracyGateError, match="target-sqnr"):
         calibrate(trap, config)
 

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,24 @@ def test_a_report_with_nothing_measured_still_has_every_section(entropy_run: Pat
         assert f'<section id="{section}">' in text
     assert "quality: not measured" in text and "latency not measured" in text
     assert "No histogram is stored" in text and '<span id="tensor-shown">0</span> of 0' in text
+
+
+def test_gates_are_worded_as_the_terminal_words_them(entropy_run: Path) -> None:
+    """A yes/no gate reads as a verdict, not "(1 yes, 0 no) 0 (threshold 1)"; a measured one
+    gives its value and limit as the terminal's gate line does."""
+    from qcal.accuracy.gates import GateResult
+    from qcal.html_report import render_html
+
+    report = json.loads(entropy_run.read_text())
+    floor = GateResult("accuracy-floor", "accuracy floor (see README; 62.50 % of the decisions "
+                       "agree) reached above the coverage floor (1 yes, 0 no)", 1.0, 0.0, False)
+    slower = GateResult("not-slower", "quantized/float latency on this machine, slower at 1 "
+                        "thread (x)", 1.0, 1.2345, False)
+    report["gates"] = [floor.to_json(), slower.to_json()]
+    text = render_html(report).decode()
+    for gate in (floor, slower):
+        assert escape(gate.describe()) in text
+    assert "(1 yes, 0 no)" not in text and "threshold 1)" not in text
 
 
 @needs_matplotlib

@@ -162,12 +162,14 @@ def check_gates(
     if fallback_reached is False:  # the default floor, or the target that replaced it
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"
-                       else ("fallback target", []))
+                       else ("fallback target", [f"--{option} {threshold:g}"]))
         if comparison is not None:  # the one-line reason names the figures that missed
             notes.append(_figures(comparison))
         said = f" ({'; '.join(notes)})" if notes else ""
         measure = f"{what}{said} reached above the coverage floor{_YES_NO}"
-        results.append(GateResult(option, measure, float(threshold), 0.0, False))
+        # a yes/no in the report's units: value 0 (no) against the 1 (yes) it needed; the
+        # target's own figure is in the measure
+        results.append(GateResult(option, measure, 1.0, 0.0, False))
     return results
 
 

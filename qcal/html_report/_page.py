@@ -9,6 +9,7 @@ from pathlib import PurePath
 from typing import Any
 
 from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
+from qcal.accuracy.gates import GateResult
 from qcal.html_report._plots import fallback_svg, histogram_svg, sensitivity_svg
 from qcal.html_report._tensors import TensorView, tensor_views
 from qcal.report import reasons_by_kind
@@ -176,10 +177,9 @@ def _summary(report: Mapping[str, Any]) -> str:
         if gates_failed:
             said += f" — {gates_failed} gate(s) failed"
         banner = f'<div class="verdict {style}">{escape(said)}</div>'
-    gates = "".join(
+    gates = "".join(  # worded as the terminal's "gate:" lines
         f'<li class="{"" if g["passed"] else "bad"}">{escape(g["option"])}: '
-        f'{escape(g["measure"])} {_fmt(g["value"], ".4g", "n/a")} (threshold '
-        f'{g["threshold"]:g}) — {"passed" if g["passed"] else "FAILED"}</li>'
+        f'{escape(GateResult(**g).describe())}</li>'
         for g in report["gates"])
     warnings = "".join(f'<li class="warn">{escape(w)}</li>' for w in other_warnings(report))
     return (f'<section id="summary"><h2>Summary</h2>{banner}{_facts(report)}'
