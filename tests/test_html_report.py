@@ -290,6 +290,7 @@ def test_a_report_with_nothing_measured_still_has_every_section(entropy_run: Pat
     assert "No histogram is stored" in text and '<span id="tensor-shown">0</span> of 0' in text
 
 
+@needs_matplotlib
 def test_gates_are_worded_as_the_terminal_words_them(entropy_run: Path) -> None:
     """A yes/no gate reads as a verdict, not "(1 yes, 0 no) 0 (threshold 1)"; a measured one
     gives its value and limit as the terminal's gate line does."""
