@@ -195,7 +195,7 @@ class _Planner(_Selection):
             found.biases.append(bias)
         reason = "; ".join([f"{node.op_type} rule: {rule.summary}", *targets.notes])
         found.decisions.append(NodeDecision(node.name, node.op_type, True, reason))
-        if rule.integer_form and self._auto:
+        if (rule.integer_form or rule.conv_form) and self._auto:
             found.integer_forms.add(node.name)  # only with uint8 codes (_NO_INTEGER_FORM)
 
     def _activation_inputs(self, node: onnx.NodeProto) -> list[str]:

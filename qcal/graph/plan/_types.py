@@ -130,8 +130,9 @@ class NodeDecision:
 class QuantPlan:
     """What to quantize: targets sorted by tensor name, node decisions in graph order.
 
-    `integer_forms` names the nodes (HardSwish, HardSigmoid: `OpRule.integer_form`) that the Q/DQ
-    writer spells in operators onnxruntime runs on integers, where it finds the node still
+    `integer_forms` names the nodes (HardSwish, HardSigmoid, Pad: `OpRule.integer_form`;
+    AveragePool: `OpRule.conv_form`) that the Q/DQ writer spells in operators onnxruntime runs
+    on integers, or runs faster on them, where it finds the node still
     quantized (a plan restricted later keeps the names) and between its input's
     DequantizeLinear and its output's QuantizeLinear. Only placement
     "auto" asks for it: "all" emulates a target's arithmetic, which quantizes only the node's
