@@ -59,9 +59,9 @@ class OpRule:
             QuantizeLinear, in operators that onnxruntime runs on integers (an Add and a Mul;
             a Pad of the codes) (`QuantPlan.integer_forms`).
         conv_form: onnxruntime's integer kernel for the op is slow, and under placement "auto"
-            the Q/DQ writer spells a node of it whose divisor is constant, between its pair, as
-            a depthwise Conv that onnxruntime runs in its integer kernel (an AveragePool:
-            `QuantPlan.integer_forms`); other nodes stay as written.
+            the Q/DQ writer spells a node of it between its pair as a depthwise Conv that
+            onnxruntime runs in its integer kernel (an AveragePool: `QuantPlan.integer_forms`);
+            a node the form does not fit stays as written.
         refuses: why a node of the op type stays float whatever the selection (a form its
             quantization would change), from the node and the constant a value holds; None
             when the rule applies.
@@ -168,9 +168,9 @@ OP_RULES: Mapping[str, OpRule] = {
     "Concat": OpRule("every input and the output", inputs=None),
     "MaxPool": _data_rule("input X (never the Indices output)"),
     "AveragePool": OpRule(
-        "input X and the output; under placement auto, where its divisor is constant "
-        "(count_include_pad, or no padding), written as a depthwise Conv of weight 1 / (kernel "
-        "size)", conv_form=True),
+        "input X and the output; under placement auto written as a depthwise Conv of weight "
+        "1 / (kernel size), times a constant map of kernel size / taps inside where it does not "
+        "count its padding", conv_form=True),
     "GlobalAveragePool": _data_rule("input X"),
     "GlobalMaxPool": _data_rule("input X"),
     "Relu": _data_rule("input X"),
