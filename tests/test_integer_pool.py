@@ -1,7 +1,8 @@
 """An AveragePool between quantized layers is written as a depthwise Conv of weight 1 / k (times
 a constant map of k / taps inside where it does not count its padding): onnxruntime's
 QLinearAveragePool is a plain loop many times its float kernel, its integer depthwise Conv is
-not. With ceil_mode, or where the placement emulates a target, it stays an AveragePool."""
+not. With ceil_mode, a divisor map beyond the codes, or where the placement emulates a
+target, it stays an AveragePool."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ UNCOUNTED: list[dict[str, Any]] = [
 KEPT: list[dict[str, Any]] = [
     {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1,
      "ceil_mode": 1},
+    # a corner of one tap in 256: a divisor ratio over the largest code
+    {"kernel_shape": [16, 16], "strides": [1, 1], "pads": [15, 15, 15, 15]},
 ]
 
 
@@ -111,7 +114,7 @@ def test_an_average_pool_runs_as_an_integer_depthwise_conv(
 
 
 @pytest.mark.parametrize("attributes", KEPT)
-def test_an_average_pool_with_ceil_mode_stays_a_pool(
+def test_an_average_pool_the_form_does_not_fit_stays_a_pool(
     tmp_path: Path, attributes: dict[str, Any]
 ) -> None:
     quantized, _ = _quantize(_pool_block(attributes), tmp_path)

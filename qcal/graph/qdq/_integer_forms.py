@@ -231,8 +231,9 @@ def _pool_as_convolution(
                                 [node.output[0]], name=node.name, **attributes)
         return [weight, conv]
     # The divisor is the count of taps inside the input: a map of k / count per position.
-    source = index.producer.get(dequantize.input[0])
-    input_dims = None if source is None else _dims(graph, source.input[0], spatial)
+    source = index.producer.get(dequantize.input[0])  # the pool's input, quantized
+    input_dims = (_dims(graph, source.input[0], spatial)
+                  if source is not None and source.op_type == "QuantizeLinear" else None)
     if input_dims is None or any(d <= 0 for d in output_dims[2:] + input_dims[2:]):
         return None
     ratios = _uncounted_padding_map(kernel, strides, pads, input_dims[2:], output_dims[2:])
@@ -240,6 +241,8 @@ def _pool_as_convolution(
     high = _INTEGER_TYPES[dtype][2]
     # a scale of 2^-m: the map's 1s (every inner position) exact, the rest to 2^-(m + 1)
     steps = 2.0 ** np.floor(np.log2(high / float(ratios.max())))
+    if steps < 1:  # a ratio over the largest code (a corner of one tap in a huge kernel)
+        return None
     codes = names.allocate(f"{node.name}_divisors_quantized")
     graph.initializer.append(integer_tensor(codes, np.rint(ratios * steps), dtype))
     map_zero = _code(names, graph, f"{node.name}_divisors_zero_point", 0, dtype)
