@@ -54,6 +54,7 @@ from qcal.graph.structure import (
     all_graphs,
     computed_from_constants,
     element_types,
+    ints_attribute,
     static_shapes,
 )
 from qcal.numerics.errors import QcalError
@@ -348,7 +349,7 @@ def _fused_attention_macs(
     then the scores (Q width) and the weighted sum (V width) over the positions."""
     if len(data) != 3 or len(weight) != 2:
         return None
-    sizes = next((list(a.ints) for a in node.attribute if a.name == "qkv_hidden_sizes"), [])
+    sizes = ints_attribute(node, "qkv_hidden_sizes")
     q_width, _, v_width = sizes if len(sizes) == 3 else [weight[1] // 3] * 3
     batch, positions = data[0], data[1]
     return math.prod(data) * weight[1] + batch * positions * positions * (q_width + v_width)

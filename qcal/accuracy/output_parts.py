@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 
 from qcal.graph.passes._inference import infer_shapes
+from qcal.graph.structure import ints_attribute, known_dims
 
 __all__ = ["OutputPart", "Part", "describe_parts", "measured_groups", "output_parts", "part_of"]
 
@@ -139,8 +140,7 @@ def _split(value: str, rank: int, producer: Mapping[str, onnx.NodeProto],
     if node.op_type == "Concat":
         return _split_concat(node, rank, producer, sizes, depth) or whole
     if node.op_type == "Transpose":
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"),
-                    list(range(rank))[::-1])
+        perm = ints_attribute(node, "perm", reversed(range(rank)))
         if sorted(perm) != list(range(rank)):
             return whole
         inner = _split(node.input[0], rank, producer, sizes, depth + 1)
@@ -217,11 +217,9 @@ def _shapes(model: onnx.ModelProto, graph: onnx.GraphProto,
     sizes: dict[str, tuple[int | None, ...]] = {t.name: tuple(int(d) for d in t.dims)
                                                 for t in model.graph.initializer}
     for value in (*graph.input, *graph.value_info, *graph.output, *model.graph.output):
-        tensor_type = value.type.tensor_type
-        if not tensor_type.HasField("shape"):
+        dims = known_dims(value)
+        if dims is None:
             continue
-        dims = tuple(int(d.dim_value) if d.HasField("dim_value") else None
-                     for d in tensor_type.shape.dim)
         sizes.setdefault(value.name, dims)
         ranks.setdefault(value.name, len(dims))
     for name, dims in sizes.items():

@@ -37,7 +37,9 @@ __all__ = [
     "graph_element_types",
     "insert_after",
     "int_attribute",
+    "ints_attribute",
     "keep_declared_shapes",
+    "known_dims",
     "node_subgraphs",
     "static_shapes",
     "string_attribute",
@@ -173,6 +175,20 @@ def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
         if attribute.name == name:
             return float(attribute.f)
     return default
+
+
+def ints_attribute(node: onnx.NodeProto, name: str, default: Iterable[int] = ()) -> list[int]:
+    """`node`'s integer-list attribute `name`, or `default` when it has none."""
+    return next((list(a.ints) for a in node.attribute if a.name == name), list(default))
+
+
+def known_dims(value: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
+    """The dimensions `value` states (None for one it leaves unknown), None without a shape."""
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    return tuple(int(d.dim_value) if d.HasField("dim_value") else None
+                 for d in tensor_type.shape.dim)
 
 
 def string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:

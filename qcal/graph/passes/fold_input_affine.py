@@ -46,6 +46,7 @@ from qcal.graph.structure import (
     UseIndex,
     drop_unread_initializers,
     int_attribute,
+    ints_attribute,
 )
 
 __all__ = ["FoldInputAffine"]
@@ -209,7 +210,7 @@ def _per_channel(
 
 def _unpadded(conv: onnx.NodeProto) -> bool:
     auto_pad = next((a.s for a in conv.attribute if a.name == "auto_pad"), b"NOTSET")
-    pads = next((list(a.ints) for a in conv.attribute if a.name == "pads"), [])
+    pads = ints_attribute(conv, "pads")
     return auto_pad in (b"NOTSET", b"VALID") and not any(pads)
 
 

@@ -27,6 +27,7 @@ from qcal.graph.structure import (
     UseIndex,
     drop_unread_initializers,
     drop_value_info,
+    ints_attribute,
 )
 
 __all__ = ["FoldPad"]
@@ -86,8 +87,7 @@ def _fold(use: Use, pads: tuple[np.ndarray, np.ndarray],
         return None
     node = use.node
     if node.op_type == "Transpose" and node.domain in DEFAULT_DOMAINS:
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"),
-                    list(range(begins.size))[::-1])
+        perm = ints_attribute(node, "perm", reversed(range(begins.size)))
         if sorted(perm) != list(range(begins.size)) or node.output[0] in index.graph_outputs:
             return None
         begins, ends = begins[perm], ends[perm]

@@ -61,6 +61,8 @@ from qcal.graph.structure import (
     drop_value_info,
     float_attribute,
     int_attribute,
+    ints_attribute,
+    known_dims,
     string_attribute,
 )
 
@@ -200,14 +202,14 @@ def _pool_as_convolution(
     pair = _between_pair(node, index)
     if pair is None:
         return None
-    dequantize, quantize = pair[0], pair[1]
-    kernel = _ints(node, "kernel_shape")
+    dequantize, quantize, _, _, _, _, dtype = pair
+    kernel = ints_attribute(node, "kernel_shape")
     spatial = len(kernel)
-    pads = _ints(node, "pads") or [0] * 2 * spatial
-    strides = _ints(node, "strides") or [1] * spatial
+    pads = ints_attribute(node, "pads") or [0] * 2 * spatial
+    strides = ints_attribute(node, "strides") or [1] * spatial
     auto_pad = string_attribute(node, "auto_pad", "NOTSET")
     if (not kernel or auto_pad not in ("NOTSET", "VALID") or int_attribute(node, "ceil_mode", 0)
-            or any(d != 1 for d in _ints(node, "dilations"))):
+            or any(d != 1 for d in ints_attribute(node, "dilations"))):
         return None
     if auto_pad == "VALID":
         pads = [0] * 2 * spatial
@@ -216,11 +218,11 @@ def _pool_as_convolution(
         return None
     channels = output_dims[1]
     taps = int(np.prod(kernel))
-    ones = _code_tensor(names, graph, f"{node.name}_weight_quantized",
-                        np.ones((channels, 1, *kernel), np.int8))
+    ones = _code(names, graph, f"{node.name}_weight_quantized",
+                 np.ones((channels, 1, *kernel)), TensorProto.INT8)
     scale = _initializer(names, graph, f"{node.name}_weight_scale",
                          np.asarray(1.0 / taps, np.float32))
-    zero = _code_tensor(names, graph, f"{node.name}_weight_zero_point", np.zeros((), np.int8))
+    zero = _code(names, graph, f"{node.name}_weight_zero_point", 0, TensorProto.INT8)
     weight = helper.make_node(
         "DequantizeLinear", [ones, scale, zero], [names.allocate(f"{node.name}_weight")],
         name=names.allocate(f"{node.name}_weight_DequantizeLinear"))
@@ -237,14 +239,13 @@ def _pool_as_convolution(
     if input_dims is None or any(d <= 0 for d in output_dims[2:] + input_dims[2:]):
         return None
     ratios = _uncounted_padding_map(kernel, strides, pads, input_dims[2:], output_dims[2:])
-    dtype = pair[6]
     high = _INTEGER_TYPES[dtype][2]
     # a scale of 2^-m: the map's 1s (every inner position) exact, the rest to 2^-(m + 1)
     steps = 2.0 ** np.floor(np.log2(high / float(ratios.max())))
     if steps < 1:  # a ratio over the largest code (a corner of one tap in a huge kernel)
         return None
-    codes = names.allocate(f"{node.name}_divisors_quantized")
-    graph.initializer.append(integer_tensor(codes, np.rint(ratios * steps), dtype))
+    codes = _code(names, graph, f"{node.name}_divisors_quantized", np.rint(ratios * steps),
+                  dtype)
     map_zero = _code(names, graph, f"{node.name}_divisors_zero_point", 0, dtype)
     map_scale = _initializer(names, graph, f"{node.name}_divisors_scale",
                              np.asarray(1.0 / steps, np.float32))
@@ -284,21 +285,15 @@ def _uncounted_padding_map(kernel: list[int], strides: list[int], pads: list[int
     return ratios
 
 
-def _ints(node: onnx.NodeProto, name: str) -> list[int]:
-    return next((list(a.ints) for a in node.attribute if a.name == name), [])
-
-
 def _dims(graph: onnx.GraphProto, value: str, spatial: int) -> list[int] | None:
-    """The dimensions of `value` (batch, channels, spatial...) as its value_info states them
-    (0 for one it does not), or None without a shape of that rank."""
-    for info in (*graph.value_info, *graph.input, *graph.output):
-        if info.name != value:
-            continue
-        dims = info.type.tensor_type.shape.dim
-        if len(dims) != 2 + spatial:
-            return None
-        return [int(d.dim_value) if d.HasField("dim_value") else 0 for d in dims]
-    return None
+    """The dimensions of `value` (batch, channels, spatial...) as the graph states them (0 for
+    one it does not), or None without a shape of that rank."""
+    info = next((v for v in (*graph.value_info, *graph.input, *graph.output) if v.name == value),
+                None)
+    dims = None if info is None else known_dims(info)
+    if dims is None or len(dims) != 2 + spatial:
+        return None
+    return [d or 0 for d in dims]
 
 
 def _between_pair(
@@ -360,14 +355,8 @@ def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: fl
         name=names.allocate(f"{node}_constant_DequantizeLinear"))
 
 
-def _code_tensor(names: NameAllocator, graph: onnx.GraphProto, base: str,
-                 codes: np.ndarray) -> str:
-    name = names.allocate(base)
-    graph.initializer.append(numpy_helper.from_array(codes, name))
-    return name
-
-
-def _code(names: NameAllocator, graph: onnx.GraphProto, base: str, value: int, dtype: int) -> str:
+def _code(names: NameAllocator, graph: onnx.GraphProto, base: str, value: int | np.ndarray,
+          dtype: int) -> str:
     name = names.allocate(base)
     graph.initializer.append(integer_tensor(name, np.asarray(value), dtype))
     return name
