@@ -16,6 +16,7 @@ from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from onnx import TensorProto, helper
 
 from qcal.accuracy.sensitivity import _Models, measure_sensitivity
+from qcal.accuracy.sensitivity._models import switch_flags
 from qcal.config import CalibrationConfig
 from qcal.graph.qdq import InsertQDQ
 from qcal.pipeline import calibrate
@@ -107,12 +108,13 @@ def test_local_sqnr_is_the_tensor_against_its_fake_quant(calibrated: tuple) -> N
     assert result["s"].local_sqnr_db == pytest.approx(expected, abs=1e-3)
 
 
-def test_unit_minus_one_is_the_float_model_bit_for_bit(calibrated: tuple) -> None:
+def test_no_unit_switched_is_the_float_model_bit_for_bit(calibrated: tuple) -> None:
     path, data, _ = calibrated
     model, plan, acts, weights = _pieces(path)
     models = _Models.build(model, plan, acts, weights)
     float_out = run(model, {"x": data})[0]
-    switched = run(models.switch, {"x": data, models.selector: np.array(-1, np.int64)})[0]
+    flags = switch_flags(len(models.units))
+    switched = run(models.switch, {"x": data, models.selector: flags})[0]
     np.testing.assert_array_equal(float_out, switched)
 
 

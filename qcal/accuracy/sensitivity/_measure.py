@@ -3,8 +3,8 @@
 One onnxruntime session runs a "switch model": the float model in which every planned tensor
 ``t`` also has its fake-quantized copy ``fq(t)`` (the same Q/DQ arithmetic as the written model:
 optional Clip, QuantizeLinear, DequantizeLinear; weights as their dequantized codes) and a
-``Where(unit == k, fq(t), t)`` that the tensor's quantized consumers read. Feeding ``unit = -1``
-gives the float model exactly; ``unit = k`` quantizes tensor k alone. For every batch the float
+``If(units[k], fq(t), t)`` that the tensor's quantized consumers read. Feeding no flag set
+gives the float model exactly; flag k alone quantizes tensor k alone. For every batch the float
 outputs are computed once and then every unit is run, so only per-unit sums are kept, never
 activations of more than one batch.
 
@@ -44,7 +44,7 @@ import onnx
 
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import COMPARE_THREADS
-from qcal.accuracy.sensitivity._models import _Models
+from qcal.accuracy.sensitivity._models import _Models, switch_flags
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
@@ -112,7 +112,7 @@ def measure_sensitivity(
              for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
-    active = list(range(len(units)))  # unit indices still run; position = selector value
+    active = list(range(len(units)))  # unit indices still run; position = selector flag
     refine_until: int | None = None  # samples after which the relevant tensors stop
     samples = 0
     for feed, n in batches:
@@ -128,7 +128,8 @@ def measure_sensitivity(
         del probed
         for k, unit in enumerate(active):
             tensor = units[unit][0]
-            quantized = _run(switch, outputs, {**feed, selector: np.array(k, np.int64)})
+            flags = switch_flags(len(active), [k])
+            quantized = _run(switch, outputs, {**feed, selector: flags})
             noise[tensor].add(reference, quantized)
             measured[tensor] += n
         samples += n

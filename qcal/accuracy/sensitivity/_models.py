@@ -1,6 +1,7 @@
 """The two models sensitivity runs: the probe model (the float model that also computes every
 planned tensor's fake-quant, exposed as outputs: local SQNR) and the switch model (the float
-model in which an int64 input selects the one tensor its consumers read fake-quantized).
+model in which a boolean input, one flag per tensor, selects the tensors whose consumers read
+them fake-quantized).
 
 The fake-quant is the written model's own arithmetic (optional Clip, QuantizeLinear,
 DequantizeLinear; weights as their dequantized codes), so a tensor measured here is the tensor
@@ -9,7 +10,7 @@ InsertQDQ writes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ class _Models:
 
     probe: onnx.ModelProto
     switch: onnx.ModelProto
-    selector: str  # int64 scalar input of the switch model: the unit to quantize
+    selector: str  # bool [units] input of the switch model: which units are quantized
     units: tuple[tuple[str, str], ...]  # (tensor, role); the index is the selector value
     probes: Mapping[str, tuple[str, str]]  # tensor -> (float output, fake-quant output)
     chains: _Chains
@@ -42,7 +43,7 @@ class _Models:
     logits: tuple[str, ...]  # softmax inputs of softmax outputs, extra outputs of both models
 
     def switch_for(self, subset: list[int]) -> tuple[onnx.ModelProto, str]:
-        """A switch model for the units `subset` alone; selector value k quantizes subset[k]."""
+        """A switch model for the units `subset` alone; selector flag k quantizes subset[k]."""
         return self.chains.switch_model([(self.units[k][0], self.consumers[k]) for k in subset])
 
     @classmethod
@@ -171,15 +172,18 @@ class _Chains:
     def switch_model(
         self, units: list[tuple[str, tuple[str, ...]]]
     ) -> tuple[onnx.ModelProto, str]:
-        """The float model where unit k's consumers read ``If(selector == k, fq(t), t)``.
+        """The float model where unit k's consumers read ``If(selector[k], fq(t), t)``:
+        `selector` is a bool vector of one flag per unit, so one model quantizes any set of
+        them (`switch_flags`).
 
         If runs only the branch it takes, so a run costs about one float inference whichever
-        tensor is quantized.
+        tensors are quantized.
         """
         out = self._copy()
         graph = out.graph
-        selector = self._names.allocate("qcal_sensitivity_unit")
-        graph.input.append(helper.make_tensor_value_info(selector, TensorProto.INT64, []))
+        selector = self._names.allocate("qcal_sensitivity_units")
+        graph.input.append(helper.make_tensor_value_info(selector, TensorProto.BOOL,
+                                                         [len(units)]))
         index = UseIndex.build(graph)
         after: dict[str, list[onnx.NodeProto]] = {}
         before: list[onnx.NodeProto] = []
@@ -187,7 +191,7 @@ class _Chains:
             chain = self._chains[tensor]
             nodes: list[onnx.NodeProto] = []
             unit = self._const(f"{tensor}_unit", np.array(k, np.int64), graph)
-            chosen = self._node(nodes, "Equal", [selector, unit], f"{tensor}_chosen")
+            chosen = self._node(nodes, "Gather", [selector, unit], f"{tensor}_chosen", axis=0)
             switched = self._names.allocate(f"{tensor}_switched")
             then_out = chain.output
             then_nodes = list(chain.nodes)
@@ -264,6 +268,14 @@ class _Chains:
         else:
             graph.initializer.append(tensor)
         return name
+
+
+def switch_flags(units: int, quantized: Iterable[int] = ()) -> np.ndarray:
+    """The switch model's selector value quantizing the units `quantized` (none: the float
+    model)."""
+    flags = np.zeros(units, dtype=np.bool_)
+    flags[list(quantized)] = True
+    return flags
 
 
 def _branch(name: str, nodes: list[onnx.NodeProto], output: str, elem_type: int) -> onnx.GraphProto:
