@@ -26,7 +26,7 @@ import onnx
 from qcal.accuracy.coverage import Coverage, measure_coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
-from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
+from qcal.accuracy.sensitivity import BlockHarm, SensitivityResult, TensorSensitivity
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import integer_output_writers
 
@@ -35,6 +35,7 @@ __all__ = [
     "Candidate",
     "FallbackResult",
     "FallbackStep",
+    "rank_blocks",
     "rank_candidates",
     "same_error_groups",
     "search_fallback",
@@ -105,6 +106,7 @@ class Candidate:
     sensitivity: TensorSensitivity
     compute_lost: float  # share of compute (0..1) that stops being integer without it
     together: tuple[str, ...] = ()  # tensors carrying the same error, kept float with it
+    block: bool = False  # `together` is the rest of a block measured as one (`rank_blocks`)
 
     @property
     def score(self) -> float:
@@ -117,6 +119,13 @@ class Candidate:
     def reason(self, tensor: str | None = None) -> str:
         """Why the candidate is kept float, said of `tensor` (one of its tensors)."""
         s = self.sensitivity
+        if self.block:
+            sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
+            why = (f"quantized alone with the {len(self.tensors) - 1} other tensor(s) of its "
+                   f"block, output SQNR {sqnr}" if self.together else
+                   f"quantized alone, output SQNR {sqnr}")
+            return (f"kept float by the accuracy fallback: {why}; "
+                    f"costs {100 * self.compute_lost:.2f} % of quantized compute")
         if s.output_sqnr_db is None and s.local_sqnr_db is None and s.harm > 0:
             why = f"the error jumps by {s.harm:.3g} (noise/signal) where it is read"
         else:
@@ -202,6 +211,32 @@ def rank_candidates(
     return found
 
 
+def rank_blocks(
+    model: onnx.ModelProto,
+    plan: QuantPlan,
+    blocks: Sequence[BlockHarm],
+    macs: Mapping[str, int | None],
+    samples: int,
+) -> list[Candidate]:
+    """Blocks of tensors measured by `measure_blocks` as candidates (each block kept float as
+    one), ranked as `rank_candidates` ranks tensors."""
+    full = measure_coverage(model, plan, macs).fraction
+    writers = integer_output_writers(model.graph)
+    found = []
+    for block in blocks:
+        if block.harm <= 0.0:
+            continue
+        keep = dict.fromkeys(block.tensors, "-")
+        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
+        harm = TensorSensitivity(
+            tensor=block.tensors[0], role=block.roles[0],
+            output_sqnr_db=None if math.isinf(block.harm) else -10.0 * math.log10(block.harm),
+            noise_ratio=block.harm, top1_agreement=None, local_sqnr_db=None, samples=samples)
+        found.append(Candidate(harm, max(0.0, full - without), block.tensors[1:], block=True))
+    found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
+    return found
+
+
 # Harms this close count as one error (they agree to 5 or more digits when they are one).
 _SAME_ERROR_TOLERANCE = 1e-3
 
@@ -260,6 +295,7 @@ def search_fallback(
     floor: float,
     write: Callable[[QuantPlan], onnx.ModelProto],
     evaluate: Callable[[onnx.ModelProto], Comparison],
+    planned: Comparison | None = None,
 ) -> FallbackResult:
     """The fewest ranked candidates to keep float for `target`, never below `floor` coverage.
 
@@ -272,6 +308,8 @@ def search_fallback(
         floor: lowest acceptable quantized share of compute (0..1).
         write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).
         evaluate: compares a QDQ model with the float model on the evaluation data.
+        planned: the model as planned against the float model, when already evaluated (it
+            is not evaluated again).
     """
     # Every checked set's figures; the model only of those that may be handed over (the model
     # as planned, or one that meets the target): a large model is not held a dozen times.
@@ -286,7 +324,7 @@ def search_fallback(
         if kept not in models:
             restricted = plan_without(kept)
             quantized = write(restricted)
-            comparison = evaluate(quantized)
+            comparison = planned if planned is not None and not kept else evaluate(quantized)
             coverage = measure_coverage(model, restricted, macs)
             step = FallbackStep(len(kept), comparison, coverage, target.is_met(comparison))
             models[kept] = (restricted, quantized if step.met or not kept else None, step)

@@ -1,0 +1,125 @@
+"""Blocks of tensors measured against the outputs (`measure_blocks`): each block's harm is the
+real QDQ model's with that block alone quantized, and halving finds the one harmful tensor of a
+deep chain. And the run that uses them: when the error-jump ranking falls short of the floor,
+the fallback searches again by blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, float_input, run
+from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
+from onnx import helper
+
+import qcal._accuracy_stage as accuracy_stage
+from qcal.accuracy.sensitivity import measure_blocks
+from qcal.config import CalibrationConfig
+from qcal.graph.qdq import InsertQDQ
+from qcal.pipeline import calibrate
+
+LAYERS, WIDTH = 6, 16
+
+
+def deep_chain(seed: int = 3) -> onnx.ModelProto:
+    """x -> (MatMul -> Relu) x 6 -> MatMul -> logits, where the third hidden layer has one
+    channel 1000x the others that the next MatMul does not read: one per-tensor step of that
+    activation wipes out the channels the rest of the chain rests on (its harm is most of the
+    model's); every other tensor rounds harmlessly."""
+    rng = np.random.default_rng(seed)
+    inits: dict[str, np.ndarray] = {}
+    nodes = []
+    source = "x"
+    for i in range(LAYERS):
+        w = (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32)
+        if i == 2:
+            w[:, 0] *= 1000.0
+        if i == 3:
+            w[0, :] = 0.0
+        inits[f"w{i}"] = w
+        nodes += [helper.make_node("MatMul", [source, f"w{i}"], [f"pre{i}"], name=f"fc{i}"),
+                  helper.make_node("Relu", [f"pre{i}"], [f"h{i}"], name=f"relu{i}")]
+        source = f"h{i}"
+    inits["head"] = rng.standard_normal((WIDTH, 10)).astype(np.float32)
+    nodes.append(helper.make_node("MatMul", [source, "head"], ["logits"], name="head"))
+    return build_model(nodes, [float_input("x", ["N", WIDTH])], ["logits"], inits)
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    folder = tmp_path_factory.mktemp("blocks")
+    path, data = save_with_data(folder, "chain", deep_chain(), 4, evaluate=8, features=WIDTH)
+    captured = calibrate_capturing_sensitivity(
+        path, CalibrationConfig(sensitivity=True, sensitivity_samples=2))
+    return captured["model"], captured["plan"], captured["acts"], captured["weights"], data
+
+
+def _noise_ratio(model: onnx.ModelProto, quantized: onnx.ModelProto,
+                 feeds: list[np.ndarray]) -> float:
+    signal = noise = 0.0
+    for x in feeds:
+        reference = run(model, {"x": x})[0].astype(np.float64)
+        got = run(quantized, {"x": x})[0].astype(np.float64)
+        signal += float((reference ** 2).sum())
+        noise += float(((reference - got) ** 2).sum())
+    return noise / signal
+
+
+def test_halving_isolates_the_harmful_tensor_and_each_block_is_its_qdq_model(
+    pieces: tuple,
+) -> None:
+    model, plan, acts, weights, data = pieces
+    feeds = [data[i:i + 1] for i in range(2)]
+    blocks = measure_blocks(model, plan, acts, weights, [{"x": x} for x in feeds],
+                            first_blocks=2, measurements=12)
+    planned = {a.tensor for a in plan.activations if a.consumers} | {w.tensor for w in plan.weights}
+    assert sorted(t for b in blocks for t in b.tensors) == sorted(planned)  # a partition
+    assert blocks[0].tensors == ("h2",)  # the harmful one, alone and first
+    assert [b.harm for b in blocks] == sorted((b.harm for b in blocks), reverse=True)
+    assert blocks[0].harm > 10 * sum(b.harm for b in blocks[1:])
+    # each harm is the real QDQ model's with the block alone quantized (to 1e-3: onnxruntime
+    # runs consecutive Q/DQ pairs as integer kernels, which round the requantization apart
+    # from the fake-quant in float the switch model computes)
+    for block in blocks:
+        alone = dataclasses.replace(
+            plan, biases=(),
+            activations=tuple(a for a in plan.activations if a.tensor in block.tensors),
+            weights=tuple(w for w in plan.weights if w.tensor in block.tensors))
+        quantized = InsertQDQ(alone, acts, weights)(model).model
+        assert block.harm == pytest.approx(_noise_ratio(model, quantized, feeds), rel=1e-3,
+                                           abs=1e-12), block.tensors
+
+
+def test_within_the_budget_the_first_blocks_stay_whole(pieces: tuple) -> None:
+    model, plan, acts, weights, data = pieces
+    blocks = measure_blocks(model, plan, acts, weights, [{"x": data[:1]}], first_blocks=3,
+                            measurements=3)
+    assert len(blocks) == 3  # no measurement left to halve one
+    assert all(len(b.tensors) > 1 for b in blocks)
+
+
+def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the error-jump ranking offering nothing, the floor is still reached: by the
+    blocks' ranking, which keeps the harmful activation float (checked on the written model)."""
+    path, data = save_with_data(tmp_path, "chain", deep_chain(), 4, calib=64, evaluate=200,
+                                features=WIDTH)
+    assert data is not None
+    naive = calibrate(path, CalibrationConfig(fallback=False))
+    assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
+    monkeypatch.setattr(accuracy_stage, "rank_candidates", lambda *args: [])
+    result = calibrate(path, CalibrationConfig())
+    report = result.report
+    fallback = report["fallback"]
+    assert fallback["reached"], fallback["message"]
+    assert "in blocks" in fallback["message"]
+    assert "h2" in [k["tensor"] for k in fallback["kept_float"]]
+    assert "localise blocks" in report["timings_seconds"]
+    expected = run(deep_chain(), {"x": data})[0].argmax(1)
+    got = run(result.model, {"x": data})[0].argmax(1)
+    assert float(np.mean(expected == got)) >= 0.99
+    assert report["gates"] == []
