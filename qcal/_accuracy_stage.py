@@ -29,6 +29,7 @@ from qcal.config import CalibrationConfig
 from qcal.graph.files.large import weight_bytes
 from qcal.graph.model import InputSpec, QuantPlan
 from qcal.graph.qdq import InsertQDQ, QuantizedWeight
+from qcal.numerics.errors import DataError, ModelError
 from qcal.numerics.onnx_mapping import OnnxQParams
 
 
@@ -124,13 +125,17 @@ def _improve_accuracy(
         with timings.stage("localise blocks"):
             feeds = [feed for feed, _ in data_mod.iter_batches(
                 _spread_samples(source, _BLOCK_SAMPLES), inputs, 1)]
-            blocks = measure_blocks(model, plan, act_params, weights, feeds,
-                                    providers=config.providers)
+            try:
+                blocks = measure_blocks(model, plan, act_params, weights, feeds,
+                                        providers=config.providers)
+            except (ModelError, DataError):  # a form the switch model cannot take (per-axis
+                blocks = ()                  # activations): the first search's verdict stands
             samples = len(feeds)
             del feeds
-        with timings.stage("fallback"):
-            by_blocks = search(rank_blocks(model, plan, blocks, macs, samples))
-        fallback = _after_both(fallback, by_blocks)
+        candidates = rank_blocks(model, plan, blocks, macs, samples)
+        if candidates:
+            with timings.stage("fallback"):
+                fallback = _after_both(fallback, search(candidates))
     return _Accuracy(sensitivity, fallback)
 
 
@@ -141,7 +146,7 @@ def _after_both(first: FallbackResult, second: FallbackResult) -> FallbackResult
     steps = (*first.steps, *(s for s in second.steps if s.kept))
     message = (f"{second.message} (ranked by their measured effect on the outputs, in blocks; "
                "ranked by their error jumps they fell short)" if second.reached
-               else first.message)
+               else f"{first.message} (nor by their effect on the outputs, measured in blocks)")
     return replace(chosen, steps=steps, message=message)
 
 

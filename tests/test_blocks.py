@@ -19,6 +19,7 @@ import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.sensitivity import measure_blocks
 from qcal.config import CalibrationConfig
 from qcal.graph.qdq import InsertQDQ
+from qcal.numerics.errors import ModelError
 from qcal.pipeline import calibrate
 
 LAYERS, WIDTH = 6, 16
@@ -123,3 +124,24 @@ def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
     got = run(result.model, {"x": data})[0].argmax(1)
     assert float(np.mean(expected == got)) >= 0.99
     assert report["gates"] == []
+
+
+def test_a_model_the_switch_form_cannot_take_keeps_the_first_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks that cannot be measured (per-axis activations have no switch form) leave the
+    first search's verdict: the floor fails as a gate, with the model as planned, no error."""
+    path, _ = save_with_data(tmp_path, "chain", deep_chain(), 4, calib=64, evaluate=200,
+                             features=WIDTH)
+    monkeypatch.setattr(accuracy_stage, "rank_candidates", lambda *args: [])
+
+    def cannot(*args: object, **kwargs: object) -> None:
+        raise ModelError("activation 'h2': per-axis activations cannot be measured")
+
+    monkeypatch.setattr(accuracy_stage, "measure_blocks", cannot)
+    result = calibrate(path, CalibrationConfig(), enforce_gates=False)
+    report = result.report
+    assert not report["fallback"]["reached"]
+    assert report["fallback"]["kept_float"] == []
+    (gate,) = report["gates"]
+    assert gate["option"] == "accuracy-floor" and not gate["passed"]

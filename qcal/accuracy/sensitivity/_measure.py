@@ -99,13 +99,15 @@ def measure_sensitivity(
         ModelError: onnxruntime cannot load the switch model.
     """
     models = _Models.build(model, plan, activations, weights)
-    probe = create_session(models.probe, providers=providers, threads=COMPARE_THREADS,
+    probe_model, probe_outputs = models.probe_model()
+    probe = create_session(probe_model, providers=providers, threads=COMPARE_THREADS,
                            what="sensitivity probe model")
+    del probe_model
     switch: object | None = create_session(models.switch, providers=providers,
                                            threads=COMPARE_THREADS, what="sensitivity model")
     selector = models.selector
     outputs = [o.name for o in model.graph.output] + list(models.logits)
-    probes = [name for pair in models.probes.values() for name in pair]
+    probes = [name for pair in probe_outputs.values() for name in pair]
     units = models.units
     rules = decision_rules(model)
     noise = {u: _OutputNoise.empty(len(outputs), [rules.get(o.name) for o in model.graph.output])
@@ -120,7 +122,7 @@ def measure_sensitivity(
         reference = values[: len(outputs)]
         probed = dict(zip(probes, values[len(outputs):]))
         del values
-        for tensor, (plain, faked) in models.probes.items():
+        for tensor, (plain, faked) in probe_outputs.items():
             x = probed[plain].astype(np.float64, copy=False).ravel()
             d = x - probed[faked].astype(np.float64, copy=False).ravel()
             local[tensor][0] += float(x @ x)

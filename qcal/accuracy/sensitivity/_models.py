@@ -31,16 +31,20 @@ _NATIVE_QDQ_TYPES = frozenset({TensorProto.INT8, TensorProto.UINT8})
 
 @dataclass(frozen=True)
 class _Models:
-    """The probe model (fake-quants as extra outputs) and the switch model (one If per tensor)."""
+    """The switch model (one If per tensor) and, on demand, the probe model (fake-quants as
+    extra outputs)."""
 
-    probe: onnx.ModelProto
     switch: onnx.ModelProto
     selector: str  # bool [units] input of the switch model: which units are quantized
-    units: tuple[tuple[str, str], ...]  # (tensor, role); the index is the selector value
-    probes: Mapping[str, tuple[str, str]]  # tensor -> (float output, fake-quant output)
+    units: tuple[tuple[str, str], ...]  # (tensor, role); the index is the selector flag's
     chains: _Chains
     consumers: tuple[tuple[str, ...], ...]  # per unit: the nodes reading it quantized
     logits: tuple[str, ...]  # softmax inputs of softmax outputs, extra outputs of both models
+
+    def probe_model(self) -> tuple[onnx.ModelProto, Mapping[str, tuple[str, str]]]:
+        """The probe model and, per tensor, its (float, fake-quant) outputs (a copy of the
+        model, built when asked for: block measurements run the switch model alone)."""
+        return self.chains.probe_model()
 
     def switch_for(self, subset: list[int]) -> tuple[onnx.ModelProto, str]:
         """A switch model for the units `subset` alone; selector flag k quantizes subset[k]."""
@@ -76,9 +80,8 @@ class _Models:
         for tensor in sorted(readers):
             chains.add_weight(tensor, weights[tensor])
             units.append((tensor, "weight", tuple(readers[tensor])))
-        probe, probes = chains.probe_model()
         switch, selector = chains.switch_model([(t, c) for t, _, c in units])
-        return cls(probe, switch, selector, tuple((t, r) for t, r, _ in units), probes, chains,
+        return cls(switch, selector, tuple((t, r) for t, r, _ in units), chains,
                    tuple(c for _, _, c in units), tuple(logits))
 
 
