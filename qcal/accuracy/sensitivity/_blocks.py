@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ Feed = Mapping[str, np.ndarray]
 # Blocks the tensors are first cut into, and measurements (blocks quantized alone) in all.
 FIRST_BLOCKS = 8
 MEASUREMENTS = 96
+_WORKERS = 2  # measurements at once, on the calibration's two cores
 
 
 @dataclass(frozen=True)
@@ -101,23 +103,26 @@ def measure_blocks(
         return noise.harm()
 
     size = -(-len(order) // max(1, first_blocks))
-    # (-harm, first position, block): the most harmful first, ties in graph order
-    heap = [(-harm(block), block[0], block)
-            for block in (tuple(order[i:i + size]) for i in range(0, len(order), size))]
-    spent = len(heap)
-    heapq.heapify(heap)
-    done: list[tuple[float, int, tuple[int, ...]]] = []
-    worst = -heap[0][0]
-    while heap and spent + 2 <= measurements:
-        entry = heapq.heappop(heap)
-        block = entry[2]
-        if len(block) == 1 or -entry[0] <= max(_NEGLIGIBLE, 0.01 * worst):
-            done.append(entry)  # a single tensor, or harm not worth narrowing down
-            continue
-        half = len(block) // 2
-        for part in (block[:half], block[half:]):
-            heapq.heappush(heap, (-harm(part), part[0], part))
-        spent += 2
+    first = [tuple(order[i:i + size]) for i in range(0, len(order), size)]
+    # Measurements are independent runs of one session on one thread each (the same figures
+    # whichever finishes first): two run at once, the two halves of a block, on two cores.
+    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="qcal-blocks") as pool:
+        # (-harm, first position, block): the most harmful first, ties in graph order
+        heap = [(-h, block[0], block) for block, h in zip(first, pool.map(harm, first))]
+        spent = len(heap)
+        heapq.heapify(heap)
+        done: list[tuple[float, int, tuple[int, ...]]] = []
+        worst = -heap[0][0]
+        while heap and spent + 2 <= measurements:
+            entry = heapq.heappop(heap)
+            block = entry[2]
+            if len(block) == 1 or -entry[0] <= max(_NEGLIGIBLE, 0.01 * worst):
+                done.append(entry)  # a single tensor, or harm not worth narrowing down
+                continue
+            halves = (block[:len(block) // 2], block[len(block) // 2:])
+            for part, h in zip(halves, pool.map(harm, halves)):
+                heapq.heappush(heap, (-h, part[0], part))
+            spent += 2
     found = sorted(done + heap)
     return tuple(
         BlockHarm(tuple(models.units[k][0] for k in block),
