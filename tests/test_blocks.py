@@ -1,7 +1,8 @@
 """Blocks of tensors measured against the outputs (`measure_blocks`): each block's harm is the
 real QDQ model's with that block alone quantized, and halving finds the one harmful tensor of a
 deep chain. And the run that uses them: when the error-jump ranking falls short of the floor,
-the fallback searches again by blocks."""
+the fallback searches again by blocks. Outputs that are not tensors (a classifier's ZipMap) are
+left out of every measurement of the accuracy stage."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import onnx
 import pytest
 from _onnx_testing import build_model, float_input, run
 from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
-from onnx import helper
+from onnx import TensorProto, helper
 
 import qcal._accuracy_stage as accuracy_stage
-from qcal.accuracy.sensitivity import measure_blocks
+from qcal.accuracy.sensitivity import measure_blocks, measure_sensitivity
 from qcal.config import CalibrationConfig
 from qcal.graph.qdq import InsertQDQ
 from qcal.numerics.errors import ModelError
@@ -145,3 +146,61 @@ def test_a_model_the_switch_form_cannot_take_keeps_the_first_verdict(
     assert report["fallback"]["kept_float"] == []
     (gate,) = report["gates"]
     assert gate["option"] == "accuracy-floor" and not gate["passed"]
+
+
+def _with_zipmap(model: onnx.ModelProto, *, keep_logits: bool) -> onnx.ModelProto:
+    """The chain with its logits also given as scikit-learn classifiers give probabilities: a
+    ZipMap, a sequence of {class: score} dicts (and without the logits when not kept)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.node.append(helper.make_node("ZipMap", ["logits"], ["scores"], name="zipmap",
+                                           domain="ai.onnx.ml",
+                                           classlabels_int64s=list(range(10))))
+    out.opset_import.append(helper.make_opsetid("ai.onnx.ml", 1))
+    scores = onnx.TypeProto()
+    scores.sequence_type.elem_type.map_type.key_type = TensorProto.INT64
+    scores.sequence_type.elem_type.map_type.value_type.tensor_type.elem_type = TensorProto.FLOAT
+    if not keep_logits:
+        del out.graph.output[:]
+    out.graph.output.append(helper.make_value_info("scores", scores))
+    return out
+
+
+def test_outputs_that_are_not_tensors_are_left_out_of_the_measurements(
+    tmp_path: Path, pieces: tuple,
+) -> None:
+    """A ZipMap output (dicts) beside the logits: blocks and per-tensor sensitivity measure the
+    logits alone, with the figures of the model without it; with the ZipMap as the only
+    output there is nothing to compare, and nothing is measured (no error)."""
+    model, plan, acts, weights, data = pieces
+    feeds = [{"x": data[:1]}]
+    plain = measure_blocks(model, plan, acts, weights, feeds, first_blocks=2, measurements=6)
+    zipped = measure_blocks(_with_zipmap(model, keep_logits=True), plan, acts, weights, feeds,
+                            first_blocks=2, measurements=6)
+    assert [(b.tensors, b.harm) for b in zipped] == [(b.tensors, b.harm) for b in plain]
+    alone = measure_sensitivity(_with_zipmap(model, keep_logits=True), plan, acts, weights,
+                                [({"x": data[:2]}, 2)])
+    expected = measure_sensitivity(model, plan, acts, weights, [({"x": data[:2]}, 2)])
+    assert [(s.tensor, s.noise_ratio) for s in alone.tensors] == [
+        (s.tensor, s.noise_ratio) for s in expected.tensors]
+    only = _with_zipmap(model, keep_logits=False)
+    assert measure_blocks(only, plan, acts, weights, feeds) == ()
+    assert measure_sensitivity(only, plan, acts, weights, [({"x": data[:2]}, 2)]).tensors == ()
+
+
+def test_a_run_below_the_floor_with_a_zipmap_output_localises_on_the_tensors(
+    tmp_path: Path,
+) -> None:
+    """Below the floor, the error is localised and the fallback restores the model on the
+    logits, the ZipMap of dicts beside them left out (it failed the run with an internal error);
+    the agreement is recomputed from the written model."""
+    model = _with_zipmap(deep_chain(), keep_logits=True)
+    path, data = save_with_data(tmp_path, "chain", model, 4, calib=64, evaluate=200,
+                                features=WIDTH)
+    assert data is not None
+    result = calibrate(path, CalibrationConfig(allow_slower=True))
+    report = result.report
+    assert report["fallback"]["reached"], report["fallback"]["message"]
+    expected = run(deep_chain(), {"x": data})[0].argmax(1)
+    got = run(result.model, {"x": data})[0].argmax(1)
+    assert float(np.mean(expected == got)) >= 0.99

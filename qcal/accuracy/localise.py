@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qcal.accuracy.evaluate import COMPARE_THREADS
+from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
@@ -59,7 +59,7 @@ def localise_error(
     docstring), as a `SensitivityResult` the fallback ranks by (`noise_ratio` is the jump)."""
     produced = {v for n in float_model.graph.node for v in n.output if v}
     quant_produced = {v for n in quant_model.graph.node for v in n.output if v}
-    outputs = [o.name for o in float_model.graph.output]
+    outputs = numeric_outputs(float_model)  # not a classifier's ZipMap of dicts, nor strings
     bodies = _body_nodes(float_model.graph)
     types = graph_element_types(float_model.graph)
     # Only float values are compared, and an exposed value must be declared of its own type

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import decision_rules
-from qcal.accuracy.evaluate import COMPARE_THREADS
+from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
 from qcal.accuracy.sensitivity._measure import _NEGLIGIBLE, _run
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
 from qcal.accuracy.sensitivity._results import _OutputNoise
@@ -85,12 +85,13 @@ def measure_blocks(
         raise DataError("block sensitivity data has no samples")
     models = _Models.build(model, plan, activations, weights)
     order = _reading_order(model, models)
-    if not order:
+    compared = numeric_outputs(model)  # not a classifier's ZipMap of dicts, nor strings
+    outputs = compared + list(models.logits)
+    if not order or not outputs:
         return ()
     session = create_session(models.switch, providers=providers, threads=COMPARE_THREADS,
                              what="sensitivity model")
-    outputs = [o.name for o in model.graph.output] + list(models.logits)
-    rules = [decision_rules(model).get(o.name) for o in model.graph.output]
+    rules = [decision_rules(model).get(name) for name in compared]
     units = len(models.units)
     none = switch_flags(units)
     references = [_run(session, outputs, {**feed, models.selector: none}) for feed in feeds]

@@ -43,7 +43,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy.decisions import decision_rules
-from qcal.accuracy.evaluate import COMPARE_THREADS
+from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
@@ -99,6 +99,10 @@ def measure_sensitivity(
         ModelError: onnxruntime cannot load the switch model.
     """
     models = _Models.build(model, plan, activations, weights)
+    compared = numeric_outputs(model)  # not a classifier's ZipMap of dicts, nor strings
+    outputs = compared + list(models.logits)
+    if not outputs:  # nothing to compare: no tensor measurably changes the outputs
+        return SensitivityResult(0, ())
     probe_model, probe_outputs = models.probe_model()
     probe = create_session(probe_model, providers=providers, threads=COMPARE_THREADS,
                            what="sensitivity probe model")
@@ -106,11 +110,10 @@ def measure_sensitivity(
     switch: object | None = create_session(models.switch, providers=providers,
                                            threads=COMPARE_THREADS, what="sensitivity model")
     selector = models.selector
-    outputs = [o.name for o in model.graph.output] + list(models.logits)
     probes = [name for pair in probe_outputs.values() for name in pair]
     units = models.units
     rules = decision_rules(model)
-    noise = {u: _OutputNoise.empty(len(outputs), [rules.get(o.name) for o in model.graph.output])
+    noise = {u: _OutputNoise.empty(len(outputs), [rules.get(name) for name in compared])
              for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
