@@ -265,3 +265,31 @@ def test_the_thread_count_cannot_change_the_model(
     else:  # this machine's kernels agree: nothing to say
         assert notes == []
     assert not any(w.startswith("threads:") for w in runs[1][1]["warnings"])
+
+
+def test_a_thread_check_too_large_compares_the_tensor_outputs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too large to compare every tensor, the thread check compares the model's outputs: a
+    classifier's ZipMap of dicts beside its scores is not one of them (sorting dicts failed)."""
+    rng = np.random.default_rng(12)
+    model = build_model([helper.make_node("MatMul", ["x", "w"], ["scores"])],
+                        [float_input("x", ["N", 4])], [float_input("scores", ["N", 3])],
+                        {"w": rng.standard_normal((4, 3)).astype(np.float32)})
+    model.graph.node.append(helper.make_node("ZipMap", ["scores"], ["by_class"],
+                                             domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2]))
+    model.opset_import.append(helper.make_opsetid("ai.onnx.ml", 1))
+    by_class = onnx.TypeProto()
+    by_class.sequence_type.elem_type.map_type.key_type = onnx.TensorProto.INT64
+    by_class.sequence_type.elem_type.map_type.value_type.tensor_type.elem_type = (
+        onnx.TensorProto.FLOAT)
+    model.graph.output.append(helper.make_value_info("by_class", by_class))
+    onnx.checker.check_model(model)
+    onnx.save(model, tmp_path / "m.onnx")
+    samples = tmp_path / "samples"  # a sample of three rows: three dicts, which do not sort
+    samples.mkdir()
+    np.savez(samples / "0.npz", x=rng.standard_normal((3, 4)).astype(np.float32))
+    inputs = model_inputs(model)
+    source = open_data(samples, model_path=tmp_path / "m.onnx", inputs=inputs)
+    monkeypatch.setattr(batch_check, "_CHECK_BYTES", 0)  # the outputs alone
+    assert batch_check.exact_threads(model, source, inputs, 2) == (2, None)

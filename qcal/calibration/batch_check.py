@@ -107,7 +107,8 @@ def exact_threads(
     feed = first[0]
     tensors = _checked_tensors(model)
     if _estimated_bytes(model, tensors, feed) > _CHECK_BYTES:
-        tensors = [o.name for o in model.graph.output]
+        # the outputs, but not a ZipMap's sequence of dicts (dicts do not sort)
+        tensors = [o.name for o in model.graph.output if o.type.HasField("tensor_type")]
     exposed = expose_tensors(model, tensors)
     outputs = {o.name for o in exposed.graph.output}
     names = [t for t in tensors if t in outputs]
