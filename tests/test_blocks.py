@@ -14,7 +14,7 @@ import onnx
 import pytest
 from _onnx_testing import build_model, float_input, run
 from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.sensitivity import measure_blocks, measure_sensitivity
@@ -204,3 +204,36 @@ def test_a_run_below_the_floor_with_a_zipmap_output_localises_on_the_tensors(
     expected = run(deep_chain(), {"x": data})[0].argmax(1)
     got = run(result.model, {"x": data})[0].argmax(1)
     assert float(np.mean(expected == got)) >= 0.99
+
+
+def _with_positive_indices(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The chain with a second output whose length depends on the values, as a detector's
+    boxes do: the indices of the positive logits (NonZero)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+    out.graph.node.extend([
+        helper.make_node("Greater", ["logits", "zero"], ["positive"], name="positive"),
+        helper.make_node("NonZero", ["positive"], ["where"], name="where")])
+    out.graph.output.append(helper.make_tensor_value_info("where", TensorProto.INT64, [2, "count"]))
+    return out
+
+
+def test_an_output_of_another_length_counts_as_lost_not_as_an_error(pieces: tuple) -> None:
+    """Quantized, the chain finds another number of positive logits on some samples: that
+    output's noise is its whole signal there (as the evaluation counts such a batch), and the
+    measurements go on (they failed on arrays of two lengths)."""
+    model, plan, acts, weights, data = pieces
+    counted = _with_positive_indices(model)
+    feeds = [{"x": data[i:i + 1]} for i in range(8)]
+    shapes_differ = False
+    for feed in feeds:  # the whole block quantized changes some sample's count
+        every = dataclasses.replace(plan, biases=())
+        quantized = InsertQDQ(every, acts, weights)(counted).model
+        shapes_differ |= run(counted, feed)[1].shape != run(quantized, feed)[1].shape
+    assert shapes_differ
+    blocks = measure_blocks(counted, plan, acts, weights, feeds, first_blocks=1, measurements=1)
+    assert len(blocks) == 1 and blocks[0].harm > 0.0
+    batches = [(feed, 1) for feed in feeds]
+    sensitivity = measure_sensitivity(counted, plan, acts, weights, batches)
+    assert any(s.noise_ratio > 0.0 for s in sensitivity.tensors)

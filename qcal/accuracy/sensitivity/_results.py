@@ -100,6 +100,14 @@ class _OutputNoise:
         for i, (x, y) in enumerate(zip(reference, quantized)):
             x64 = np.asarray(x, dtype=np.float64).ravel()
             y64 = np.asarray(y, dtype=np.float64).ravel()
+            rule = self.rules[i]
+            if np.shape(x) != np.shape(y):  # another count (NonZero, a detector's boxes):
+                x64 = x64[np.isfinite(x64)]   # nothing of the reference is left, as the
+                self.signal[i] += float(x64 @ x64)  # evaluation counts such a batch as
+                self.noise[i] += float(x64 @ x64)   # decisions that all differ
+                if rule is not None and rule.applies(np.shape(x)):
+                    self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
+                continue
             both = np.isfinite(x64) & np.isfinite(y64)
             if not both.all():  # as in the evaluation: sums over what both compute finite,
                 if np.any(np.isfinite(x64) & ~np.isfinite(y64)):  # and a value made non-finite
@@ -108,7 +116,6 @@ class _OutputNoise:
             d = x64 - y64
             self.signal[i] += float(x64 @ x64)
             self.noise[i] += float(d @ d)
-            rule = self.rules[i]
             if rule is not None and not rule.applies(np.shape(x)):
                 rule = self.rules[i] = None
             if rule is not None:
