@@ -101,10 +101,12 @@ class _OutputNoise:
             x64 = np.asarray(x, dtype=np.float64).ravel()
             y64 = np.asarray(y, dtype=np.float64).ravel()
             rule = self.rules[i]
-            if np.shape(x) != np.shape(y):  # another count (NonZero, a detector's boxes):
-                x64 = x64[np.isfinite(x64)]   # nothing of the reference is left, as the
-                self.signal[i] += float(x64 @ x64)  # evaluation counts such a batch as
-                self.noise[i] += float(x64 @ x64)   # decisions that all differ
+            if np.shape(x) != np.shape(y):
+                # Another count (NonZero, a detector's boxes): nothing of the reference is
+                # left, as the evaluation counts such a batch as decisions that all differ.
+                x64 = x64[np.isfinite(x64)]
+                self.signal[i] += float(x64 @ x64)
+                self.noise[i] += float(x64 @ x64)
                 if rule is not None and rule.applies(np.shape(x)):
                     self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
                 continue
