@@ -20,6 +20,7 @@ from qcal.config import CalibrationConfig
 from qcal.graph.files.load import LoadedModel, load_model
 from qcal.graph.structure import keep_declared_shapes
 from qcal.numerics.errors import QcalError
+from qcal.numerics.sums import inner_product
 
 __all__ = ["PREPARED_CHECK_SAMPLES", "prepared_model_drift", "time_against_users_model",
            "users_model"]
@@ -77,8 +78,8 @@ def prepared_model_drift(
             finite = np.isfinite(theirs) & np.isfinite(ours)
             a, b = theirs[finite].astype(np.float64), ours[finite].astype(np.float64)
             sums = energy.setdefault(name, [0.0, 0.0])
-            sums[0] += float(a @ a)
-            sums[1] += float((a - b) @ (a - b))
+            sums[0] += inner_product(a, a)
+            sums[1] += inner_product(a - b, a - b)
     worst = min((10 * math.log10(max(signal, 1e-300) / noise)
                  for signal, noise in energy.values() if noise > 0), default=math.inf)
     return GateResult(

@@ -34,6 +34,7 @@ from qcal.accuracy.output_parts import (
 )
 from qcal.calibration.runtime import create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
+from qcal.numerics.sums import inner_product
 
 __all__ = [
     "Comparison", "FloatReference", "OutputMetrics", "compare_models", "floor_sqnr_applies",
@@ -193,10 +194,10 @@ class _Accumulator:
             both = finite_x & finite_y
             x64, y64 = x64[both], y64[both]
         diff = x64 - y64
-        self.signal += float(x64 @ x64)
-        self.noise += float(diff @ diff)
-        self.dot += float(x64 @ y64)
-        self.quant_energy += float(y64 @ y64)
+        self.signal += inner_product(x64, x64)
+        self.noise += inner_product(diff, diff)
+        self.dot += inner_product(x64, y64)
+        self.quant_energy += inner_product(y64, y64)
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
         if self.parts and x.ndim == len(self.parts[0].box):
@@ -280,7 +281,7 @@ def _energies(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     if not both.all():
         x64, y64 = x64[both], y64[both]
     diff = x64 - y64
-    return float(x64 @ x64), float(diff @ diff)
+    return inner_product(x64, x64), inner_product(diff, diff)
 
 
 def _distributions(x: np.ndarray) -> bool:

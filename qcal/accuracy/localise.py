@@ -41,6 +41,7 @@ from qcal.graph.structure import (
     subgraph_reads,
 )
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, qdq_round_trip
+from qcal.numerics.sums import inner_product
 
 __all__ = ["localise_error"]
 
@@ -274,10 +275,10 @@ def _noise_ratio(f: np.ndarray, q: np.ndarray) -> float:
     if not np.isfinite(error).all():
         both = np.isfinite(f64) & np.isfinite(q64)
         f64, error = f64[both], error[both]
-    noise = float(error @ error)
+    noise = inner_product(error, error)
     if noise == 0.0:
         return 0.0
-    signal = float(f64 @ f64)
+    signal = inner_product(f64, f64)
     return 1.0 if noise >= signal else noise / signal
 
 

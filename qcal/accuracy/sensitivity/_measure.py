@@ -51,6 +51,7 @@ from qcal.graph.model import QuantPlan
 from qcal.graph.qdq import QuantizedWeight
 from qcal.numerics.errors import DataError
 from qcal.numerics.onnx_mapping import OnnxQParams
+from qcal.numerics.sums import inner_product
 
 __all__ = ["SCREEN_FRACTION", "measure_sensitivity"]
 
@@ -128,8 +129,8 @@ def measure_sensitivity(
         for tensor, (plain, faked) in probe_outputs.items():
             x = probed[plain].astype(np.float64, copy=False).ravel()
             d = x - probed[faked].astype(np.float64, copy=False).ravel()
-            local[tensor][0] += float(x @ x)
-            local[tensor][1] += float(d @ d)
+            local[tensor][0] += inner_product(x, x)
+            local[tensor][1] += inner_product(d, d)
         del probed
         for k, unit in enumerate(active):
             tensor = units[unit][0]

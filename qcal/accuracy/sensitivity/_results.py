@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qcal.accuracy.decisions import DecisionRule
+from qcal.numerics.sums import inner_product
 
 __all__ = ["SensitivityResult", "TensorSensitivity"]
 
@@ -105,8 +106,8 @@ class _OutputNoise:
                 # Another count (NonZero, a detector's boxes): nothing of the reference is
                 # left, as the evaluation counts such a batch as decisions that all differ.
                 x64 = x64[np.isfinite(x64)]
-                self.signal[i] += float(x64 @ x64)
-                self.noise[i] += float(x64 @ x64)
+                self.signal[i] += inner_product(x64, x64)
+                self.noise[i] += inner_product(x64, x64)
                 if rule is not None and rule.applies(np.shape(x)):
                     self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
                 continue
@@ -116,8 +117,8 @@ class _OutputNoise:
                     self.noise[i] = math.inf                     # is unbounded harm
                 x64, y64 = x64[both], y64[both]
             d = x64 - y64
-            self.signal[i] += float(x64 @ x64)
-            self.noise[i] += float(d @ d)
+            self.signal[i] += inner_product(x64, x64)
+            self.noise[i] += inner_product(d, d)
             if rule is not None and not rule.applies(np.shape(x)):
                 rule = self.rules[i] = None
             if rule is not None:
