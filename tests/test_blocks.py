@@ -120,6 +120,8 @@ def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
     assert fallback["reached"], fallback["message"]
     assert "in blocks" in fallback["message"]
     assert "h2" in [k["tensor"] for k in fallback["kept_float"]]
+    assert all("quantized alone" in k["reason"] and "output SQNR" in k["reason"]
+               for k in fallback["kept_float"])  # no softmax output: the outputs' SQNR
     assert "localise blocks" in report["timings_seconds"]
     expected = run(deep_chain(), {"x": data})[0].argmax(1)
     got = run(result.model, {"x": data})[0].argmax(1)

@@ -120,10 +120,11 @@ class Candidate:
         """Why the candidate is kept float, said of `tensor` (one of its tensors)."""
         s = self.sensitivity
         if self.block:
-            sqnr = "unchanged" if s.output_sqnr_db is None else f"{s.output_sqnr_db:.1f} dB"
+            where = "output" if s.logit_noise_ratio is None else "softmax outputs' logits"
+            sqnr = (f"{where} SQNR {-10.0 * math.log10(s.harm):.1f} dB" if 0.0 < s.harm < math.inf
+                    else f"{where} SQNR -inf dB")
             why = (f"quantized alone with the {len(self.tensors) - 1} other tensor(s) of its "
-                   f"block, output SQNR {sqnr}" if self.together else
-                   f"quantized alone, output SQNR {sqnr}")
+                   f"block, {sqnr}" if self.together else f"quantized alone, {sqnr}")
             return (f"kept float by the accuracy fallback: {why}; "
                     f"costs {100 * self.compute_lost:.2f} % of quantized compute")
         if s.output_sqnr_db is None and s.local_sqnr_db is None and s.harm > 0:
@@ -228,10 +229,12 @@ def rank_blocks(
             continue
         keep = dict.fromkeys(block.tensors, "-")
         without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
+        sqnr = None if math.isinf(block.harm) else -10.0 * math.log10(block.harm)
         harm = TensorSensitivity(
             tensor=block.tensors[0], role=block.roles[0],
-            output_sqnr_db=None if math.isinf(block.harm) else -10.0 * math.log10(block.harm),
-            noise_ratio=block.harm, top1_agreement=None, local_sqnr_db=None, samples=samples)
+            output_sqnr_db=None if block.on_logits else sqnr, noise_ratio=block.harm,
+            top1_agreement=None, local_sqnr_db=None, samples=samples,
+            logit_noise_ratio=block.harm if block.on_logits else None)
         found.append(Candidate(harm, max(0.0, full - without), block.tensors[1:], block=True))
     found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
     return found

@@ -54,6 +54,7 @@ class BlockHarm:
     tensors: tuple[str, ...]  # in the order the graph reads them
     roles: tuple[str, ...]  # "activation" or "weight", per tensor
     harm: float
+    on_logits: bool = False  # measured over the logits of the model's softmax outputs
 
 
 def measure_blocks(
@@ -127,7 +128,7 @@ def measure_blocks(
     found = sorted(done + heap)
     return tuple(
         BlockHarm(tuple(models.units[k][0] for k in block),
-                  tuple(models.units[k][1] for k in block), -negative)
+                  tuple(models.units[k][1] for k in block), -negative, bool(models.logits))
         for negative, _, block in found
     )
 
