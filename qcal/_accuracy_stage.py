@@ -91,12 +91,12 @@ def _improve_accuracy(
     elif not config.fallback:
         return _Accuracy(None, None)
     target = config.accuracy_target()
-    planned: Comparison | None = None  # the model as planned, once evaluated
+    planned: tuple[onnx.ModelProto, Comparison] | None = None  # written and evaluated
     if not config.has_fallback_target:  # the default floor, measured sensitivity or not
         with timings.stage("evaluate"):
-            planned = evaluate(quant_model)
-        if target.is_met(planned):
-            return _Accuracy(sensitivity, None, planned)
+            planned = (quant_model, evaluate(quant_model))
+        if target.is_met(planned[1]):
+            return _Accuracy(sensitivity, None, planned[1])
     if sensitivity is None:
         with timings.stage("localise"):
             sensitivity = localise_error(
@@ -117,7 +117,8 @@ def _improve_accuracy(
 
     with timings.stage("fallback"):
         fallback = search(rank_candidates(model, plan, sensitivity, macs))
-        planned = fallback.steps[0].comparison  # the model as planned is checked first
+        if not fallback.reached:  # then the model it hands over is the one as planned
+            planned = (fallback.model, fallback.steps[0].comparison)
     if (not fallback.reached and sensitivity.method == "error-jump"
             and weight_bytes(model) <= _BLOCK_WEIGHT_BYTES):
         # The jumps rank tensors by the error they add where they are read, not by what it

@@ -196,20 +196,12 @@ def rank_candidates(
     Tensors that carry one quantization error are one candidate (`same_error_groups`), named by
     its most harmful member.
     """
-    full = measure_coverage(model, plan, macs).fraction
-    writers = integer_output_writers(model.graph)
     harmful = [s for s in sensitivity.tensors if s.harm > 0.0]
     groups = same_error_groups(model, harmful)
-    found = []
-    for s in harmful:
-        members = groups.get(s.tensor, [s.tensor])
-        if members[0] != s.tensor:
-            continue  # a group is listed once, under its first (most harmful) member
-        keep = dict.fromkeys(members, "-")
-        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
-        found.append(Candidate(s, max(0.0, full - without), tuple(members[1:])))
-    found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
-    return found
+    members = {s.tensor: groups.get(s.tensor, [s.tensor]) for s in harmful}
+    # a group is listed once, under its first (most harmful) member
+    return _priced(model, plan, macs, ((s, members[s.tensor], False) for s in harmful
+                                       if members[s.tensor][0] == s.tensor))
 
 
 def rank_blocks(
@@ -221,21 +213,33 @@ def rank_blocks(
 ) -> list[Candidate]:
     """Blocks of tensors measured by `measure_blocks` as candidates (each block kept float as
     one), ranked as `rank_candidates` ranks tensors."""
-    full = measure_coverage(model, plan, macs).fraction
-    writers = integer_output_writers(model.graph)
-    found = []
-    for block in blocks:
-        if block.harm <= 0.0:
-            continue
-        keep = dict.fromkeys(block.tensors, "-")
-        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
+
+    def harm(block: BlockHarm) -> TensorSensitivity:
         sqnr = None if math.isinf(block.harm) else -10.0 * math.log10(block.harm)
-        harm = TensorSensitivity(
+        return TensorSensitivity(
             tensor=block.tensors[0], role=block.roles[0],
             output_sqnr_db=None if block.on_logits else sqnr, noise_ratio=block.harm,
             top1_agreement=None, local_sqnr_db=None, samples=samples,
             logit_noise_ratio=block.harm if block.on_logits else None)
-        found.append(Candidate(harm, max(0.0, full - without), block.tensors[1:], block=True))
+
+    return _priced(model, plan, macs,
+                   ((harm(b), b.tensors, True) for b in blocks if b.harm > 0.0))
+
+
+def _priced(
+    model: onnx.ModelProto, plan: QuantPlan, macs: Mapping[str, int | None],
+    entries: Iterable[tuple[TensorSensitivity, Sequence[str], bool]],
+) -> list[Candidate]:
+    """Candidates (harm, the tensors kept float together, the first the one the harm names;
+    whether they are a measured block), each priced by the share of compute keeping its tensors
+    float costs, best to keep float first."""
+    full = measure_coverage(model, plan, macs).fraction
+    writers = integer_output_writers(model.graph)
+    found = []
+    for harm, tensors, block in entries:
+        keep = dict.fromkeys(tensors, "-")
+        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
+        found.append(Candidate(harm, max(0.0, full - without), tuple(tensors[1:]), block=block))
     found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
     return found
 
@@ -298,7 +302,7 @@ def search_fallback(
     floor: float,
     write: Callable[[QuantPlan], onnx.ModelProto],
     evaluate: Callable[[onnx.ModelProto], Comparison],
-    planned: Comparison | None = None,
+    planned: tuple[onnx.ModelProto, Comparison] | None = None,
 ) -> FallbackResult:
     """The fewest ranked candidates to keep float for `target`, never below `floor` coverage.
 
@@ -311,8 +315,8 @@ def search_fallback(
         floor: lowest acceptable quantized share of compute (0..1).
         write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).
         evaluate: compares a QDQ model with the float model on the evaluation data.
-        planned: the model as planned against the float model, when already evaluated (it
-            is not evaluated again).
+        planned: the model as planned and its comparison with the float model, when the
+            caller already wrote and evaluated it (neither is done again).
     """
     # Every checked set's figures; the model only of those that may be handed over (the model
     # as planned, or one that meets the target): a large model is not held a dozen times.
@@ -326,8 +330,11 @@ def search_fallback(
     def check_set(kept: tuple[int, ...]) -> FallbackStep:
         if kept not in models:
             restricted = plan_without(kept)
-            quantized = write(restricted)
-            comparison = planned if planned is not None and not kept else evaluate(quantized)
+            if planned is not None and not kept:
+                quantized, comparison = planned
+            else:
+                quantized = write(restricted)
+                comparison = evaluate(quantized)
             coverage = measure_coverage(model, restricted, macs)
             step = FallbackStep(len(kept), comparison, coverage, target.is_met(comparison))
             models[kept] = (restricted, quantized if step.met or not kept else None, step)

@@ -26,11 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from qcal.accuracy.decisions import decision_rules
-from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity._measure import _NEGLIGIBLE, _run
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
-from qcal.accuracy.sensitivity._results import _OutputNoise
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.qdq import QuantizedWeight
@@ -86,19 +84,17 @@ def measure_blocks(
         raise DataError("block sensitivity data has no samples")
     models = _Models.build(model, plan, activations, weights)
     order = _reading_order(model, models)
-    compared = numeric_outputs(model)  # not a classifier's ZipMap of dicts, nor strings
-    outputs = compared + list(models.logits)
+    outputs = models.outputs
     if not order or not outputs:
         return ()
     session = create_session(models.switch, providers=providers, threads=COMPARE_THREADS,
                              what="sensitivity model")
-    rules = [decision_rules(model).get(name) for name in compared]
     units = len(models.units)
     none = switch_flags(units)
     references = [_run(session, outputs, {**feed, models.selector: none}) for feed in feeds]
 
     def harm(block: tuple[int, ...]) -> float:
-        noise = _OutputNoise.empty(len(outputs), list(rules))
+        noise = models.empty_noise()
         flags = switch_flags(units, block)
         for feed, reference in zip(feeds, references):
             noise.add(reference, _run(session, outputs, {**feed, models.selector: flags}))

@@ -42,8 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import onnx
 
-from qcal.accuracy.decisions import decision_rules
-from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
+from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
 from qcal.calibration.runtime import create_session
@@ -100,8 +99,7 @@ def measure_sensitivity(
         ModelError: onnxruntime cannot load the switch model.
     """
     models = _Models.build(model, plan, activations, weights)
-    compared = numeric_outputs(model)  # not a classifier's ZipMap of dicts, nor strings
-    outputs = compared + list(models.logits)
+    outputs = models.outputs
     if not outputs:  # nothing to compare: no tensor measurably changes the outputs
         return SensitivityResult(0, ())
     probe_model, probe_outputs = models.probe_model()
@@ -113,9 +111,7 @@ def measure_sensitivity(
     selector = models.selector
     probes = [name for pair in probe_outputs.values() for name in pair]
     units = models.units
-    rules = decision_rules(model)
-    noise = {u: _OutputNoise.empty(len(outputs), [rules.get(name) for name in compared])
-             for u, _ in units}
+    noise = {u: models.empty_noise() for u, _ in units}
     local = {u: [0.0, 0.0] for u, _ in units}
     measured = {u: 0 for u, _ in units}
     active = list(range(len(units)))  # unit indices still run; position = selector flag

@@ -18,6 +18,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.accuracy.decisions import DecisionRule, decision_rules
+from qcal.accuracy.evaluate import numeric_outputs
+from qcal.accuracy.sensitivity._results import _OutputNoise
 from qcal.graph.files.large import tensor_array
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator
@@ -40,6 +43,17 @@ class _Models:
     chains: _Chains
     consumers: tuple[tuple[str, ...], ...]  # per unit: the nodes reading it quantized
     logits: tuple[str, ...]  # softmax inputs of softmax outputs, extra outputs of both models
+    compared: tuple[str, ...]  # the model outputs compared: not a ZipMap of dicts, nor strings
+    rules: tuple[DecisionRule | None, ...]  # how each compared output is read
+
+    @property
+    def outputs(self) -> list[str]:
+        """What a run of either model is asked for: the compared outputs, then the logits."""
+        return [*self.compared, *self.logits]
+
+    def empty_noise(self) -> _OutputNoise:
+        """Sums for one set of tensors quantized, over `outputs`."""
+        return _OutputNoise.empty(len(self.outputs), list(self.rules))
 
     def probe_model(self) -> tuple[onnx.ModelProto, Mapping[str, tuple[str, str]]]:
         """The probe model and, per tensor, its (float, fake-quant) outputs (a copy of the
@@ -58,6 +72,8 @@ class _Models:
         activations: Mapping[str, OnnxQParams],
         weights: Mapping[str, QuantizedWeight],
     ) -> _Models:
+        compared = tuple(numeric_outputs(model))
+        rules = decision_rules(model)
         logits = _softmax_logits(model)
         if logits:
             model = exposing(model, logits)
@@ -82,7 +98,8 @@ class _Models:
             units.append((tensor, "weight", tuple(readers[tensor])))
         switch, selector = chains.switch_model([(t, c) for t, _, c in units])
         return cls(switch, selector, tuple((t, r) for t, r, _ in units), chains,
-                   tuple(c for _, _, c in units), tuple(logits))
+                   tuple(c for _, _, c in units), tuple(logits), compared,
+                   tuple(rules.get(name) for name in compared))
 
 
 _RESHAPING_OPS = frozenset({"Reshape", "Flatten", "Identity", "Transpose", "Squeeze",

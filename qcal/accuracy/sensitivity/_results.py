@@ -106,8 +106,9 @@ class _OutputNoise:
                 # Another count (NonZero, a detector's boxes): nothing of the reference is
                 # left, as the evaluation counts such a batch as decisions that all differ.
                 x64 = x64[np.isfinite(x64)]
-                self.signal[i] += inner_product(x64, x64)
-                self.noise[i] += inner_product(x64, x64)
+                lost = inner_product(x64, x64)
+                self.signal[i] += lost
+                self.noise[i] += lost
                 if rule is not None and rule.applies(np.shape(x)):
                     self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
                 continue
