@@ -28,6 +28,7 @@ from qcal.graph.passes import (
     InlineFunctions,
     LowerEinsum,
     NameNodes,
+    PoolSpatialMeans,
     PrepPass,
     UnshareBiases,
     UpgradeOpset,
@@ -157,7 +158,8 @@ def prepare_model(
     Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
     when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
     widen-half, lower-einsum, fold-constant-shapes, fold-constant-weights, fold-batchnorm,
-    fold-pad, fold-input-affine, unshare-biases, infer-shapes. Each step that did something (or could not complete, as shape inference may)
+    fold-pad, fold-input-affine, unshare-biases, infer-shapes, pool-spatial-means (after shape
+    inference: it reads ranks). Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -184,6 +186,7 @@ def prepare_model(
         FoldInputAffine(),
         UnshareBiases(),
         InferShapes(),
+        PoolSpatialMeans(),
     ]
     work = model
     if not in_place:

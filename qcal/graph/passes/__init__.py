@@ -16,6 +16,7 @@ from qcal.graph.passes.infer_shapes import InferShapes
 from qcal.graph.passes.inline_functions import InlineFunctions
 from qcal.graph.passes.lower_einsum import LowerEinsum
 from qcal.graph.passes.name_nodes import NameNodes
+from qcal.graph.passes.pool_spatial_means import PoolSpatialMeans
 from qcal.graph.passes.unshare_biases import UnshareBiases
 from qcal.graph.passes.upgrade_opset import UpgradeOpset
 from qcal.graph.passes.widen_half import WidenHalf
@@ -32,6 +33,7 @@ __all__ = [
     "InlineFunctions",
     "LowerEinsum",
     "NameNodes",
+    "PoolSpatialMeans",
     "PrepPass",
     "StepResult",
     "UnshareBiases",
