@@ -18,7 +18,7 @@ from typing import Any
 
 from qcal.accuracy.fallback import AccuracyTarget
 from qcal.accuracy.gates import Gates
-from qcal.graph.placement import PLACEMENTS
+from qcal.graph.placement import PLACEMENTS, SMALL_PRODUCT_MACS
 from qcal.graph.weight_only import DEFAULT_BLOCK_SIZE, check_weight_only_options
 from qcal.numerics.errors import ConfigError
 from qcal.numerics.ranges import HISTOGRAM_METHODS, METHODS, HistogramSettings
@@ -111,6 +111,7 @@ class CalibrationConfig:
     # are in percent (0-100), SQNR in dB; None means "not asked for".
     default_exclusions: bool = True
     placement: str | None = None  # None: "all" for accelerator presets, else "auto"
+    min_product_macs: int = SMALL_PRODUCT_MACS  # placement auto: smaller MatMul/Gemm stay float
     fallback: bool = True  # check the accuracy floor and keep harmful tensors float below it
     sensitivity: bool = False
     sensitivity_samples: int | None = None  # None: automatic (see pipeline)
@@ -138,25 +139,23 @@ class CalibrationConfig:
         if self.bins < 8:
             raise ConfigError(f"bins: {self.bins} is too small (at least 8)")
         if not 2 <= self.quantized_bins <= self.bins:
-            raise ConfigError(
-                f"quantized-bins: {self.quantized_bins} must be between 2 and bins ({self.bins})"
-            )
+            raise ConfigError(f"quantized-bins: {self.quantized_bins} must be between 2 and "
+                              f"bins ({self.bins})")
         if self.batch_size < 1:
             raise ConfigError(f"batch-size: {self.batch_size} must be at least 1")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"limit: {self.limit} must be at least 1")
-        if self.synthetic is not None:
-            if self.synthetic < 1:
-                raise ConfigError(f"synthetic: {self.synthetic} must be at least 1")
-            if self.data is not None:
-                raise ConfigError("synthetic: cannot be combined with data (choose one source)")
+        for key in ("limit", "synthetic"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"{key}: {getattr(self, key)} must be at least 1")
+        if self.synthetic is not None and self.data is not None:
+            raise ConfigError("synthetic: cannot be combined with data (choose one source)")
         if not 13 <= self.opset <= 25:
             raise ConfigError(f"opset: {self.opset} is not between 13 and 25")
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise ConfigError(f"placement: unknown {self.placement!r}; choose one of "
                               f"{', '.join(PLACEMENTS)}")
-        if self.threads < 0:
-            raise ConfigError(f"threads: {self.threads} must be 0 (onnxruntime default) or more")
+        for key in ("threads", "min_product_macs"):  # threads 0: onnxruntime's default
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key.replace('_', '-')}: {getattr(self, key)} must be 0 or more")
         self._check_accuracy_options()
         for name, override in self.tensors.items():
             if override.method is not None and override.method not in METHODS:
@@ -308,7 +307,7 @@ _WEIGHT_ONLY_KEYS = {"weight_only", "block_size", "weight_only_format"}
 _LIST_KEYS = {"op_types", "exclude_op_types", "exclude_nodes", "exclude_tensors", "providers"}
 _INT_KEYS = {
     "bins", "quantized_bins", "synthetic", "limit", "batch_size", "seed", "threads", "opset",
-    "sensitivity_samples", "block_size",
+    "sensitivity_samples", "block_size", "min_product_macs",
 }
 _FLOAT_KEYS = {
     "percentile", "target_sqnr", "max_agreement_drop", "min_coverage", "fail_under_sqnr",

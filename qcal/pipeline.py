@@ -35,6 +35,7 @@ from qcal._inputs import (
     _selection_rules,
     data_described,
     load_labels,
+    with_product_sizes,
 )
 from qcal._quantize_tensors import (
     _activation_observer,
@@ -168,7 +169,10 @@ def calibrate(
             data_mod.validate_data(eval_source, inputs)
         labels_path = _labels_path(config, eval_path)
         labels = load_labels(labels_path) if labels_path is not None else None
-        rules = _selection_rules(config)
+        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
+                                                           collected=statistics is not None)
+        macs = _compute_macs(prepared, calib, inputs, config)
+        rules = with_product_sizes(_selection_rules(config), prepared, macs, config)
         plan = plan_quantization(prepared, rules)
         _check_overrides(config, plan)
         reused = None if statistics is None else reuse_statistics(
@@ -178,9 +182,6 @@ def calibrate(
                               "statistics collected beforehand (--stats, --checkpoint, --ray)")
         _check_agreement_options(config, prepared)
         check_weight_only_config(config, statistics=statistics is not None)
-        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
-                                                           collected=statistics is not None)
-        macs = _compute_macs(prepared, calib, inputs, config)
         written = [p for p in (output, report_path) if p is not None]
         # No output may replace a file the run reads, --force or not.
         read = [model_path, *loaded.external_files]

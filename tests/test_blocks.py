@@ -55,7 +55,7 @@ def pieces(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     folder = tmp_path_factory.mktemp("blocks")
     path, data = save_with_data(folder, "chain", deep_chain(), 4, evaluate=8, features=WIDTH)
     captured = calibrate_capturing_sensitivity(
-        path, CalibrationConfig(sensitivity=True, sensitivity_samples=2))
+        path, CalibrationConfig(min_product_macs=0, sensitivity=True, sensitivity_samples=2))
     return captured["model"], captured["plan"], captured["acts"], captured["weights"], data
 
 
@@ -111,10 +111,10 @@ def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
     path, data = save_with_data(tmp_path, "chain", deep_chain(), 4, calib=64, evaluate=200,
                                 features=WIDTH)
     assert data is not None
-    naive = calibrate(path, CalibrationConfig(fallback=False))
+    naive = calibrate(path, CalibrationConfig(min_product_macs=0, fallback=False))
     assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
     monkeypatch.setattr(accuracy_stage, "rank_candidates", lambda *args: [])
-    result = calibrate(path, CalibrationConfig())
+    result = calibrate(path, CalibrationConfig(min_product_macs=0))
     report = result.report
     fallback = report["fallback"]
     assert fallback["reached"], fallback["message"]
@@ -142,7 +142,7 @@ def test_a_model_the_switch_form_cannot_take_keeps_the_first_verdict(
         raise ModelError("activation 'h2': per-axis activations cannot be measured")
 
     monkeypatch.setattr(accuracy_stage, "measure_blocks", cannot)
-    result = calibrate(path, CalibrationConfig(), enforce_gates=False)
+    result = calibrate(path, CalibrationConfig(min_product_macs=0), enforce_gates=False)
     report = result.report
     assert not report["fallback"]["reached"]
     assert report["fallback"]["kept_float"] == []
@@ -200,7 +200,7 @@ def test_a_run_below_the_floor_with_a_zipmap_output_localises_on_the_tensors(
     path, data = save_with_data(tmp_path, "chain", model, 4, calib=64, evaluate=200,
                                 features=WIDTH)
     assert data is not None
-    result = calibrate(path, CalibrationConfig(allow_slower=True))
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, allow_slower=True))
     report = result.report
     assert report["fallback"]["reached"], report["fallback"]["message"]
     expected = run(deep_chain(), {"x": data})[0].argmax(1)

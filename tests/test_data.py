@@ -756,7 +756,7 @@ def test_string_inputs_of_test_data_sets_are_passed_through(tmp_path: Path) -> N
     inputs = (np.array([["a", "b", "c"]], dtype=object), np.array([[1.0, -2.0, 0.5]], np.float32))
     for i, (name, value) in enumerate(zip(("s", "x"), inputs)):
         (folder / f"input_{i}.pb").write_bytes(numpy_helper.from_array(value, name).SerializeToString())
-    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+    result = CliRunner().invoke(main, ["calibrate", "--min-product-macs", "0", str(tmp_path / "m.onnx"), "--data",
                                        str(folder), "-o", str(tmp_path / "q.onnx"), "--report",
                                        str(tmp_path / "q.json"), "--no-fallback", "-q"])
     assert result.exit_code == 0, result.output

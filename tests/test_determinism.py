@@ -41,7 +41,7 @@ def calibrate(
     result = CliRunner().invoke(
         main,
         [
-            "calibrate",
+            "calibrate", "--min-product-macs", "0",
             str(model),
             "--data",
             str(data),

@@ -212,7 +212,7 @@ def test_fallback_keeps_cheap_tensors_float_first(trap: Path, tmp_path: Path) ->
 
 
 def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
-    config = CalibrationConfig(default_exclusions=False, target_sqnr=80.0, min_coverage=60.0)
+    config = CalibrationConfig(min_product_macs=0, default_exclusions=False, target_sqnr=80.0, min_coverage=60.0)
     result = calibrate(trap, config, enforce_gates=False)
     fallback = result.report["fallback"]
     assert not fallback["reached"] and "NOT reached" in fallback["message"]
@@ -236,7 +236,7 @@ def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
 
 def test_failed_gates_exit_7_after_writing_the_evidence(trap: Path, tmp_path: Path) -> None:
     out, rep = tmp_path / "q.onnx", tmp_path / "q.json"
-    args = ["calibrate", str(trap), "-o", str(out), "--report", str(rep),
+    args = ["calibrate", "--min-product-macs", "0", str(trap), "-o", str(out), "--report", str(rep),
             "--fail-under-sqnr", "90", "--fail-under-agreement", "50",
             "--fail-if-coverage-below", "60"]
     result = CliRunner().invoke(main, args)
@@ -335,7 +335,7 @@ def test_macs_are_counted_at_the_largest_of_the_first_samples(tmp_path: Path) ->
     for i, length in enumerate([1, 16, 16, 16, 16, 16, 16, 16]):
         np.savez(folder / f"{i:02d}.npz",
                  x=rng.standard_normal((1, length, 8)).astype(np.float32))
-    result = calibrate(path, CalibrationConfig(data=folder, fallback=False))
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, data=folder, fallback=False))
     coverage = result.report["coverage"]
     assert coverage["macs_total"] == 16 * 8 * 8 + 16 * 16 * 8
     assert coverage["macs_quantized"] == 16 * 8 * 8
@@ -564,7 +564,7 @@ def test_tensors_carrying_one_error_are_kept_float_together(tmp_path: Path) -> N
 
     path, data = save_with_data(tmp_path, "scaled", _scaled_net(), 12, evaluate=16)
     assert data is not None
-    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
+    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(min_product_macs=0, sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
     by_tensor = captured["result"].by_tensor()
     assert by_tensor["h"].harm > 0 and by_tensor["s"].harm == pytest.approx(by_tensor["h"].harm,
@@ -600,7 +600,7 @@ def test_a_matmul_input_kept_float_takes_the_constant_weight_with_it(tmp_path: P
     from qcal.graph.qdq import InsertQDQ
 
     path, _ = save_with_data(tmp_path, "scaled", _scaled_net(), 13)
-    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(sensitivity=True))
+    captured = calibrate_capturing_sensitivity(path, CalibrationConfig(min_product_macs=0, sensitivity=True))
     model, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
 
     def optimized_ops(p: Any) -> set[str]:
@@ -721,9 +721,9 @@ def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
     path, data = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
                                 features=16)
     assert data is not None
-    naive = calibrate(path, CalibrationConfig(fallback=False))
+    naive = calibrate(path, CalibrationConfig(min_product_macs=0, fallback=False))
     assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
-    result = calibrate(path, CalibrationConfig(min_coverage=50.0))
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0))
     report = result.report
     assert report["sensitivity"]["method"] == "error-jump"
     assert report["sensitivity"]["tensors"][0]["tensor"] == "h"  # where the error jumps
@@ -743,7 +743,7 @@ def test_sensitivity_asked_for_still_checks_the_floor(tmp_path: Path) -> None:
     the summary called 96 % of agreeing decisions within the floor."""
     path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
                              features=16)
-    report = calibrate(path, CalibrationConfig(min_coverage=50.0, sensitivity=True)).report
+    report = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0, sensitivity=True)).report
     assert report["sensitivity"]["method"] != "error-jump"  # measured per tensor, not localised
     fallback = report["fallback"]
     assert fallback["steps"][0]["worst_top1_agreement"] < 0.99  # the full model misses it
@@ -913,7 +913,7 @@ def test_without_evaluation_data_the_floor_is_checked_on_held_out_samples(
     it) and the floor is judged on the 16 held out, whose agreement is recomputed here."""
     path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, features=16)
     rows = np.load(tmp_path / "mlp.calib.npz")["x"]
-    result = calibrate(path, CalibrationConfig(data=tmp_path / "mlp.calib.npz",
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, data=tmp_path / "mlp.calib.npz",
                                                fallback=True, min_coverage=50.0))
     report = result.report
     assert report["data"]["samples"] == 48

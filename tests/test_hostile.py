@@ -286,7 +286,8 @@ def _overflow_inside(folder: Path) -> list[Any]:
         {"big": np.array([3e38], np.float32), "w": np.eye(4, dtype=np.float32)},
     )
     np.savez(folder / "calib.npz", x=np.full((3, 4), 10.0, np.float32))
-    return [_save(folder, model), "--data", folder / "calib.npz"]
+    # a product this small stays float unless asked for (--min-product-macs)
+    return [_save(folder, model), "--data", folder / "calib.npz", "--min-product-macs", "0"]
 
 
 def _object_array(folder: Path) -> list[Any]:
@@ -762,7 +763,7 @@ def test_a_range_reaching_the_float32_maximum_is_refused_naming_the_tensor(
     onnx.save(model, tmp_path / "m.onnx")
     x = np.array([[[big, 0.5]], [[low * big, -0.2]]], np.float32)  # sentinels
     np.savez(tmp_path / "d.npz", x=x)
-    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+    result = CliRunner().invoke(main, ["calibrate", "--min-product-macs", "0", str(tmp_path / "m.onnx"), "--data",
                                        str(tmp_path / "d.npz"), "-o", str(tmp_path / "q.onnx"),
                                        "--report", str(tmp_path / "q.json"), "-q"])
     assert result.exit_code == errors.DataError.exit_code

@@ -113,7 +113,7 @@ def test_an_einsum_transformer_block_runs_its_products_in_integers(tmp_path: Pat
     data = rng.standard_normal((16, 6, 16)).astype(np.float32)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=data)
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz"),
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz"),
                        enforce_gates=False)
     coverage = result.report["coverage"]
     assert coverage["compute_nodes"] == 5 and coverage["macs_quantized_fraction"] > 0.5
@@ -175,7 +175,7 @@ def test_the_quantized_model_is_timed_against_the_users_einsum_not_the_matmul(
 
     monkeypatch.setattr(stage, "time_side_by_side", spy)
     result = CliRunner().invoke(main, [
-        "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "calibrate", "--min-product-macs", "0", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
         "-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "q.json"), "--allow-slower"],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -26,7 +26,7 @@ def _run(
     """`model` calibrated on `x` (input "x") with these config options."""
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=x)
-    config = CalibrationConfig(data=tmp_path / "calib.npz", **options)
+    config = CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz", **options)
     return calibrate(tmp_path / "m.onnx", config)
 
 
@@ -148,7 +148,7 @@ def test_shared_outputs_take_the_source_parameters(tmp_path: Path) -> None:
     model = build_model(nodes, [float_input("x", ["N", 3, 8, 8])], ["y"], inits)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 3, 8, 8)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz",
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz",
                                                                placement="all"))
     records = {t["name"]: t for t in result.report["tensors"] if t["role"] == "activation"}
     for name in ("r", "t", "p"):
@@ -628,7 +628,7 @@ def test_bias_correction_reaches_the_bias_an_add_gives_a_matmul(tmp_path: Path) 
     shifts = {}
     models = {}
     for correct in (False, True):
-        config = CalibrationConfig(data=tmp_path / "calib.npz", fallback=False,
+        config = CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz", fallback=False,
                                    bias_correction=correct)
         models[correct] = calibrate(tmp_path / "m.onnx", config).model
         error = _outputs(models[correct], held_out) - _outputs(model, held_out)

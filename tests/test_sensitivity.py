@@ -55,13 +55,13 @@ def batches(data: np.ndarray, size: int = 4) -> Iterator[tuple[dict[str, np.ndar
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, object]:
     path, data = save_with_data(tmp_path_factory.mktemp("sens"), "net", small_net(), 3, evaluate=12)
-    return path, data, calibrate(path, CalibrationConfig())
+    return path, data, calibrate(path, CalibrationConfig(min_product_macs=0))
 
 
 def _pieces(path: Path) -> tuple[onnx.ModelProto, object, dict, dict]:
     """Prepared model, plan and parameters as the pipeline computed them."""
     captured = calibrate_capturing_sensitivity(
-        path, CalibrationConfig(sensitivity=True, sensitivity_samples=2)
+        path, CalibrationConfig(min_product_macs=0, sensitivity=True, sensitivity_samples=2)
     )
     return captured["model"], captured["plan"], captured["acts"], captured["weights"]  # type: ignore[return-value]
 
@@ -140,7 +140,7 @@ def test_sensitivity_in_the_report_and_held_out_data(tmp_path: Path) -> None:
     model = SAMPLE_MODELS / "digits_cnn.onnx"
     data = np.load(SAMPLE_MODELS / "digits_cnn.calib.npz")["image"][:40]
     np.savez(tmp_path / "calib.npz", image=data)
-    result = calibrate(model, CalibrationConfig(data=tmp_path / "calib.npz", sensitivity=True,
+    result = calibrate(model, CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz", sensitivity=True,
                                                 eval_data=None, sensitivity_samples=4))
     report = result.report
     # digits_cnn.eval.npz sits beside the model: it is the evaluation data.
@@ -149,7 +149,7 @@ def test_sensitivity_in_the_report_and_held_out_data(tmp_path: Path) -> None:
     assert report["fallback"] is None and report["data"]["samples"] == 40
     copy = tmp_path / "digits.onnx"
     copy.write_bytes(model.read_bytes())
-    held = calibrate(copy, CalibrationConfig(data=tmp_path / "calib.npz", sensitivity=True,
+    held = calibrate(copy, CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz", sensitivity=True,
                                              sensitivity_samples=4))
     # No evaluation data: the last quarter of the calibration samples is held out.
     assert held.report["data"]["samples"] == 30

@@ -96,7 +96,7 @@ def test_the_dense_layer_after_computed_shapes_runs_as_an_integer_gemm(tmp_path:
     model = _windowed_dense_model(rng)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 6, 6)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(min_product_macs=0, 
         data=tmp_path / "calib.npz", fallback=False, allow_slower=True))
     decisions = {n["name"]: n["quantized"] for n in result.report["nodes"]}
     assert decisions["dense"] and decisions["conv"], result.report["nodes"]

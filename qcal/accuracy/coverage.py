@@ -45,7 +45,7 @@ import onnx
 from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
 from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
-from qcal.graph.placement import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
+from qcal.graph.placement import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS, SMALL_PRODUCT
 from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
@@ -92,6 +92,8 @@ class Coverage:
             those of the main graph: the figure is no measure of the model (the coverage
             floor is not checked on it).
         nodes_in_bodies: compute nodes inside If/Loop/Scan bodies, which the figure leaves out.
+        small_products: what placement left float as too small for an integer kernel to pay
+            (`qcal.graph.placement.SMALL_PRODUCT`), in words, or None.
     """
 
     basis: str
@@ -103,6 +105,7 @@ class Coverage:
     anything_quantized: bool = True
     mostly_in_bodies: bool = False
     nodes_in_bodies: int = 0
+    small_products: str | None = None
 
     @property
     def fraction(self) -> float:
@@ -212,9 +215,17 @@ def measure_coverage(
                         len(in_bodies))
     total = sum(v for v in macs.values() if v is not None)
     done = sum(v for name, v in macs.items() if v is not None and name in quantized)
-    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
+    small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
+             and d.reason.startswith(SMALL_PRODUCT)]
+    said = None
+    if small:
+        share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0
+        said = (f"{len(small)} of {len(macs)} compute nodes ({share:.1%} of the MACs) left float "
+                "as too small for an integer kernel to pay at the calibration data's shapes")
+    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done,
+                    "; ".join(n for n in (bodies, said) if n) or None,
                     anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
-                    nodes_in_bodies=len(in_bodies))
+                    nodes_in_bodies=len(in_bodies), small_products=said)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:

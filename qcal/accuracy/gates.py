@@ -143,9 +143,10 @@ def check_gates(
             coverage.mostly_in_bodies:
         value = 100.0 * coverage.fraction
         if value < gates.coverage_floor:  # checked always: only a miss is a result
+            why = f" ({coverage.small_products})" if coverage.small_products else ""
             results.append(GateResult(
-                "coverage-floor", "share of Conv/MatMul/Gemm compute running in integers (%)",
-                gates.coverage_floor, value, False))
+                "coverage-floor", f"share of Conv/MatMul/Gemm compute running in integers (%)"
+                f"{why}", gates.coverage_floor, value, False))
     if gates.fail_if_slower is not None:
         results.append(GateResult(
             "fail-if-slower", "quantized/float latency, worst of 1 and 2 threads (x)",

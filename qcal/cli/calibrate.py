@@ -14,6 +14,7 @@ from qcal.cli._options import _build_config, ray_options
 from qcal.cli._run_extras import RunExtras
 from qcal.cli.diff import drift_options, raise_for_drift, show_drift
 from qcal.config import METHODS, WEIGHT_ROUNDINGS, CalibrationConfig
+from qcal.graph.placement import SMALL_PRODUCT_MACS
 from qcal.graph.weight_only import FORMATS, WEIGHT_ONLY
 from qcal.numerics.errors import ConfigError, OutputError
 
@@ -80,6 +81,10 @@ from qcal.numerics.errors import ConfigError, OutputError
 @click.option("--placement", type=click.Choice(["auto", "all"]),
               help="Where Q/DQ goes: auto, where onnxruntime's integer kernels pay; all, every "
                    "node with a rule [default: auto; all for the horizon presets].")
+@click.option("--min-product-macs", type=int, default=SMALL_PRODUCT_MACS, show_default=True,
+              metavar="N", help="Placement auto: a MatMul/Gemm of fewer multiply-adds per run "
+                                "(at the calibration data's shapes) stays float, where its "
+                                "integer kernel does not pay; 0 quantizes every one.")
 @click.option("--fallback/--no-fallback", default=True, show_default=True,
               help="Check the accuracy floor on held-back data and keep the most harmful "
                    "tensors float below it (see README).")

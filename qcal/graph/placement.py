@@ -17,6 +17,13 @@ softmax, GELU, recurrent state). So under "auto":
 * a MatMul or Gemm of two activations (attention scores and context) is not an anchor:
   onnxruntime would quantize both operands at every run and multiply uint8 by uint8, slower
   than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
+* a MatMul or Gemm of fewer than 2^18 multiply-adds per run at the calibration data's shapes
+  (`--min-product-macs`) is not an anchor: its integer kernel writes float, so its input is
+  quantized at every run, which with the kernel's fixed cost outweighs what it saves (with
+  that QuantizeLinear, at one thread: 1.07-1.21x the float kernel below 2^16, 0.99-1.07x at
+  2^18, 0.75-0.96x at 2^20; LSTM/GRU models whose only products are their projections ran
+  1.24-1.32x float, 0.98-1.00x without them, a JAX MLP-Mixer 1.26x, 1.00x). Not Conv: its
+  integer kernel reads and writes codes, so between integer neighbours it has no such cost;
 * a grouped Conv that is not depthwise, with few channels per group, is not an anchor:
   onnxruntime's integer kernel computes one narrow matrix product per group, several times its
   float kernel (`qcal.graph.narrow_convs`); nor is a Conv of one input and one output channel,
@@ -75,6 +82,8 @@ __all__ = [
     "INTEGER_OUTPUT_ANCHORS",
     "PLACEMENTS",
     "QUANTIZE_SEES_THROUGH",
+    "SMALL_PRODUCT",
+    "SMALL_PRODUCT_MACS",
     "Placement",
     "added_bias_of",
     "integer_output_writers",
@@ -82,6 +91,9 @@ __all__ = [
 ]
 
 PLACEMENTS = ("auto", "all")
+SMALL_PRODUCT_MACS = 1 << 18  # the default --min-product-macs (module docstring)
+# How the reason of such a product begins (the coverage figure counts them).
+SMALL_PRODUCT = "placement auto: too small for an integer kernel to pay"
 ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
 INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
@@ -127,6 +139,8 @@ def place(
     constant: Callable[[str], onnx.TensorProto | None],
     *,
     loop_body: bool = False,
+    product_macs: Mapping[str, int] | None = None,
+    min_product_macs: int = 0,
 ) -> Placement:
     """Placement "auto" for one graph (module docstring).
 
@@ -142,6 +156,8 @@ def place(
         loop_body: `graph` is the body of a Loop or Scan. There an anchor whose weight is not a
             constant (tf2onnx passes a scan's weights in as loop state) would quantize it anew
             at every iteration: such anchors stay float (a tf.scan model ran 3.2x slower).
+        product_macs: MACs per run of MatMul and Gemm nodes at the calibration data's shapes
+            (module docstring), held to `min_product_macs`; a node missing: size unknown.
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
@@ -159,6 +175,12 @@ def place(
                     "so it would be quantized again at every iteration")
             elif node.op_type in _PRODUCT_OPS:
                 placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
+        elif node.op_type in _PRODUCT_OPS and (macs := (product_macs or {}).get(
+                node.name, min_product_macs)) < min_product_macs:
+            placement.nodes[node.name] = (
+                f"{SMALL_PRODUCT}: {macs} multiply-adds per run at the calibration data's shapes, "
+                f"fewer than {min_product_macs} (--min-product-macs): quantizing its input at "
+                "every run costs more than its integer kernel saves")
     nodes = [n for n in nodes if n.name not in placement.nodes]
     slow = {n.name: why for n in nodes if (why := slow_narrow_conv(n, index)) is not None}
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
@@ -338,6 +360,7 @@ _QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm", "MatMul"})
 # 512: 0.55 against 0.58x at one thread, 0.48 against 0.34x at two, where integers would win:
 # a size guard needs shapes at planning time). Attention keeps float precision too.
 _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")

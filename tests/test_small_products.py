@@ -1,0 +1,100 @@
+"""Placement "auto" keeps a MatMul/Gemm float when it computes fewer multiply-adds per run than
+`--min-product-macs` (2^18 by default) at the calibration data's shapes: its input would be
+quantized at every run for an integer kernel that saves less than that costs. A model with
+nothing else to quantize then fails the coverage floor, saying why, instead of running slower
+than float."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from _onnx_testing import build_model, float_input, optimized_ops
+from click.testing import CliRunner
+from onnx import helper
+
+from qcal.cli import main
+from qcal.config import CalibrationConfig
+from qcal.graph.placement import SMALL_PRODUCT, SMALL_PRODUCT_MACS
+from qcal.pipeline import calibrate
+
+
+def _two_products(tokens: int, folder: Path) -> Path:
+    """x [N, tokens, 64] -> MatMul 64x64 -> Relu -> MatMul 64x64 -> y, with calibration data."""
+    rng = np.random.default_rng(0)
+    inits = {name: (rng.standard_normal((64, 64)) * 0.15).astype(np.float32)
+             for name in ("w1", "w2")}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="second")]
+    model = build_model(nodes, [float_input("x", ["N", tokens, 64])], ["y"], inits)
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "calib.npz",
+             x=rng.standard_normal((24, tokens, 64)).astype(np.float32))
+    return folder / "m.onnx"
+
+
+def _decisions(result: object) -> dict[str, dict]:
+    return {d["name"]: d for d in result.report["nodes"]}  # type: ignore[attr-defined]
+
+
+def test_products_at_the_minimum_are_quantized_and_smaller_ones_stay_float(
+        tmp_path: Path) -> None:
+    # 64 tokens x 64 x 64 = 2^18 multiply-adds per sample: at the minimum, quantized.
+    assert 64 * 64 * 64 == SMALL_PRODUCT_MACS
+    big = tmp_path / "big"
+    big.mkdir()
+    result = calibrate(_two_products(64, big), CalibrationConfig(data=big / "calib.npz"),
+                       enforce_gates=False)
+    assert all(_decisions(result)[n]["quantized"] for n in ("first", "second"))
+    ops = optimized_ops(result.model, big)
+    assert ops["MatMul"] == 0 and ops["QLinearMatMul"] + ops["MatMulIntegerToFloat"] == 2
+    # 63 tokens: 258048 each, one token short of it: float, each saying its count.
+    small = tmp_path / "small"
+    small.mkdir()
+    result = calibrate(_two_products(63, small), CalibrationConfig(data=small / "calib.npz"),
+                       enforce_gates=False)
+    for name in ("first", "second"):
+        decision = _decisions(result)[name]
+        assert not decision["quantized"]
+        assert decision["reason"].startswith(SMALL_PRODUCT)
+        assert f"{63 * 64 * 64} multiply-adds" in decision["reason"]
+    ops = optimized_ops(result.model, small)
+    assert ops["MatMul"] == 2 and ops["QLinearMatMul"] + ops["MatMulIntegerToFloat"] == 0
+    assert "2 of 2 compute nodes (100.0% of the MACs)" in result.report["coverage"]["note"]
+    # Asked for, every product is quantized again; emulation (placement "all") never weighs size.
+    for options in ({"min_product_macs": 0}, {"placement": "all"}):
+        again = calibrate(small / "m.onnx", CalibrationConfig(data=small / "calib.npz", **options),
+                          enforce_gates=False)
+        assert all(_decisions(again)[n]["quantized"] for n in ("first", "second"))
+
+
+def test_a_model_of_small_products_alone_fails_the_coverage_floor_saying_why(
+        tmp_path: Path) -> None:
+    model = _two_products(8, tmp_path)
+    out, report = tmp_path / "q.onnx", tmp_path / "q.json"
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data",
+                                       str(tmp_path / "calib.npz"), "-o", str(out),
+                                       "--report", str(report), "-q"])
+    assert result.exit_code == 7, result.output
+    assert "coverage floor" in result.output
+    assert "too small for an integer kernel to pay" in result.output
+    assert out.is_file() and report.is_file()  # the evidence is written
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data",
+                                       str(tmp_path / "calib.npz"), "-o", str(out), "--report",
+                                       str(report), "-q", "--force", "--min-product-macs", "0"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(("value", "code"), [("-1", 3), ("x", 2)])
+def test_a_negative_or_non_integer_minimum_is_refused(tmp_path: Path, value: str,
+                                                      code: int) -> None:
+    model = _two_products(8, tmp_path)
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data",
+                                       str(tmp_path / "calib.npz"), "-o", str(tmp_path / "q.onnx"),
+                                       "--min-product-macs", value])
+    assert result.exit_code == code, result.output  # bad configuration / bad usage
+    assert "min-product-macs" in result.output
+    assert not (tmp_path / "q.onnx").exists()
