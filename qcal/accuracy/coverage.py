@@ -93,7 +93,8 @@ class Coverage:
             floor is not checked on it).
         nodes_in_bodies: compute nodes inside If/Loop/Scan bodies, which the figure leaves out.
         small_products: what placement left float as too small for an integer kernel to pay
-            (`qcal.graph.placement.SMALL_PRODUCT`), in words, or None.
+            (`qcal.graph.placement.SMALL_PRODUCT`), in words, or None: the coverage floor's
+            reason when it fails (each node's own reason says it in the report).
     """
 
     basis: str
@@ -222,8 +223,7 @@ def measure_coverage(
         share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0
         said = (f"{len(small)} of {len(macs)} compute nodes ({share:.1%} of the MACs) left float "
                 "as too small for an integer kernel to pay at the calibration data's shapes")
-    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done,
-                    "; ".join(n for n in (bodies, said) if n) or None,
+    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                     anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
                     nodes_in_bodies=len(in_bodies), small_products=said)
 
