@@ -30,6 +30,7 @@ from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
     UseIndex,
+    drop_unread_initializers,
     element_types,
     int_attribute,
     ints_attribute,
@@ -54,6 +55,7 @@ class PoolSpatialMeans:
         ranks = _ranks(graph)
         types = element_types(graph)
         count = 0
+        axes_inputs: set[str] = set()
         for position, node in enumerate(graph.node):
             if node.op_type != "ReduceMean" or node.domain not in DEFAULT_DOMAINS:
                 continue
@@ -70,10 +72,12 @@ class PoolSpatialMeans:
                 continue
             pool = helper.make_node("GlobalAveragePool", [node.input[0]], [node.output[0]],
                                     name=node.name)
+            axes_inputs.update(node.input[1:])
             graph.node[position].CopyFrom(pool)
             count += 1
         if not count:
             return StepResult(model, False)
+        drop_unread_initializers(graph, axes_inputs - {""})  # opset 18's axes, nothing else reads
         return StepResult(model, True, f"wrote {count} ReduceMean over the spatial axes as "
                                        f"GlobalAveragePool")
 
