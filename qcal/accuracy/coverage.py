@@ -46,6 +46,7 @@ from qcal.graph.files.large import DETACH_MIN_BYTES, light_copy
 from qcal.graph.model import QuantPlan
 from qcal.graph.passes.infer_shapes import infer_shapes
 from qcal.graph.placement import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS, SMALL_PRODUCT
+from qcal.graph.shapes import static_shapes
 from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
@@ -55,7 +56,6 @@ from qcal.graph.structure import (
     computed_from_constants,
     element_types,
     ints_attribute,
-    static_shapes,
 )
 from qcal.numerics.errors import QcalError
 

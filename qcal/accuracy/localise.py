@@ -30,6 +30,7 @@ from qcal.calibration.runtime import create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator, model_names
 from qcal.graph.placement import FUSED_ACTIVATIONS
+from qcal.graph.shapes import static_shapes
 from qcal.graph.structure import (
     COMPUTE_OPS,
     UseIndex,
@@ -37,7 +38,6 @@ from qcal.graph.structure import (
     exposing,
     graph_element_types,
     node_subgraphs,
-    static_shapes,
     subgraph_reads,
 )
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, qdq_round_trip

@@ -27,7 +27,8 @@ import numpy as np
 import onnx
 
 from qcal.graph.passes._inference import infer_shapes
-from qcal.graph.structure import ints_attribute, known_dims
+from qcal.graph.shapes import known_dims
+from qcal.graph.structure import ints_attribute
 
 __all__ = ["OutputPart", "Part", "describe_parts", "measured_groups", "output_parts", "part_of"]
 

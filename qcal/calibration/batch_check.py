@@ -35,11 +35,11 @@ from qcal.calibration.data import DataSource, Feed, iter_batches
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
 from qcal.graph.parameters import parameter_tensors
+from qcal.graph.shapes import static_shapes
 from qcal.graph.structure import (
     UseIndex,
     default_opset,
     element_types,
-    static_shapes,
     subgraph_reads,
 )
 

@@ -33,9 +33,9 @@ from qcal.calibration.reduce_min_max import (
     add_min_max_outputs,
     read_per_channel,
     read_per_tensor,
-    value_ranks,
 )
 from qcal.calibration.runtime import create_session
+from qcal.graph.shapes import value_ranks
 from qcal.graph.structure import element_types
 from qcal.numerics import kernels
 from qcal.numerics.errors import DataError, ModelError, QcalError

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import onnx
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = [
     "COMPUTE_OPS",
@@ -39,9 +35,7 @@ __all__ = [
     "int_attribute",
     "ints_attribute",
     "keep_declared_shapes",
-    "known_dims",
     "node_subgraphs",
-    "static_shapes",
     "string_attribute",
     "subgraph_reads",
 ]
@@ -180,15 +174,6 @@ def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
 def ints_attribute(node: onnx.NodeProto, name: str, default: Iterable[int] = ()) -> list[int]:
     """`node`'s integer-list attribute `name`, or `default` when it has none."""
     return next((list(a.ints) for a in node.attribute if a.name == name), list(default))
-
-
-def known_dims(value: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
-    """The dimensions `value` states (None for one it leaves unknown), None without a shape."""
-    tensor_type = value.type.tensor_type
-    if not tensor_type.HasField("shape"):
-        return None
-    return tuple(int(d.dim_value) if d.HasField("dim_value") else None
-                 for d in tensor_type.shape.dim)
 
 
 def string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
@@ -411,37 +396,3 @@ def insert_after(graph: onnx.GraphProto, after: Mapping[int, list[onnx.NodeProto
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(copies)
-
-
-def static_shapes(
-    graph: onnx.GraphProto, sample: Mapping[str, np.ndarray] | None
-) -> dict[str, tuple[int, ...]]:
-    """Fully known shapes from value_info and initializers, input symbols bound from `sample`."""
-    symbols: dict[str, int] = {}
-    if sample is not None:
-        for value in graph.input:
-            array = sample.get(value.name)
-            input_dims = value.type.tensor_type.shape.dim
-            if array is None or len(input_dims) != array.ndim:
-                continue
-            for dim, size in zip(input_dims, array.shape):
-                if dim.HasField("dim_param"):
-                    symbols.setdefault(dim.dim_param, int(size))
-    shapes: dict[str, tuple[int, ...]] = {t.name: tuple(t.dims) for t in graph.initializer}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        tensor_type = value.type.tensor_type
-        if not tensor_type.HasField("shape"):
-            continue
-        dims: list[int] = []
-        for dim in tensor_type.shape.dim:
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                dims.append(int(dim.dim_value))
-            elif dim.HasField("dim_param") and dim.dim_param in symbols:
-                dims.append(symbols[dim.dim_param])
-            else:
-                break
-        else:
-            shapes.setdefault(value.name, tuple(dims))
-    if sample is not None:
-        shapes.update({name: tuple(a.shape) for name, a in sample.items()})
-    return shapes

@@ -38,7 +38,7 @@ from qcal.calibration.reduce_min_max._layout import (
     read_per_channel,
     read_per_tensor,
 )
-from qcal.calibration.reduce_min_max._rewrite import add_min_max_outputs, value_ranks
+from qcal.calibration.reduce_min_max._rewrite import add_min_max_outputs
 
 __all__ = [
     "MinMaxLayout",
@@ -47,5 +47,4 @@ __all__ = [
     "read_min_max",
     "read_per_channel",
     "read_per_tensor",
-    "value_ranks",
 ]

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcal.calibration.reduce_min_max._layout import MinMaxLayout, _Derived
 from qcal.graph.names import NameAllocator
+from qcal.graph.shapes import value_ranks
 from qcal.graph.structure import default_opset, insert_after
 from qcal.numerics.errors import ModelError
 
@@ -24,16 +25,6 @@ _REDUCTIONS = ("ReduceMin", "ReduceMax", "ReduceSumSquare")
 # Values per Concat: onnxruntime's session setup grows quadratically with a node's input count
 # (a 1200-input Concat costs 0.3 s to set up, 25 Concats of 48 inputs 0.06 s).
 _STACK_VALUES = 16
-
-
-def value_ranks(graph: onnx.GraphProto) -> dict[str, int]:
-    """Ranks of the main graph's values known from value_info, inputs and outputs."""
-    ranks: dict[str, int] = {}
-    for info in (*graph.value_info, *graph.input, *graph.output):
-        tensor_type = info.type.tensor_type
-        if info.type.HasField("tensor_type") and tensor_type.HasField("shape"):
-            ranks[info.name] = len(tensor_type.shape.dim)
-    return ranks
 
 
 def add_min_max_outputs(

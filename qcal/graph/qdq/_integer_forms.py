@@ -53,6 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.qdq._codes import _BYTE_TYPES, _INTEGER_TYPES, integer_tensor
+from qcal.graph.shapes import known_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -62,7 +63,6 @@ from qcal.graph.structure import (
     float_attribute,
     int_attribute,
     ints_attribute,
-    known_dims,
     string_attribute,
 )
 
