@@ -46,17 +46,14 @@ def _selection_rules(config: CalibrationConfig) -> SelectionRules:
     )
 
 
-def with_product_sizes(rules: SelectionRules, prepared: onnx.ModelProto,
-                        macs: Mapping[str, int | None], config: CalibrationConfig
-                        ) -> SelectionRules:
+def with_product_sizes(rules: SelectionRules, macs: Mapping[str, int | None],
+                       config: CalibrationConfig) -> SelectionRules:
     """`rules` with the MatMul/Gemm sizes placement "auto" weighs (`SelectionRules`), when Q/DQ
     serves onnxruntime's integer kernels (not where it emulates a target's arithmetic)."""
     if not config.places_for_speed:
         return rules
-    products = {n.name for n in prepared.graph.node if n.op_type in ("MatMul", "Gemm")}
-    sizes = tuple(sorted((name, count) for name, count in macs.items()
-                         if count is not None and name in products))
-    return dataclasses.replace(rules, product_macs=sizes, min_product_macs=config.min_product_macs)
+    sizes = tuple(sorted((name, count) for name, count in macs.items() if count is not None))
+    return dataclasses.replace(rules, run_macs=sizes, min_product_macs=config.min_product_macs)
 
 
 def _zero_at_floor(onnx_qparams: OnnxQParams) -> bool:

@@ -26,7 +26,12 @@ import onnx
 from qcal.accuracy.coverage import Coverage, measure_coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
-from qcal.accuracy.sensitivity import BlockHarm, SensitivityResult, TensorSensitivity
+from qcal.accuracy.sensitivity import (
+    BlockHarm,
+    SensitivityResult,
+    TensorSensitivity,
+    noise_ratio_db,
+)
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import integer_output_writers
 
@@ -121,8 +126,7 @@ class Candidate:
         s = self.sensitivity
         if self.block:
             where = "output" if s.logit_noise_ratio is None else "softmax outputs' logits"
-            sqnr = (f"{where} SQNR {-10.0 * math.log10(s.harm):.1f} dB" if 0.0 < s.harm < math.inf
-                    else f"{where} SQNR -inf dB")
+            sqnr = f"{where} SQNR {noise_ratio_db(s.harm):.1f} dB"  # blocks of no harm are none
             why = (f"quantized alone with the {len(self.tensors) - 1} other tensor(s) of its "
                    f"block, {sqnr}" if self.together else f"quantized alone, {sqnr}")
             return (f"kept float by the accuracy fallback: {why}; "
@@ -215,7 +219,7 @@ def rank_blocks(
     one), ranked as `rank_candidates` ranks tensors."""
 
     def harm(block: BlockHarm) -> TensorSensitivity:
-        sqnr = None if math.isinf(block.harm) else -10.0 * math.log10(block.harm)
+        sqnr = None if math.isinf(block.harm) else noise_ratio_db(block.harm)
         return TensorSensitivity(
             tensor=block.tensors[0], role=block.roles[0],
             output_sqnr_db=None if block.on_logits else sqnr, noise_ratio=block.harm,

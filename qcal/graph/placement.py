@@ -139,7 +139,7 @@ def place(
     constant: Callable[[str], onnx.TensorProto | None],
     *,
     loop_body: bool = False,
-    product_macs: Mapping[str, int] | None = None,
+    run_macs: Mapping[str, int] | None = None,
     min_product_macs: int = 0,
 ) -> Placement:
     """Placement "auto" for one graph (module docstring).
@@ -156,7 +156,7 @@ def place(
         loop_body: `graph` is the body of a Loop or Scan. There an anchor whose weight is not a
             constant (tf2onnx passes a scan's weights in as loop state) would quantize it anew
             at every iteration: such anchors stay float (a tf.scan model ran 3.2x slower).
-        product_macs: MACs per run of MatMul and Gemm nodes at the calibration data's shapes
+        run_macs: MACs per run of compute nodes at the calibration data's shapes
             (module docstring), held to `min_product_macs`; a node missing: size unknown.
     """
     placement = Placement()
@@ -175,7 +175,7 @@ def place(
                     "so it would be quantized again at every iteration")
             elif node.op_type in _PRODUCT_OPS:
                 placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
-        elif node.op_type in _PRODUCT_OPS and (macs := (product_macs or {}).get(
+        elif node.op_type in _PRODUCT_OPS and (macs := (run_macs or {}).get(
                 node.name, min_product_macs)) < min_product_macs:
             placement.nodes[node.name] = (
                 f"{SMALL_PRODUCT}: {macs} multiply-adds per run at the calibration data's shapes, "

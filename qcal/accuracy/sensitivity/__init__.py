@@ -13,7 +13,11 @@ from qcal.accuracy.sensitivity._measure import _NEGLIGIBLE as _NEGLIGIBLE
 from qcal.accuracy.sensitivity._measure import SCREEN_FRACTION as SCREEN_FRACTION
 from qcal.accuracy.sensitivity._measure import measure_sensitivity
 from qcal.accuracy.sensitivity._models import _Models as _Models
-from qcal.accuracy.sensitivity._results import SensitivityResult, TensorSensitivity
+from qcal.accuracy.sensitivity._results import (
+    SensitivityResult,
+    TensorSensitivity,
+    noise_ratio_db,
+)
 
 __all__ = ["BlockHarm", "SensitivityResult", "TensorSensitivity", "measure_blocks",
-           "measure_sensitivity"]
+           "measure_sensitivity", "noise_ratio_db"]

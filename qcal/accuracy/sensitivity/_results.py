@@ -11,7 +11,7 @@ import numpy as np
 from qcal.accuracy.decisions import DecisionRule
 from qcal.numerics.sums import inner_product
 
-__all__ = ["SensitivityResult", "TensorSensitivity"]
+__all__ = ["SensitivityResult", "TensorSensitivity", "noise_ratio_db"]
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,10 @@ class _OutputNoise:
         return TensorSensitivity(
             tensor=tensor,
             role=role,
-            output_sqnr_db=_db(worst),
+            output_sqnr_db=noise_ratio_db(worst),
             noise_ratio=worst,
             top1_agreement=min(agreements) if agreements else None,
-            local_sqnr_db=_db(local_noise / local_signal if local_signal > 0 else
+            local_sqnr_db=noise_ratio_db(local_noise / local_signal if local_signal > 0 else
                               (0.0 if local_noise == 0 else math.inf)),
             samples=samples,
             logit_noise_ratio=self.worst_ratio(logits=True) if len(self.signal) > self.real
@@ -155,7 +155,8 @@ class _OutputNoise:
         )
 
 
-def _db(noise_ratio: float) -> float | None:
+def noise_ratio_db(noise_ratio: float) -> float | None:
+    """A noise/signal ratio as SQNR in dB: None for no noise, -inf for unbounded noise."""
     if noise_ratio == 0.0:
         return None
     if math.isinf(noise_ratio):

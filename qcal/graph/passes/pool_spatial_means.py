@@ -26,6 +26,7 @@ import onnx
 from onnx import helper
 
 from qcal.graph.passes._base import StepResult
+from qcal.graph.shapes import value_ranks
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
@@ -52,7 +53,7 @@ class PoolSpatialMeans:
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         graph = model.graph
         index = UseIndex.build(graph)
-        ranks = _ranks(graph)
+        ranks = value_ranks(graph)
         types = element_types(graph)
         count = 0
         axes_inputs: set[str] = set()
@@ -80,16 +81,6 @@ class PoolSpatialMeans:
         drop_unread_initializers(graph, axes_inputs - {""})  # opset 18's axes, nothing else reads
         return StepResult(model, True, f"wrote {count} ReduceMean over the spatial axes as "
                                        f"GlobalAveragePool")
-
-
-def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
-    """The rank of each value whose shape the graph states (shape inference ran before)."""
-    ranks = {}
-    for value in [*graph.input, *graph.value_info]:
-        tensor = value.type.tensor_type
-        if value.type.HasField("tensor_type") and tensor.HasField("shape"):
-            ranks[value.name] = len(tensor.shape.dim)
-    return ranks
 
 
 def _axes(node: onnx.NodeProto, index: UseIndex) -> list[int] | None:

@@ -129,7 +129,7 @@ class _Planner(_Selection):
         if self._auto:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
                                  self._constant, loop_body=loop_body,
-                                 product_macs=dict(rules.product_macs),
+                                 run_macs=dict(rules.run_macs),
                                  min_product_macs=rules.min_product_macs)
             for name, reason in self._placed.nodes.items():
                 del self._selected[name]

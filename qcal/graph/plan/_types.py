@@ -27,8 +27,8 @@ class SelectionRules:
         integer_forms: placement "auto" writes HardSwish and HardSigmoid in integer operators
             (`OpRule.integer_form`); with activations of another type than uint8 it leaves
             them float instead.
-        product_macs: (node, MACs per run) of MatMul and Gemm nodes at the calibration data's
-            shapes; placement "auto" leaves those under `min_product_macs` float
+        run_macs: (node, MACs per run) of compute nodes at the calibration data's shapes;
+            placement "auto" leaves the MatMul and Gemm under `min_product_macs` float
             (`qcal.graph.placement`). Empty: sizes unknown, none left float for their size.
         min_product_macs: the fewest MACs per run of a quantized MatMul/Gemm under "auto".
     """
@@ -42,7 +42,7 @@ class SelectionRules:
     placement: str = "auto"
     fuse_activations: bool = True
     integer_forms: bool = True
-    product_macs: tuple[tuple[str, int], ...] = ()
+    run_macs: tuple[tuple[str, int], ...] = ()
     min_product_macs: int = 0
 
 
