@@ -61,6 +61,7 @@ from qcal.numerics.errors import QcalError
 
 __all__ = [
     "Coverage",
+    "CoverageMeter",
     "compute_macs",
     "measure_coverage",
     "quantized_compute",
@@ -167,26 +168,7 @@ def compute_macs(
 
 def quantized_compute(model: onnx.ModelProto, plan: QuantPlan) -> set[str]:
     """Names of the compute nodes that run as integer kernels under `plan` (module docstring)."""
-    graph = model.graph
-    index = UseIndex.build(graph)
-    types = element_types(graph)
-    quantized_nodes = {d.node for d in plan.nodes if d.quantized}
-    reads = {(t.tensor, c) for t in plan.activations for c in t.consumers}
-    outputs = {t.tensor for t in plan.activations}
-    weights = {(w.tensor, w.node) for w in plan.weights}
-    found: set[str] = set()
-    for node in graph.node:
-        if not _is_compute(node) or node.name not in quantized_nodes:
-            continue
-        inputs_ok = all(
-            (t, node.name) in (weights if index.constant(t) is not None else reads)
-            for t in _float_data_inputs(node, types)
-        )
-        if inputs_ok and (
-            node.op_type not in INTEGER_OUTPUT_ANCHORS or _output_quantized(node, index, outputs)
-        ):
-            found.add(node.name)
-    return found
+    return CoverageMeter(model, {}).quantized(plan)
 
 
 def measure_coverage(
@@ -195,37 +177,77 @@ def measure_coverage(
 ) -> Coverage:
     """The share of `macs` (from `compute_macs`) that `plan` leaves quantized, or that
     onnxruntime runs in integers anyway (`integer_anyway`: `runnable.quantized_by_onnxruntime`)."""
-    quantized = quantized_compute(model, plan) | set(integer_anyway)
-    anything = any(d.quantized for d in plan.nodes)
-    unknown = sorted(name for name, value in macs.items() if value is None)
-    mostly_in_bodies = _mostly_in_bodies(model)
-    in_bodies = [n.name for g in all_graphs(model.graph) if g is not model.graph
-                 for n in g.node if _is_compute(n)]
-    bodies_note = _bodies_note(in_bodies, plan)
-    if mostly_in_bodies and bodies_note:
-        bodies_note += ("; they hold most of its weights, so the coverage floor is not checked "
-                        "on this figure")
-    bodies = "; ".join(n for n in (bodies_note, _recurrent_note(model)) if n) or None
-    if unknown:
-        note = (
-            f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
-            f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
-        )
-        return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
-                        "; ".join(n for n in (note, bodies) if n), anything, mostly_in_bodies,
-                        len(in_bodies))
-    total = sum(v for v in macs.values() if v is not None)
-    done = sum(v for name, v in macs.items() if v is not None and name in quantized)
-    small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
-             and d.reason.startswith(SMALL_PRODUCT)]
-    said = None
-    if small:
-        share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0
-        said = (f"{len(small)} of {len(macs)} compute nodes ({share:.1%} of the MACs) left float "
-                "as too small for an integer kernel to pay at the calibration data's shapes")
-    return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
-                    anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
-                    nodes_in_bodies=len(in_bodies), small_products=said)
+    return CoverageMeter(model, macs).measure(plan, integer_anyway)
+
+
+class CoverageMeter:
+    """`measure_coverage` of many plans for one model: what the figure needs of the graph alone
+    is found once (the accuracy fallback prices every candidate, hundreds of plans, by it)."""
+
+    def __init__(self, model: onnx.ModelProto, macs: Mapping[str, int | None]) -> None:
+        graph = model.graph
+        self._macs = macs
+        self._index = UseIndex.build(graph)
+        types = element_types(graph)
+        self._compute = [(node, _float_data_inputs(node, types))
+                         for node in graph.node if _is_compute(node)]
+        self._mostly_in_bodies = _mostly_in_bodies(model)
+        self._in_bodies = [n.name for g in all_graphs(graph) if g is not graph
+                           for n in g.node if _is_compute(n)]
+        self._recurrent = _recurrent_note(model)
+
+    def quantized(self, plan: QuantPlan) -> set[str]:
+        """Names of the compute nodes that run as integer kernels under `plan`."""
+        quantized_nodes = {d.node for d in plan.nodes if d.quantized}
+        reads = {(t.tensor, c) for t in plan.activations for c in t.consumers}
+        outputs = {t.tensor for t in plan.activations}
+        weights = {(w.tensor, w.node) for w in plan.weights}
+        found: set[str] = set()
+        for node, inputs in self._compute:
+            if node.name not in quantized_nodes:
+                continue
+            inputs_ok = all(
+                (t, node.name) in (weights if self._index.constant(t) is not None else reads)
+                for t in inputs
+            )
+            if inputs_ok and (node.op_type not in INTEGER_OUTPUT_ANCHORS
+                              or _output_quantized(node, self._index, outputs)):
+                found.add(node.name)
+        return found
+
+    def measure(self, plan: QuantPlan, integer_anyway: Iterable[str] = ()) -> Coverage:
+        """The share of the MACs that `plan` leaves quantized (`measure_coverage`)."""
+        macs = self._macs
+        quantized = self.quantized(plan) | set(integer_anyway)
+        anything = any(d.quantized for d in plan.nodes)
+        unknown = sorted(name for name, value in macs.items() if value is None)
+        in_bodies, mostly_in_bodies = self._in_bodies, self._mostly_in_bodies
+        bodies_note = _bodies_note(in_bodies, plan)
+        if mostly_in_bodies and bodies_note:
+            bodies_note += ("; they hold most of its weights, so the coverage floor is not "
+                            "checked on this figure")
+        bodies = "; ".join(n for n in (bodies_note, self._recurrent) if n) or None
+        if unknown:
+            note = (
+                f"shapes unknown for {len(unknown)} of {len(macs)} compute nodes "
+                f"(first: {unknown[0]!r}); the figure counts nodes, not MACs"
+            )
+            return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
+                            "; ".join(n for n in (note, bodies) if n), anything,
+                            mostly_in_bodies, len(in_bodies))
+        total = sum(v for v in macs.values() if v is not None)
+        done = sum(v for name, v in macs.items() if v is not None and name in quantized)
+        small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
+                 and d.reason.startswith(SMALL_PRODUCT)]
+        said = None
+        if small:
+            share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0
+            said = (f"{len(small)} of {len(macs)} compute nodes ({share:.1%} of the MACs) left "
+                    "float as too small for an integer kernel to pay at the calibration data's "
+                    "shapes")
+        return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
+                        anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
+                        nodes_in_bodies=len(in_bodies), small_products=said)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from qcal.accuracy.coverage import Coverage, measure_coverage
+from qcal.accuracy.coverage import Coverage, CoverageMeter
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import (
@@ -237,12 +237,12 @@ def _priced(
     """Candidates (harm, the tensors kept float together, the first the one the harm names;
     whether they are a measured block), each priced by the share of compute keeping its tensors
     float costs, best to keep float first."""
-    full = measure_coverage(model, plan, macs).fraction
-    writers = integer_output_writers(model.graph)
+    meter = CoverageMeter(model, macs)
+    full, writers = meter.measure(plan).fraction, integer_output_writers(model.graph)
     found = []
     for harm, tensors, block in entries:
         keep = dict.fromkeys(tensors, "-")
-        without = measure_coverage(model, restrict_plan(plan, keep, writers), macs).fraction
+        without = meter.measure(restrict_plan(plan, keep, writers)).fraction
         found.append(Candidate(harm, max(0.0, full - without), tuple(tensors[1:]), block=block))
     found.sort(key=lambda c: (-c.score, c.sensitivity.tensor))
     return found
@@ -326,7 +326,7 @@ def search_fallback(
     # as planned, or one that meets the target): a large model is not held a dozen times.
     models: dict[tuple[int, ...], tuple[QuantPlan, onnx.ModelProto | None, FallbackStep]] = {}
 
-    writers = integer_output_writers(model.graph)
+    writers, meter = integer_output_writers(model.graph), CoverageMeter(model, macs)
 
     def plan_without(kept: Iterable[int]) -> QuantPlan:
         return restrict_plan(plan, _keep(candidates[i] for i in kept), writers)
@@ -339,7 +339,7 @@ def search_fallback(
             else:
                 quantized = write(restricted)
                 comparison = evaluate(quantized)
-            coverage = measure_coverage(model, restricted, macs)
+            coverage = meter.measure(restricted)
             step = FallbackStep(len(kept), comparison, coverage, target.is_met(comparison))
             models[kept] = (restricted, quantized if step.met or not kept else None, step)
             logger.info("fallback: %d kept float, coverage %.3f, met %s", len(kept),
@@ -349,8 +349,8 @@ def search_fallback(
     def check(k: int) -> FallbackStep:
         return check_set(tuple(range(k)))
 
-    limit = _largest_above_floor(model, lambda k: plan_without(range(k)), len(candidates),
-                                 macs, floor)
+    limit = _largest_above_floor(meter, lambda k: plan_without(range(k)), len(candidates),
+                                 floor)
     chosen = _smallest_passing(check, limit)
     # the prefixes the search checked (before any is pruned)
     checked = {len(kept): step for kept, (_, _, step) in models.items()}
@@ -408,14 +408,13 @@ def _prune(kept: tuple[int, ...], check_set: Callable[[tuple[int, ...]], Fallbac
 
 
 def _largest_above_floor(
-    model: onnx.ModelProto, plan_for: Callable[[int], QuantPlan], count: int,
-    macs: Mapping[str, int | None], floor: float,
+    meter: CoverageMeter, plan_for: Callable[[int], QuantPlan], count: int, floor: float,
 ) -> int:
     """Largest k whose plan keeps coverage >= floor (coverage only falls as k grows)."""
     low, high = 0, count
     while low < high:
         mid = (low + high + 1) // 2
-        if measure_coverage(model, plan_for(mid), macs).fraction >= floor - 1e-12:
+        if meter.measure(plan_for(mid)).fraction >= floor - 1e-12:
             low = mid
         else:
             high = mid - 1
