@@ -71,8 +71,10 @@ def _improve_accuracy(
 ) -> _Accuracy:
     """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
     or, by default, the accuracy floor. The floor is checked on the full model first (with
-    `--sensitivity` too); only when it fails is the error localised (two passes,
-    `qcal.accuracy.localise`), unless measured per tensor, and searched."""
+    `--sensitivity` too); only when it fails is the error localised, unless measured per
+    tensor, and searched: by blocks of tensors measured against the outputs
+    (`measure_blocks`), then, where that falls short or cannot be measured, by the error jumps
+    of two passes (`qcal.accuracy.localise`)."""
     sensitivity = None
     if config.wants_sensitivity:
         with timings.stage("sensitivity"):
@@ -97,13 +99,6 @@ def _improve_accuracy(
             planned = (quant_model, evaluate(quant_model))
         if target.is_met(planned[1]):
             return _Accuracy(sensitivity, None, planned[1])
-    if sensitivity is None:
-        with timings.stage("localise"):
-            sensitivity = localise_error(
-                model, quant_model, plan,
-                data_mod.iter_batches(_spread_samples(source, _LOCALISE_SAMPLES), inputs, 1),
-                providers=config.providers,
-            )
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
 
     def search(candidates: list[Candidate]) -> FallbackResult:
@@ -115,14 +110,12 @@ def _improve_accuracy(
             evaluate=lambda quantized: evaluate(quantized, "fallback"), planned=planned,
         )
 
-    with timings.stage("fallback"):
-        fallback = search(rank_candidates(model, plan, sensitivity, macs))
-        if not fallback.reached:  # then the model it hands over is the one as planned
-            planned = (fallback.model, fallback.steps[0].comparison)
-    if (not fallback.reached and sensitivity.method == "error-jump"
-            and weight_bytes(model) <= _BLOCK_WEIGHT_BYTES):
-        # The jumps rank tensors by the error they add where they are read, not by what it
-        # does downstream: measure blocks of tensors against the outputs, and search again.
+    by_blocks = None
+    if sensitivity is None and weight_bytes(model) <= _BLOCK_WEIGHT_BYTES:
+        # What the tensors do to the outputs, measured in blocks, ranks them first: the error
+        # jumps see where error appears, not what it does later, and fell short of the floor
+        # where blocks reached it (PP-OCRv4 rec, the layout detector); a run they reach for
+        # never localises by jumps at all.
         with timings.stage("localise blocks"):
             feeds = [feed for feed, _ in data_mod.iter_batches(
                 _spread_samples(source, _BLOCK_SAMPLES), inputs, 1)]
@@ -130,24 +123,43 @@ def _improve_accuracy(
                 blocks = measure_blocks(model, plan, act_params, weights, feeds,
                                         providers=config.providers)
             except (ModelError, DataError):  # a form the switch model cannot take (per-axis
-                blocks = ()                  # activations): the first search's verdict stands
+                blocks = ()                  # activations): the jumps rank alone
             samples = len(feeds)
             del feeds
         candidates = rank_blocks(model, plan, blocks, macs, samples)
         if candidates:
             with timings.stage("fallback"):
-                fallback = _after_both(fallback, search(candidates))
+                by_blocks = search(candidates)
+            if by_blocks.reached:
+                return _Accuracy(None, replace(
+                    by_blocks, message=f"{by_blocks.message} ({_BLOCKS})"))
+            planned = (by_blocks.model, by_blocks.steps[0].comparison)  # the model as planned
+    if sensitivity is None:
+        with timings.stage("localise"):
+            sensitivity = localise_error(
+                model, quant_model, plan,
+                data_mod.iter_batches(_spread_samples(source, _LOCALISE_SAMPLES), inputs, 1),
+                providers=config.providers,
+            )
+    with timings.stage("fallback"):
+        fallback = search(rank_candidates(model, plan, sensitivity, macs))
+    if by_blocks is not None:
+        fallback = _after_both(by_blocks, fallback)
     return _Accuracy(sensitivity, fallback)
 
 
-def _after_both(first: FallbackResult, second: FallbackResult) -> FallbackResult:
-    """The second search's result if it reached the target, else the first's; the steps of
-    both, in order (their first step, the model as planned, is listed once)."""
-    chosen = second if second.reached else first
-    steps = (*first.steps, *(s for s in second.steps if s.kept))
-    message = (f"{second.message} (ranked by their measured effect on the outputs, in blocks; "
-               "ranked by their error jumps they fell short)" if second.reached
-               else f"{first.message} (nor by their effect on the outputs, measured in blocks)")
+_BLOCKS = "ranked by their measured effect on the outputs, in blocks"
+_JUMPS = "ranked by where their error jumps"
+
+
+def _after_both(blocks: FallbackResult, jumps: FallbackResult) -> FallbackResult:
+    """The second search's (by the error jumps) result if it reached the target, else the
+    first's (by blocks); the steps of both, in order (their first step, the model as planned,
+    is listed once)."""
+    chosen = jumps if jumps.reached else blocks
+    steps = (*blocks.steps, *(s for s in jumps.steps if s.kept))
+    message = (f"{jumps.message} ({_JUMPS}; {_BLOCKS}, they fell short)" if jumps.reached
+               else f"{blocks.message} ({_BLOCKS}; nor {_JUMPS})")
     return replace(chosen, steps=steps, message=message)
 
 

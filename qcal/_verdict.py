@@ -87,7 +87,7 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
         # Why the search stopped: the coverage floor, or no tensor left that it could blame.
         why = (f"Keeping float what harms most did not reach it with {minimum:g} % of compute "
                "quantized" if "coverage floor" in fallback.get("message", "coverage floor")
-               else "Keeping float every tensor where the error jumps did not reach it")
+               else "Keeping float every tensor found harmful did not reach it")
         return Verdict(
             "below-floor",
             f"quality: below the accuracy floor ({100 - DEFAULT_FLOOR_AGREEMENT_DROP:g} % of "

@@ -1,7 +1,7 @@
 """Blocks of tensors measured against the outputs (`measure_blocks`): each block's harm is the
 real QDQ model's with that block alone quantized, and halving finds the one harmful tensor of a
-deep chain. And the run that uses them: when the error-jump ranking falls short of the floor,
-the fallback searches again by blocks. Outputs that are not tensors (a classifier's ZipMap) are
+deep chain. And the run that uses them: below the floor, the fallback searches by blocks first
+(the error-jump ranking only where they fall short). Outputs that are not tensors (a classifier's ZipMap) are
 left out of every measurement of the accuracy stage."""
 
 from __future__ import annotations
@@ -103,11 +103,12 @@ def test_within_the_budget_the_first_blocks_stay_whole(pieces: tuple) -> None:
     assert all(len(b.tensors) > 1 for b in blocks)
 
 
-def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
+def test_below_the_floor_the_fallback_searches_by_blocks_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the error-jump ranking offering nothing, the floor is still reached: by the
-    blocks' ranking, which keeps the harmful activation float (checked on the written model)."""
+    """The floor is reached by the blocks' ranking, which keeps the harmful activation float
+    (checked on the written model); the error-jump ranking, made to offer nothing here, is
+    never localised."""
     path, data = save_with_data(tmp_path, "chain", deep_chain(), 4, calib=64, evaluate=200,
                                 features=WIDTH)
     assert data is not None
@@ -123,6 +124,7 @@ def test_when_the_jump_ranking_falls_short_the_fallback_searches_by_blocks(
     assert all("quantized alone" in k["reason"] and "output SQNR" in k["reason"]
                for k in fallback["kept_float"])  # no softmax output: the outputs' SQNR
     assert "localise blocks" in report["timings_seconds"]
+    assert "localise" not in report["timings_seconds"] and report["sensitivity"] is None
     expected = run(deep_chain(), {"x": data})[0].argmax(1)
     got = run(result.model, {"x": data})[0].argmax(1)
     assert float(np.mean(expected == got)) >= 0.99
@@ -133,7 +135,8 @@ def test_a_model_the_switch_form_cannot_take_keeps_the_first_verdict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Blocks that cannot be measured (per-axis activations have no switch form) leave the
-    first search's verdict: the floor fails as a gate, with the model as planned, no error."""
+    error jumps' search, here offering nothing: the floor fails as a gate, with the model as
+    planned, no error."""
     path, _ = save_with_data(tmp_path, "chain", deep_chain(), 4, calib=64, evaluate=200,
                              features=WIDTH)
     monkeypatch.setattr(accuracy_stage, "rank_candidates", lambda *args: [])

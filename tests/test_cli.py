@@ -541,7 +541,7 @@ def test_every_command_and_option_is_in_the_readme() -> None:
      "did not reach it with 70 % of compute quantized"),
     (("... NOT reached even with all 2 sensitive tensor(s) in float; the model is handed over "
       "as planned (the closest checked kept 2 tensor(s) float, short too)"),
-     "every tensor where the error jumps did not reach it"),
+     "every tensor found harmful did not reach it"),
 ])
 def test_a_missed_floor_says_why_the_search_stopped(message: str, said: str) -> None:
     """The coverage floor, or no tensor left to blame: the verdict says which."""

@@ -23,6 +23,7 @@ from _pipeline_testing import calibrate_capturing_sensitivity, save_with_data
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
 from qcal.accuracy.fallback import AccuracyTarget, Candidate, search_fallback
@@ -33,7 +34,7 @@ from qcal.cli import main
 from qcal.config import CalibrationConfig
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
 from qcal.graph.placement import integer_output_writers
-from qcal.numerics.errors import AccuracyGateError, ConfigError
+from qcal.numerics.errors import AccuracyGateError, ConfigError, ModelError
 from qcal.pipeline import calibrate
 from qcal.report import report_schema
 
@@ -715,7 +716,7 @@ def _outlier_mlp() -> onnx.ModelProto:
     return build_model(nodes, [float_input("x", ["N", 16])], ["logits"], {"w1": w1, "w2": w2})
 
 
-def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
+def test_below_the_floor_the_blocks_find_the_error_and_the_fallback_restores_it(
     tmp_path: Path,
 ) -> None:
     path, data = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
@@ -725,16 +726,67 @@ def test_below_the_floor_the_error_is_localised_and_the_fallback_restores_it(
     assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
     result = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0))
     report = result.report
-    assert report["sensitivity"]["method"] == "error-jump"
-    assert report["sensitivity"]["tensors"][0]["tensor"] == "h"  # where the error jumps
     fallback = report["fallback"]
     assert fallback["reached"] and [k["tensor"] for k in fallback["kept_float"]] == ["h"]
+    assert fallback["message"].endswith("(ranked by their measured effect on the outputs, "
+                                        "in blocks)")
+    # the blocks' ranking reached the floor: the error jumps were never localised
+    assert report["sensitivity"] is None and "localise" not in report["timings_seconds"]
     expected = run(_outlier_mlp(), {"x": data})[0]
     got = run(result.model, {"x": data})[0]
     agreement = float(np.mean(expected.argmax(1) == got.argmax(1)))
     assert agreement >= 0.99
     assert agreement == pytest.approx(report["evaluation"]["outputs"][0]["top1_agreement"])
     assert report["gates"] == []
+
+
+def _without_blocks(*args: object, **kwargs: object) -> None:
+    raise ModelError("activation 'h': per-axis activations cannot be measured")
+
+
+def test_where_blocks_cannot_be_measured_the_error_jumps_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model the switch form cannot take (per-axis activations): the error is localised by
+    its jumps instead, and the fallback restores the model as well."""
+    path, data = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
+                                features=16)
+    monkeypatch.setattr(accuracy_stage, "measure_blocks", _without_blocks)
+    report = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0)).report
+    assert report["sensitivity"]["method"] == "error-jump"
+    assert report["sensitivity"]["tensors"][0]["tensor"] == "h"  # where the error jumps
+    fallback = report["fallback"]
+    assert fallback["reached"] and [k["tensor"] for k in fallback["kept_float"]] == ["h"]
+    assert "in blocks" not in fallback["message"]
+    assert report["evaluation"]["outputs"][0]["top1_agreement"] >= 0.99
+    assert report["gates"] == []
+
+
+def test_where_the_blocks_fall_short_the_error_jumps_rank_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks that name neither the harmful tensor nor the weight that takes it along fall
+    short; the jumps then find it, and the report lists both searches' steps and says which
+    reached the floor."""
+    path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
+                             features=16)
+    rank_blocks = accuracy_stage.rank_blocks
+
+    def blind(*args: Any) -> list[Candidate]:
+        return [c for c in rank_blocks(*args) if not {"h", "w2"} & set(c.tensors)]
+
+    monkeypatch.setattr(accuracy_stage, "rank_blocks", blind)
+    report = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0)).report
+    fallback = report["fallback"]
+    assert fallback["reached"] and [k["tensor"] for k in fallback["kept_float"]] == ["h"]
+    assert fallback["message"].endswith(
+        "(ranked by where their error jumps; ranked by their measured effect on the outputs, "
+        "in blocks, they fell short)")
+    assert report["sensitivity"]["method"] == "error-jump"
+    # the model as planned, checked once for both searches, comes first
+    kept = [s["kept_float"] for s in fallback["steps"]]
+    assert kept[0] == 0 and kept.count(0) == 1 and fallback["steps"][-1]["target_met"]
+    assert report["evaluation"]["outputs"][0]["top1_agreement"] >= 0.99
 
 
 def test_sensitivity_asked_for_still_checks_the_floor(tmp_path: Path) -> None:
