@@ -66,8 +66,9 @@ from qcal._weight_only import (
     weight_only_plan,
 )
 from qcal.accuracy.coverage import measure_coverage
-from qcal.accuracy.evaluate import Comparison, FloatReference, compare_models, numeric_outputs
+from qcal.accuracy.evaluate import Comparison, compare_models, numeric_outputs
 from qcal.accuracy.gates import GateResult, check_gates, raise_for_failed
+from qcal.accuracy.reference import FloatReference
 from qcal.accuracy.runnable import make_runnable, noted_as_integer, quantized_by_onnxruntime
 from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect

@@ -363,7 +363,7 @@ def test_question_answering_start_and_end_logits_are_decisions_over_positions() 
 
 
 def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() -> None:
-    from qcal.accuracy.evaluate import FloatReference
+    from qcal.accuracy.reference import FloatReference
 
     rng = np.random.default_rng(1)
     data = [rng.standard_normal((2, 5)).astype(np.float32) for _ in range(3)]
@@ -452,7 +452,7 @@ def test_logits_scaled_by_a_temperature_are_still_scores(op: str, value: float,
 def test_outputs_handed_to_a_float_reference_are_kept_in_order_within_its_budget() -> None:
     """Batches handed over past the budget are dropped, and none after them is kept either: a
     later batch must never stand in for an earlier one."""
-    from qcal.accuracy.evaluate import FloatReference
+    from qcal.accuracy.reference import FloatReference
 
     sizes = [3, 5, 1]  # floats per batch; the budget holds the first, not the second
     reference = FloatReference(budget_bytes=4 * 4)

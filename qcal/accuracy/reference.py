@@ -1,0 +1,64 @@
+"""The float model's side of the comparisons: its session and outputs on the evaluation data,
+made once for the many QDQ models the accuracy stage checks (`qcal.accuracy.evaluate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qcal.accuracy.decisions import DecisionRule
+from qcal.accuracy.output_parts import OutputPart
+
+__all__ = ["FloatReference"]
+
+Feed = Mapping[str, np.ndarray]
+
+
+class FloatReference:
+    """The float model's session and its outputs on the evaluation data, made once for several
+    comparisons on the same data (the fallback checks many QDQ models against one float model).
+    Outputs are kept while they fit in `budget_bytes`; past it they are recomputed each time, so
+    memory stays bounded whatever the data size. The calibration pass can hand over the outputs
+    it computed anyway (`keep`), when the evaluation runs on the calibration data."""
+
+    def __init__(self, budget_bytes: int = 256 << 20) -> None:
+        self.session: Any = None
+        self.rules: dict[str, DecisionRule] | None = None  # how each output is read
+        self.parts: dict[str, tuple[OutputPart, ...]] = {}  # outputs compared part by part
+        self.names: list[str] = []  # the outputs kept, in this order
+        self.outputs: list[list[np.ndarray]] = []  # per batch, from the first on
+        self.budget = budget_bytes
+        self.kept_bytes = 0
+        self.full = False  # a batch did not fit: no later one is kept (they would misalign)
+
+    def release(self) -> None:
+        """Drop the session and the outputs (a later comparison makes them again)."""
+        self.session, self.rules, self.names, self.outputs = None, None, [], []
+        self.parts = {}
+        self.kept_bytes, self.full = 0, False
+
+    def keep(self, names: list[str], outputs: list[np.ndarray]) -> None:
+        """The float outputs `names` of the next batch (batches in data order, from the first):
+        kept for the comparisons while they fit in the budget. The calibration pass hands over
+        the outputs it computes anyway when the evaluation runs on the calibration data."""
+        if self.full or (self.outputs and names != self.names):
+            return
+        size = sum(x.nbytes for x in outputs)
+        if self.kept_bytes + size > self.budget:
+            self.full = True
+            return
+        self.names = names
+        self.outputs.append(outputs)
+        self.kept_bytes += size
+
+    def run(self, batch: int, names: list[str], feed: Feed) -> list[np.ndarray]:
+        if batch < len(self.outputs) and names == self.names:
+            return self.outputs[batch]
+        if not names:  # onnxruntime reads no names as all of them (sequences, maps...)
+            return []
+        outputs = [np.asarray(x) for x in self.session.run(names, dict(feed))]
+        if batch == len(self.outputs):
+            self.keep(names, outputs)
+        return outputs
