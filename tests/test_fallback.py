@@ -750,7 +750,7 @@ def test_where_blocks_cannot_be_measured_the_error_jumps_rank(
     """A model the switch form cannot take (per-axis activations): the error is localised by
     its jumps instead, and the fallback restores the model as well."""
     path, _ = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
-                                features=16)
+                             features=16)
     monkeypatch.setattr(accuracy_stage, "measure_blocks", _without_blocks)
     report = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0)).report
     assert report["sensitivity"]["method"] == "error-jump"
