@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -389,6 +392,91 @@ def test_a_shared_float_reference_runs_the_float_model_once_within_its_budget() 
     small = FloatReference(budget_bytes=2 * 5 * 4)  # room for one batch's output only
     compare_models(_scale_model(1.0), _scale_model(1.1), batches(), reference=small)
     assert len(small.outputs) == 1
+
+
+def test_a_float_reference_holds_the_data_and_later_comparisons_read_none() -> None:
+    """Once every batch and its float outputs are held, a comparison reads no data (the
+    fallback's checks re-read a layout detector's compressed pages each time), with the same
+    figures; past the budget the data is read as before."""
+    from qcal.accuracy.reference import FloatReference
+
+    rng = np.random.default_rng(2)
+    data = [rng.standard_normal((2, 5)).astype(np.float32) for _ in range(3)]
+
+    def batches() -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        yield from (({"x": d.copy()}, 2) for d in data)
+
+    def unread() -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        raise AssertionError("the data was read again")
+        yield  # pragma: no cover
+
+    alone = compare_models(_scale_model(1.0), _scale_model(1.1), batches())
+    reference = FloatReference()
+    assert compare_models(_scale_model(1.0), _scale_model(1.1), batches(),
+                          reference=reference) == alone
+    assert reference.holds_data and len(reference.feeds) == 3
+    for scale in (1.1, 0.9):
+        expected = compare_models(_scale_model(1.0), _scale_model(scale), batches())
+        assert compare_models(_scale_model(1.0), _scale_model(scale), unread(),
+                              reference=reference) == expected
+    # outputs fit (3 x 2 x 5 floats), inputs as well only for the first two batches
+    tight = FloatReference(budget_bytes=3 * 40 + 2 * 40)
+    compare_models(_scale_model(1.0), _scale_model(1.1), batches(), reference=tight)
+    assert len(tight.outputs) == 3 and len(tight.feeds) == 2 and not tight.holds_data
+    assert compare_models(_scale_model(1.0), _scale_model(1.1), batches(),
+                          reference=tight) == alone
+
+
+class _SlowSession:
+    """Stands in for an onnxruntime session: each run sleeps, says which thread ran it and how
+    many ran at once, and fails on the batch holding `fail`."""
+
+    def __init__(self, seconds: float, fail: float | None = None) -> None:
+        self.seconds, self.fail = seconds, fail
+        self.threads: list[int] = []
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.append(threading.get_ident())
+        time.sleep(self.seconds)
+        with self.lock:
+            self.running -= 1
+        if self.fail is not None and self.fail in feed["x"]:
+            raise RuntimeError("onnxruntime failed")
+        return [feed["x"] * 2]
+
+
+def test_slow_quantized_runs_start_ahead_on_a_second_thread_in_data_order() -> None:
+    from qcal.accuracy._ahead import runs_ahead
+
+    feeds = [({"x": np.full(3, float(i), np.float32)}, 1) for i in range(8)]
+    slow = _SlowSession(0.01)
+    got = [(feed["x"][0], future.result()[0][0]) for feed, _, future in
+           runs_ahead(slow, ["y"], iter(feeds))]
+    assert got == [(float(i), 2.0 * i) for i in range(8)]  # in data order, each its own
+    assert slow.most == 2 and len(set(slow.threads)) > 1
+    fast = _SlowSession(0.0)  # runs of no time stay on the calling thread, one at a time
+    list(runs_ahead(fast, ["y"], iter(feeds)))
+    assert fast.most == 1 and set(fast.threads) == {threading.get_ident()}
+
+
+def test_a_run_that_fails_ahead_is_named_by_its_own_sample() -> None:
+    """An onnxruntime failure in a run started ahead is raised where that batch is compared,
+    naming its sample, as when the runs went one by one."""
+    from qcal.accuracy._ahead import runs_ahead
+
+    feeds = [({"x": np.full(3, float(i), np.float32)}, 1) for i in range(6)]
+    failing = _SlowSession(0.01, fail=4.0)
+    seen = []
+    with pytest.raises(RuntimeError):
+        for feed, _, future in runs_ahead(failing, ["y"], iter(feeds)):
+            seen.append(feed["x"][0])
+            future.result()
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
 def _sigmoid_after(op: str, constant: float) -> onnx.ModelProto:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qcal.accuracy._ahead import runs_ahead
 from qcal.accuracy.decisions import DecisionRule, decision_rules
 from qcal.accuracy.output_parts import (
     OutputPart,
@@ -336,31 +337,39 @@ def compare_models(
     accumulators = {name: _Accumulator(rule=rules.get(name), measure=name not in rules,
                                        parts=reference.parts.get(name, ()))
                     for name in names}
-    samples = 0
-    for batch, (feed, n) in enumerate(batches):
-        _check_finite(feed, samples, n)
-        try:
-            x_outputs = reference.run(batch, names, feed)
-            y_outputs = quant_session.run(names, dict(feed))
-        except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
-            # data that fits the inputs' declared shapes may still not fit the model (a
-            # dimension only its weights fix): the data's fault, by sample
-            which = f"sample {samples}" if n == 1 else f"samples {samples}-{samples + n - 1}"
-            raise DataError(f"onnxruntime failed on evaluation {which}: {one_line(err)}") from None
-        batch_labels = None
-        if labels is not None:
-            if samples + n > labels.shape[0]:
-                raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
-            batch_labels = labels[samples : samples + n]
-        for name, x, y in zip(names, x_outputs, y_outputs):
-            accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels)
-        samples += n
-        if on_batch is not None:
-            on_batch(n)
+    samples, batch, replay = 0, -1, reference.holds_data
+    runs = runs_ahead(quant_session, names, reference.feeds if replay else batches)
+    try:
+        for batch, (feed, n, quantized) in enumerate(runs):
+            _check_finite(feed, samples, n)
+            try:
+                x_outputs = reference.run(batch, names, feed)
+                y_outputs = quantized.result()
+            except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
+                # data that fits the inputs' declared shapes may still not fit the model (a
+                # dimension only its weights fix): the data's fault, by sample
+                which = f"sample {samples}" if n == 1 else f"samples {samples}-{samples + n - 1}"
+                raise DataError(f"onnxruntime failed on evaluation {which}: "
+                                f"{one_line(err)}") from None
+            batch_labels = None
+            if labels is not None:
+                if samples + n > labels.shape[0]:
+                    raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
+                batch_labels = labels[samples : samples + n]
+            for name, x, y in zip(names, x_outputs, y_outputs):
+                accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels)
+            if not replay:
+                reference.hold(batch, feed, n)
+            samples += n
+            if on_batch is not None:
+                on_batch(n)
+    finally:
+        runs.close()
     if samples == 0:
         raise DataError("evaluation data has no samples")
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
+    reference.holds_data = len(reference.feeds) == batch + 1 == len(reference.outputs)
     return Comparison(samples, tuple(accumulators[n].metrics(n) for n in names))
 
 
