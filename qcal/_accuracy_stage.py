@@ -114,8 +114,8 @@ def _improve_accuracy(
     if sensitivity is None and weight_bytes(model) <= _BLOCK_WEIGHT_BYTES:
         # What the tensors do to the outputs, measured in blocks, ranks them first: the error
         # jumps see where error appears, not what it does later, and fell short of the floor
-        # where blocks reached it (PP-OCRv4 rec, the layout detector); a run they reach for
-        # never localises by jumps at all.
+        # where blocks reached it (PP-OCRv4 rec, the layout detector); a run the blocks bring
+        # to the floor never localises by jumps at all.
         with timings.stage("localise blocks"):
             feeds = [feed for feed, _ in data_mod.iter_batches(
                 _spread_samples(source, _BLOCK_SAMPLES), inputs, 1)]
