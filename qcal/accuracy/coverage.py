@@ -64,7 +64,6 @@ __all__ = [
     "CoverageMeter",
     "compute_macs",
     "measure_coverage",
-    "quantized_compute",
     "shape_probe",
 ]
 
@@ -166,11 +165,6 @@ def compute_macs(
     return {n.name: _node_macs(n, shapes) for n in nodes}
 
 
-def quantized_compute(model: onnx.ModelProto, plan: QuantPlan) -> set[str]:
-    """Names of the compute nodes that run as integer kernels under `plan` (module docstring)."""
-    return CoverageMeter(model, {}).quantized(plan)
-
-
 def measure_coverage(
     model: onnx.ModelProto, plan: QuantPlan, macs: Mapping[str, int | None],
     integer_anyway: Iterable[str] = (),
@@ -187,6 +181,8 @@ class CoverageMeter:
     def __init__(self, model: onnx.ModelProto, macs: Mapping[str, int | None]) -> None:
         graph = model.graph
         self._macs = macs
+        self._unknown = sorted(name for name, value in macs.items() if value is None)
+        self._total = sum(v for v in macs.values() if v is not None)
         self._index = UseIndex.build(graph)
         types = element_types(graph)
         self._compute = [(node, _float_data_inputs(node, types))
@@ -220,7 +216,7 @@ class CoverageMeter:
         macs = self._macs
         quantized = self.quantized(plan) | set(integer_anyway)
         anything = any(d.quantized for d in plan.nodes)
-        unknown = sorted(name for name, value in macs.items() if value is None)
+        unknown, total = self._unknown, self._total
         in_bodies, mostly_in_bodies = self._in_bodies, self._mostly_in_bodies
         bodies_note = _bodies_note(in_bodies, plan)
         if mostly_in_bodies and bodies_note:
@@ -235,7 +231,6 @@ class CoverageMeter:
             return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
                             "; ".join(n for n in (note, bodies) if n), anything,
                             mostly_in_bodies, len(in_bodies))
-        total = sum(v for v in macs.values() if v is not None)
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
         small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
                  and d.reason.startswith(SMALL_PRODUCT)]

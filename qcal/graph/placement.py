@@ -360,7 +360,6 @@ _QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm", "MatMul"})
 # 512: 0.55 against 0.58x at one thread, 0.48 against 0.34x at two, where integers would win:
 # a size guard needs shapes at planning time). Attention keeps float precision too.
 _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
-
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")

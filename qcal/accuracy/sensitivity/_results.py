@@ -148,7 +148,7 @@ class _OutputNoise:
             noise_ratio=worst,
             top1_agreement=min(agreements) if agreements else None,
             local_sqnr_db=noise_ratio_db(local_noise / local_signal if local_signal > 0 else
-                              (0.0 if local_noise == 0 else math.inf)),
+                                         (0.0 if local_noise == 0 else math.inf)),
             samples=samples,
             logit_noise_ratio=self.worst_ratio(logits=True) if len(self.signal) > self.real
             else None,
