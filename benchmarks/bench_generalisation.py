@@ -60,6 +60,7 @@ from _common import (
     work_dir,
     write_results,
 )
+from detector_boxes import box_f1
 from eval_ppocr import compute_coverage, evaluate
 from models import BENCH_DIR, CACHE_DIR, BenchmarkSetupError, get_models
 
@@ -99,7 +100,8 @@ PPOCR_INFO = {  # family, exporter (the rapidocr_onnxruntime 1.4.4 files)
     "ppocr_cls": "PP-OCR mobile v2.0 cls / paddle2onnx",
 }
 METRIC_NAMES = {"top1": "top-1 agreement", "frames": "frame agreement", "cosine": "mean cosine",
-                "decisions": "frame decisions (p > 0.5)", "score_f1": "score F1 (p > 0.5)"}
+                "decisions": "frame decisions (p > 0.5)", "score_f1": "score F1 (p > 0.5)",
+                "box_f1": "box F1 (IoU 0.5)"}
 
 # `qcal calibrate` arguments per qcal variant (model, --data, -o, --report, --force, -q are
 # added); a variant whose flags `qcal calibrate --help` does not list is skipped.
@@ -379,13 +381,19 @@ def gen_metrics(
     model: GenModel, variants: dict[str, dict[str, Any]], n: int
 ) -> dict[str, dict[str, Any]]:
     """Task metric against the float model on the first `n` evaluation samples: of output 0,
-    or of the score maps a detector lists as `score_outputs` (SQNR and agreement of output 0)."""
+    or of the score maps a detector lists as `score_outputs` (SQNR and agreement of output 0);
+    a detector with a `box_decoder` is judged by its boxes (`detector_boxes`), read from every
+    output."""
     sessions = variant_sessions(variants)
     out0 = model.task["outputs"][0]
-    read = list(model.task.get("score_outputs") or [out0])
-    refs, outs = [], {name: [] for name in sessions if name != "float"}
+    decoder = model.task.get("box_decoder")
+    read = list(model.task["outputs"] if decoder else
+                model.task.get("score_outputs") or [out0])
+    scores = [read.index(o) for o in model.task.get("score_outputs") or [out0]]
+    refs, outs, hws = [], {name: [] for name in sessions if name != "float"}, []
     for feed in model.feeds(n):
         refs.append(sessions["float"].run(read, feed))
+        hws.append(feed[model.input_name].shape[2:])
         for name, chunks in outs.items():
             chunks.append(sessions[name].run(read, feed))
     ref = np.concatenate([r[0] for r in refs], axis=0)
@@ -410,10 +418,13 @@ def gen_metrics(
         }
         if model.metric == "decisions":  # sigmoid probabilities: the yes/no at 0.5
             row["decision_agreement"] = float(((ref > 0.5) == (quant > 0.5)).mean())
-        if model.metric == "score_f1":  # (anchor, class) scores above 0.5 on every score map
-            row["score_f1"] = _score_f1(refs, chunks)
-        key = {"cosine": "cosine", "decisions": "decision_agreement",
-               "score_f1": "score_f1"}.get(model.metric, "argmax_agreement")
+        if model.metric in ("score_f1", "box_f1"):  # (anchor, class) scores above 0.5
+            row["score_f1"] = _score_f1([[r[i] for i in scores] for r in refs],
+                                        [[c[i] for i in scores] for c in chunks])
+        if decoder:
+            row["box_f1"], row["float_boxes_per_sample"] = box_f1(decoder, refs, chunks, hws)
+        key = {"cosine": "cosine", "decisions": "decision_agreement", "score_f1": "score_f1",
+               "box_f1": "box_f1"}.get(model.metric, "argmax_agreement")
         row["task_vs_float"] = row[key]
         if labels is not None and model.metric == "top1":
             row["accuracy_float"] = float((ref.argmax(-1) == labels).mean())
@@ -564,7 +575,7 @@ def _format_metric(metric: dict[str, Any]) -> str | None:
         return None
     if metric.get("metric") == "cosine":
         return f"{value:.5f}"
-    if metric.get("measure") == "box F1" or metric.get("metric") == "score_f1":
+    if metric.get("measure") == "box F1" or metric.get("metric") in ("score_f1", "box_f1"):
         return f"{value:.3f}"
     return f"{100 * value:.1f} %"
 
