@@ -70,13 +70,13 @@ def _improve_accuracy(
     declared_shapes: frozenset[str],
 ) -> _Accuracy:
     """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
-    or, by default, the accuracy floor. The floor is checked on the full model first (with
+    or, by default, the accuracy floor. The target is checked on the full model first (with
     `--sensitivity` too); only when it fails is the error localised, unless measured per
     tensor, and searched: by blocks of tensors measured against the outputs
     (`measure_blocks`), then, where that falls short or cannot be measured, by the error jumps
     of two passes (`qcal.accuracy.localise`)."""
     sensitivity = None
-    if config.wants_sensitivity:
+    if config.sensitivity:
         with timings.stage("sensitivity"):
             count, screen = _sensitivity_samples(config, plan, source)
             # One sample per run here and in the localisation: the batch check ran the float
@@ -88,17 +88,13 @@ def _improve_accuracy(
                 screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
                 on_batch=_stage_progress(progress, "sensitivity", count),
             )
-        if not config.has_fallback_target and not config.fallback:
-            return _Accuracy(sensitivity, None)
-    elif not config.fallback:
-        return _Accuracy(None, None)
-    target = config.accuracy_target()
-    planned: tuple[onnx.ModelProto, Comparison] | None = None  # written and evaluated
-    if not config.has_fallback_target:  # the default floor, measured sensitivity or not
-        with timings.stage("evaluate"):
-            planned = (quant_model, evaluate(quant_model))
-        if target.is_met(planned[1]):
-            return _Accuracy(sensitivity, None, planned[1])
+    if not config.fallback and not config.has_fallback_target:
+        return _Accuracy(sensitivity, None)
+    target = config.accuracy_target()  # the user's, else the floor: checked and met alike
+    with timings.stage("evaluate"):
+        planned = (quant_model, evaluate(quant_model))  # written and evaluated
+    if target.is_met(planned[1]):
+        return _Accuracy(sensitivity, None, planned[1])
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
 
     def search(candidates: list[Candidate]) -> FallbackResult:

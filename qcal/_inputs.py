@@ -166,8 +166,7 @@ def _accuracy_sources(
     samples (at most 256) to measure on: the samples the ranges were fitted on flatter a model
     (silero-vad kept 99.1 % of its decisions on them and 97.0 % on other speech). Statistics
     `collected` beforehand (`--stats`) saw every sample: nothing is held out then."""
-    checks = config.wants_sensitivity or (config.fallback and config.weight_only is None)
-    if eval_source is not None or not checks or collected:
+    if eval_source is not None or not config.checks_accuracy or collected:
         return calib, eval_source, None
     count = calib.num_samples() or 0
     held = min(count // 4, 256)

@@ -245,9 +245,10 @@ class CalibrationConfig:
         return self.target_sqnr is not None or self.max_agreement_drop is not None
 
     @property
-    def wants_sensitivity(self) -> bool:
-        """Whether per-tensor sensitivity is measured (asked for, or needed by the fallback)."""
-        return self.sensitivity or self.has_fallback_target
+    def checks_accuracy(self) -> bool:
+        """Whether the run measures the quantized model on held-back data (floor, target...)."""
+        return self.sensitivity or self.has_fallback_target or (
+            self.fallback and self.weight_only is None)
 
     @property
     def uses_histograms(self) -> bool:

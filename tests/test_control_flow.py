@@ -506,7 +506,8 @@ def test_sensitivity_and_fallback_run_on_a_model_with_weights_inside_a_branch(
     onnx.save(model, path)
     x = rng.standard_normal((40, 4)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(path, CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz", target_sqnr=60.0),
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, data=tmp_path / "calib.npz",
+                                               target_sqnr=60.0, sensitivity=True),
                        enforce_gates=False)
     measured = {t["tensor"] for t in result.report["sensitivity"]["tensors"]}
     assert "W1" not in measured and "W0" in measured

@@ -189,7 +189,8 @@ def test_each_trap_rule_keeps_its_pattern_float(trap: Path) -> None:
 
 def test_fallback_keeps_cheap_tensors_float_first(trap: Path, tmp_path: Path) -> None:
     feed = {"bytes": np.load(trap.with_name("trap.eval.npz"))["bytes"]}
-    config = CalibrationConfig(default_exclusions=False, target_sqnr=15.0, placement="all")
+    config = CalibrationConfig(default_exclusions=False, target_sqnr=15.0, placement="all",
+                               sensitivity=True)  # ranked by per-tensor sensitivity
     result = calibrate(trap, config, report_path=tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     jsonschema.validate(report, report_schema())
@@ -802,6 +803,36 @@ def test_sensitivity_asked_for_still_checks_the_floor(tmp_path: Path) -> None:
     assert fallback["reached"] and "h" in [k["tensor"] for k in fallback["kept_float"]]
     assert report["evaluation"]["outputs"][0]["top1_agreement"] >= 0.99
     assert report["gates"] == []
+
+
+def test_a_target_is_searched_as_the_floor_is(tmp_path: Path) -> None:
+    """--target-sqnr replaces the floor's figures, not its search: the model as planned is
+    checked first, then ranked by blocks; no per-tensor sensitivity unless asked for."""
+    path, data = save_with_data(tmp_path, "mlp", _outlier_mlp(), 3, calib=64, evaluate=200,
+                                features=16)
+    assert data is not None
+    naive = calibrate(path, CalibrationConfig(min_product_macs=0, fallback=False))
+    planned_sqnr = naive.report["evaluation"]["outputs"][0]["sqnr_db"]
+    target = planned_sqnr + 10.0
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0,
+                                               target_sqnr=target))
+    report = result.report
+    assert "sensitivity" not in report["timings_seconds"] and report["sensitivity"] is None
+    fallback = report["fallback"]
+    assert fallback["steps"][0]["worst_sqnr_db"] == pytest.approx(planned_sqnr)
+    assert fallback["reached"] and "h" in [k["tensor"] for k in fallback["kept_float"]]
+    assert fallback["message"].endswith("(ranked by their measured effect on the outputs, "
+                                        "in blocks)")
+    expected = run(_outlier_mlp(), {"x": data})[0]
+    got = run(result.model, {"x": data})[0]
+    assert sqnr_db(expected, got) >= target
+    assert report["gates"] == []
+    # a target the model as planned meets costs that one evaluation
+    met = calibrate(path, CalibrationConfig(min_product_macs=0, target_sqnr=planned_sqnr - 1.0))
+    assert met.report["fallback"] is None and met.report["sensitivity"] is None
+    assert not {"sensitivity", "localise", "localise blocks", "fallback"} & set(
+        met.report["timings_seconds"])
+    assert met.report["evaluation"]["outputs"][0]["sqnr_db"] == pytest.approx(planned_sqnr)
 
 
 def _down(percent: float) -> str:
