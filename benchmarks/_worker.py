@@ -4,7 +4,10 @@ Jobs:
 - ``float``: plain float inference over a data set (session creation + every batch);
 - ``ort``: onnxruntime ``quantize_static`` with a CalibrationDataReader over the same data;
 - ``qcal``: ``qcal.pipeline.calibrate`` through the library;
-- ``qcal-cli``: ``qcal calibrate ARGV`` through the click command, in this process.
+- ``qcal-cli``: ``qcal calibrate ARGV`` through the click command, in this process;
+- ``latency``: one model's batch-1 runs on one feed, timed with onnxruntime's default session
+  options but the thread count (its idle threads spin, as in a deployment), the only session
+  of its process.
 
 Imports happen before the clock starts, and the resident memory after them is reported as the
 baseline, so each job's time and memory are its own work. The result JSON always has ``ok``;
@@ -173,7 +176,31 @@ def run_qcal_cli(job: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": done - started, "timings_seconds": timings, "calibration_seconds": calib}
 
 
-JOBS = {"float": run_float, "ort": run_ort, "qcal": run_qcal, "qcal-cli": run_qcal_cli}
+def run_latency(job: dict[str, Any]) -> dict[str, Any]:
+    """Median seconds of `runs` timed runs at least, and more until `seconds` have passed, after
+    `warmup` untimed ones."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(job["threads"])
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(job["model"], options, providers=["CPUExecutionProvider"])
+    with np.load(job["feed"]) as stored:
+        feed = {name: stored[name] for name in stored.files}
+    for _ in range(int(job["warmup"])):
+        session.run(None, feed)
+    times: list[float] = []
+    deadline = time.perf_counter() + float(job["seconds"])
+    while len(times) < int(job["runs"]) or time.perf_counter() < deadline:
+        begin = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - begin)
+    return {"median_seconds": float(np.median(times)), "runs": len(times),
+            "p10_seconds": float(np.percentile(times, 10)),
+            "p90_seconds": float(np.percentile(times, 90))}
+
+
+JOBS = {"float": run_float, "ort": run_ort, "qcal": run_qcal, "qcal-cli": run_qcal_cli,
+        "latency": run_latency}
 
 
 def main() -> int:

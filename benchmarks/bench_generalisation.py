@@ -16,7 +16,7 @@ Per variant: the model's task metric against the float model on the same evaluat
 (generalisation models: ``top1`` / ``frames`` argmax agreement or mean ``cosine`` of output 0;
 PP-OCR: box F1, string agreement, direction agreement as ``eval_ppocr.py`` computes them), the
 batch-1 latency ratio to the float model at 1 and 2 threads (``bench_latency.time_sessions``:
-median of interleaved runs), the share of Conv/MatMul/Gemm MACs quantized (qcal: its report;
+each session in a process of its own, the median of rounds taking turns), the share of Conv/MatMul/Gemm MACs quantized (qcal: its report;
 onnxruntime: counted in the graph as ``eval_ppocr.compute_coverage`` does), qcal's exit code and
 the wall time of the calibration process.
 
@@ -454,6 +454,8 @@ def latency(
         warmup=args.warmup,
         repeats=args.repeats,
         min_seconds=args.min_seconds,
+        timeout=args.timeout,
+        max_rss_mib=args.max_rss_mib,
     )
     with mock.patch.object(bench_latency, "iter_samples", lambda _path, _name: iter([feed])):
         return bench_latency.time_sessions(model, variants, settings)
@@ -692,9 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         f"(generalisation models; at most what eval.npz holds) or {args.ppocr_eval_samples} "
         f"(PP-OCR, which calibrate on {args.ppocr_calib_samples} samples; the generalisation "
         "models on all of calib.npz); SQNR dB: of that output against the float model's on "
-        "the same samples (generalisation models). Latency: batch 1, median of at least "
-        f"{args.repeats} runs (more, up to {20 * args.repeats}, until {args.min_seconds:g} s "
-        "have passed) interleaved across the float and quantized sessions, as a ratio to "
+        "the same samples (generalisation models). Latency: batch 1, each session alone in "
+        f"a process of its own (onnxruntime's defaults), the median of at least {args.repeats} "
+        f"runs and of {args.min_seconds / bench_latency.LATENCY_ROUNDS:g} s of runs, the "
+        f"median of {bench_latency.LATENCY_ROUNDS} such processes taking turns, as a ratio to "
         "the float model at the same thread count. Calib s: wall time of the calibration "
         "process (interpreter start and imports included; qcal runs without --eval-data)."
     )

@@ -2,9 +2,10 @@
 
 Both quantized models are made in this run from the same calibration set (qcal: default preset,
 --method minmax; onnxruntime: QDQ, per-channel, QUInt8 activations, QInt8 weights, MinMax).
-Each model is then timed at batch 1 with 1 and 2 intra-op threads: one session per (variant,
-threads), warmed up, then single runs interleaved across all sessions (the order rotates every
-repeat) and summarised by the median. Also reported: what onnxruntime's CPU provider makes of
+Each model is then timed at batch 1 with 1 and 2 intra-op threads, each session alone in a
+process of its own with onnxruntime's defaults (its idle threads spin, as a deployment's do),
+warmed up, its runs summarised by their median; the processes of one thread count take turns in
+a new random order each round, and a session's figure is the median of its rounds. Also reported: what onnxruntime's CPU provider makes of
 each graph (integer kernels, leftover QuantizeLinear/DequantizeLinear, float Conv/MatMul/Gemm
 in the ORT_ENABLE_ALL optimized graph) and output agreement with the float model on the
 evaluation set.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -135,61 +136,53 @@ def make_variants(model: BenchModel, args: argparse.Namespace) -> dict[str, dict
     return variants
 
 
+LATENCY_ROUNDS = 3  # processes per session, taking turns with the other sessions'
+
+
 def time_sessions(
     model: BenchModel, variants: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
-    """Median single-run latency per (variant, threads), runs interleaved across sessions."""
-    import onnxruntime as ort
+    """Median single-run latency per (variant, threads): each session alone in a process of
+    its own (a ``_worker.py`` latency job), LATENCY_ROUNDS rounds.
 
+    Sessions of one process interleaved run slower by what the others do between their runs:
+    with onnxruntime's default spinning, the idle pools of the other two-thread sessions take
+    the cores (PP-OCRv6 tiny det's quantized model timed 1.00x its float one at 2 threads so,
+    1.29-1.31x in processes of their own); with spinning off, every parallel operator pays
+    for waking the pool, more so in a quantized graph of more nodes (1.23x), where a deployment
+    keeps the default."""
     feed = next(iter_samples(model.eval_data(args.eval_samples), model.input_name))
     thread_counts = [int(t) for t in args.threads.split(",")]
-    sessions = {}
-    for name, variant in variants.items():
-        if not variant["ok"]:
-            continue
-        for threads in thread_counts:
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-            options.log_severity_level = 3
-            sessions[f"{name}@{threads}"] = ort.InferenceSession(
-                str(variant["path"]), options, providers=["CPUExecutionProvider"]
-            )
-    for session in sessions.values():
-        for _ in range(args.warmup):
-            session.run(None, feed)
-    times: dict[str, list[float]] = {key: [] for key in sessions}
-    # One thread count at a time, the sessions in a new random order every round (seeded): a
-    # session that always ran right after a two-thread one, whose workers may still spin, was
-    # measured up to 15 % slower than another session of the same model.
+    keys = [(name, threads) for threads in thread_counts
+            for name, variant in variants.items() if variant["ok"]]
+    medians: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+    runs: dict[tuple[str, int], int] = dict.fromkeys(keys, 0)
     order = np.random.default_rng(0)
-    for threads in thread_counts:
-        keys = [key for key in sessions if key.endswith(f"@{threads}")]
-        # At least --repeats rounds, and on a model of a fraction of a millisecond as many
-        # more as fit in --min-seconds (at most 20x): a median of 10 such runs moves by 10 %.
-        started_all = time.perf_counter()
-        repeat = 0
-        while repeat < args.repeats or (
-            repeat < args.repeats * 20
-            and time.perf_counter() - started_all < args.min_seconds
-        ):
-            repeat += 1
-            for index in order.permutation(len(keys)):
-                key = keys[index]
-                started = time.perf_counter()
-                sessions[key].run(None, feed)
-                times[key].append(time.perf_counter() - started)
-                # let the previous session's worker threads stop spinning before the next runs
-                time.sleep(0.002)
+    with tempfile.TemporaryDirectory(prefix="qcal-bench-latency-") as folder:
+        logs, feed_file = Path(folder), Path(folder) / "feed.npz"
+        np.savez(feed_file, **feed)
+        for threads in thread_counts:
+            mine = [key for key in keys if key[1] == threads]
+            for round_ in range(LATENCY_ROUNDS):
+                for index in order.permutation(len(mine)):
+                    name, _ = mine[index]
+                    job = {"kind": "latency", "model": str(variants[name]["path"]),
+                           "feed": str(feed_file), "threads": threads, "warmup": args.warmup,
+                           "runs": args.repeats, "seconds": args.min_seconds / LATENCY_ROUNDS}
+                    done = run_worker(job, logs, f"{name}-{threads}-{round_}".replace(" ", "_"),
+                                      args)
+                    if not done.ok:
+                        raise RuntimeError(f"timing {name} at {threads} thread(s): {done.error}")
+                    medians[mine[index]].append(done.payload["median_seconds"])
+                    runs[mine[index]] += int(done.payload["runs"])
     return {
-        key: {
-            "median_ms": 1e3 * float(np.median(t)),
-            "p10_ms": 1e3 * float(np.percentile(t, 10)),
-            "p90_ms": 1e3 * float(np.percentile(t, 90)),
-            "runs": len(t),
+        f"{name}@{threads}": {
+            "median_ms": 1e3 * float(np.median(medians[(name, threads)])),
+            "round_medians_ms": [1e3 * m for m in medians[(name, threads)]],
+            "runs": runs[(name, threads)],
             "input_shape": list(feed[model.input_name].shape),
         }
-        for key, t in times.items()
+        for name, threads in keys
     }
 
 
@@ -252,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                 )
     print_table(
-        f"Latency at batch 1 (median of at least {args.repeats} interleaved runs, more until "
-        f"{args.min_seconds:g} s) and onnxruntime's "
+        f"Latency at batch 1 (each session in a process of its own: median of "
+        f"{LATENCY_ROUNDS} processes taking turns, each the median of at least {args.repeats} "
+        f"runs and of {args.min_seconds / LATENCY_ROUNDS:g} s of runs) and onnxruntime's "
         "optimized graph (ORT_ENABLE_ALL)",
         [
             "model",
