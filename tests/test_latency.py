@@ -233,6 +233,50 @@ def test_the_timing_runs_apart_and_a_crash_there_is_said_not_fatal() -> None:
         latency._read_child(failed, '{"error": "Required inputs are missing"}')
 
 
+def test_the_timing_process_runs_both_models_on_its_one_pool() -> None:
+    """A timing process per thread count, whose sessions share its one pool of that many
+    threads (spinning, as a deployment's): sessions with pools of their own timed each other's
+    idle threads, and the same model read 0.75x or 1.3x itself."""
+    script = (
+        "import json, onnx, numpy as np\n"
+        "from qcal.calibration.runtime import create_session, share_one_pool\n"
+        "share_one_pool(2)\n"
+        f"s = create_session(onnx.load({str(DIGITS)!r}), threads=1)\n"
+        "o = s.get_session_options()\n"
+        "try:\n"
+        "    spin = o.get_session_config_entry('session.intra_op.allow_spinning')\n"
+        "except RuntimeError:\n"
+        "    spin = None\n"
+        "s.run(None, {'image': np.zeros((1, 1, 8, 8), np.float32)})\n"
+        "print(json.dumps([o.use_per_session_threads, o.intra_op_num_threads, spin]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [False, 0, None]
+    # the gate's side by side: one process per thread count, each answering for its own
+    calls: list[dict[str, Any]] = []
+
+    def child(folder: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        calls.append(settings)
+        count = settings["threads"]
+        unit = "thread" if count == 1 else "threads"
+        (folder / latency.TIMING_ANSWER).write_text(json.dumps({
+            "figures": {f"latency_float_{count}_{unit}": 1e-3,
+                        f"latency_quantized_{count}_{unit}": 1e-3 * count},
+            "worst_ratio": float(count), "clearly_slower": [count] if count == 2 else []}))
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    model = onnx.load(DIGITS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(latency, "_run_child", child)
+        timed = time_side_by_side(model, model, {"image": np.zeros((1, 1, 8, 8), np.float32)},
+                                  providers=("CPUExecutionProvider",), threads=(1, 2))
+    assert [c["threads"] for c in calls] == [1, 2]
+    assert all(c["budget"] == pytest.approx(latency._BUDGET_SECONDS / 2) for c in calls)
+    assert timed.clearly_slower == (2,) and timed.worst_ratio == 2.0
+    assert len(timed.figures) == 4
+
+
 def test_a_stop_signal_the_timing_process_got_is_this_processs_too() -> None:
     """Ctrl-C reaches the child timing the models as well: qcal stops as interrupted, never
     as a crash of onnxruntime's."""

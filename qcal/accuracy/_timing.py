@@ -2,9 +2,11 @@
 
 ``python -m qcal.accuracy._timing FOLDER SETTINGS``: FOLDER holds ``float.onnx``,
 ``quantized.onnx`` and ``feed.npz`` (the inputs as ``arr_0``, ``arr_1``, ... in the order
-SETTINGS names them); SETTINGS is JSON (providers, threads, for_gate, tolerance, inputs). The
-answer goes to ``answer.json`` in FOLDER: the figures, the worst ratio and the thread counts
-found slower, or the error that stopped the timing.
+SETTINGS names them); SETTINGS is JSON (providers, threads: one count, budget, for_gate,
+tolerance, inputs). The process has one pool of that many onnxruntime threads, which both
+models' sessions share (`qcal.accuracy.latency.measure_latency`). The answer goes to
+``answer.json`` in FOLDER: the figures, the worst ratio and the thread counts found slower, or
+the error that stopped the timing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy import latency
+from qcal.calibration.runtime import share_one_pool
 from qcal.numerics.errors import one_line
 
 
@@ -27,10 +30,11 @@ def main(argv: list[str]) -> int:
     with np.load(folder / "feed.npz", allow_pickle=False) as arrays:
         feed = {name: arrays[f"arr_{i}"] for i, name in enumerate(settings["inputs"])}
     try:
+        share_one_pool(int(settings["threads"]))
         result = latency.time_here(
             _load(folder / "float.onnx"), _load(folder / "quantized.onnx"), feed,
-            providers=tuple(settings["providers"]), threads=tuple(settings["threads"]),
-            for_gate=bool(settings["for_gate"]))
+            providers=tuple(settings["providers"]), threads=(int(settings["threads"]),),
+            budget=float(settings["budget"]), for_gate=bool(settings["for_gate"]))
     except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions
         answer: dict[str, object] = {"error": one_line(err)}
     else:

@@ -4,7 +4,8 @@ threads.
 Integer kernels pay on large convolutions and matmuls; on a model of a fraction of a
 millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times what it wrote
 instead of assuming: the float and the quantized model run on the same sample, interleaved (so
-both see the same machine load), at one and at two intra-op threads, for about a second in all
+both see the same machine load) on one pool of onnxruntime threads that spin as a deployment's
+do, at one and at two intra-op threads, for about a second in all
 (a second each for the `--fail-if-slower` gate; up to three times that for a model that looks
 slower but not beyond the noise yet, and as long as ten pairs of runs take for a model of tens
 of milliseconds that looks slower), and the medians are compared. The figures are machine
@@ -142,11 +143,17 @@ def measure_latency(
     pairs passed as not slower); one that does not stops after `_FIGURE_PAIRS`, unless
     `fill` asks for the whole budget (the `--fail-if-slower` gate's median). Where to stop is
     judged at doubling pair counts and at the deadline: the medians cost a sort of every time
-    taken, which judged after every block took over half of a small model's budget. The
-    threads of both sessions sleep when idle: two pools spinning on a 2-core machine made the same model time 0.75x or 1.3x itself at 2 threads, by
-    which session was made first (`quantized_first` makes the quantized model's first), where
-    without spinning it times 0.98-1.02x (the untimed run lets the other session's threads
-    settle)."""
+    taken, which judged after every block took over half of a small model's budget.
+
+    The timing process (`time_side_by_side`, one per thread count) gives both sessions one
+    pool of `threads` (`share_one_pool`), spinning as onnxruntime's pools do by default, as a
+    deployment's session runs. Each session with a pool of its own, the idle one's spinning
+    threads took the cores from the other (the same model timed 0.75x or 1.3x itself at 2
+    threads); with spinning off, every parallel operator paid for waking its pool, more often
+    in a quantized graph of more nodes: a paddle2onnx CNN and a ViT, quantized, timed 1.00x
+    their float models at 2 threads, where each model in a process of its own times
+    1.18-1.25x and 1.12-1.16x (1.27x and 1.10x on one pool). In another process (the tests')
+    each session has a pool of its own, asleep when idle."""
     order = [(float_model, "float model"), (quant_model, "quantized model")]
     made = [create_session(m, providers=providers, threads=threads, what=what, repack=True)
             for m, what in (order[::-1] if quantized_first else order)]
@@ -197,21 +204,38 @@ def measure_latency(
             return latency
 
 
+def _budget(thread_counts: int, for_gate: bool) -> float:
+    """Seconds to time each thread count for: the figure every run reports shares one budget
+    between them; the `--fail-if-slower` gate's takes a whole one for each."""
+    return _BUDGET_SECONDS if for_gate else _BUDGET_SECONDS / thread_counts
+
+
 def time_side_by_side(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
     *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
 ) -> SideBySide:
-    """Both models at each thread count (`time_here`), timed in a process of their own: this is
+    """Both models at each thread count (`time_here`), timed in a process of their own, one per
+    thread count (its one pool: `measure_latency`): this is
     where the quantized model first runs on several threads with every onnxruntime optimization,
     as a deployment runs it, and a fault in one of onnxruntime's kernels there (a torchvision
     Keypoint R-CNN quantized on every node crashed it at 2 threads) ends that process, not qcal's.
     qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
+    budget = _budget(len(threads), for_gate)
+    figures: dict[str, float] = {}
+    worst, slower = 0.0, list[int]()
     with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
-        done = _run_child(Path(folder), float_model, quant_model, feed, {
-            "providers": list(providers), "threads": list(threads), "for_gate": for_gate,
-            "tolerance": _TOLERANCE})
-        answer = Path(folder) / TIMING_ANSWER
-        return _read_child(done, answer.read_text() if answer.exists() else "")
+        _write_models(Path(folder), float_model, quant_model, feed)
+        for count in threads:  # a process per thread count: one pool each (`measure_latency`)
+            answer = Path(folder) / TIMING_ANSWER
+            answer.unlink(missing_ok=True)
+            done = _run_child(Path(folder), {
+                "providers": list(providers), "threads": count, "budget": budget,
+                "for_gate": for_gate, "tolerance": _TOLERANCE, "inputs": list(feed)})
+            found = _read_child(done, answer.read_text() if answer.exists() else "")
+            figures.update(found.figures)
+            worst = max(worst, found.worst_ratio)
+            slower += found.clearly_slower
+    return SideBySide(figures, worst, tuple(slower))
 
 
 # Where the timing process (`qcal.accuracy._timing`) writes what it found, in its folder.
@@ -221,9 +245,9 @@ TIMING_ANSWER = "answer.json"
 _STOPS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
-def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
-               feed: Mapping[str, np.ndarray], settings: dict[str, object],
-               ) -> subprocess.CompletedProcess[str]:
+def _write_models(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
+                  feed: Mapping[str, np.ndarray]) -> None:
+    """The files the timing processes read: both models and the feed."""
     for model, name in ((float_model, "float.onnx"), (quant_model, "quantized.onnx")):
         # Weights kept in files (`qcal.graph.files.large`) stay there: the file refers to them
         # by their absolute paths, and the child's sessions map them as this process's would.
@@ -237,7 +261,9 @@ def _run_child(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.Mod
     # numbers and strings (never objects: the child loads them without pickle); arr_0, arr_1,
     # ...: input names may be any string
     np.savez(folder / "feed.npz", *(a.astype(str) if a.dtype == object else a for a in arrays))
-    settings = {**settings, "inputs": names}
+
+
+def _run_child(folder: Path, settings: dict[str, object]) -> subprocess.CompletedProcess[str]:
     # the child imports the qcal this process runs, wherever it was imported from
     source = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
@@ -278,13 +304,14 @@ def _read_child(done: subprocess.CompletedProcess[str], answer_text: str) -> Sid
 def time_here(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
     *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
+    budget: float | None = None,
 ) -> SideBySide:
-    """Both models at each thread count, in this process. The figure every run reports shares
-    one budget between the thread counts; the `--fail-if-slower` gate's takes a whole one for
-    each."""
+    """Both models at each thread count, in this process, for `budget` seconds each (about:
+    see `measure_latency`; by default `_budget`'s)."""
     figures: dict[str, float] = {}
     worst, slower = 0.0, []
-    budget = _BUDGET_SECONDS if for_gate else _BUDGET_SECONDS / len(threads)
+    if budget is None:
+        budget = _budget(len(threads), for_gate)
     for count in threads:
         # A model found slower is timed again, with sessions of its own made in the other
         # order: under load, where the operating system puts a session's threads can make one

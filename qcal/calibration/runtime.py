@@ -19,7 +19,7 @@ from qcal.graph.files.large import (
 from qcal.graph.files.save import stage_model
 from qcal.numerics.errors import ConfigError, DataError, ModelError
 
-__all__ = ["available_providers", "create_session", "run_batches", "run_feed"]
+__all__ = ["available_providers", "create_session", "run_batches", "run_feed", "share_one_pool"]
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models go through a temp folder.
 _MAX_INLINE_BYTES = 2**31 - 2**24
@@ -29,17 +29,33 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+# The thread count of this process's one onnxruntime pool, once `share_one_pool` made it.
+_SHARED_POOL: list[int] = []
+
+
+def share_one_pool(threads: int) -> None:
+    """Give this process one pool of `threads` onnxruntime threads, which every session it
+    opens then runs on (onnxruntime allows no other once a process has one), before it opens
+    any. The pool's idle threads spin, as a session's own pool's do by default."""
+    from onnxruntime.capi import _pybind_state
+
+    _pybind_state.set_global_thread_pool_sizes(threads, 1)
+    _SHARED_POOL.append(threads)
+
+
 def _session_options(
     threads: int, *, node_order: bool = False, optimize: bool = True, spin: bool = False,
     literal_qdq: bool = False,
 ) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if _SHARED_POOL:  # `share_one_pool`: the process's pool, its threads and spinning
+        options.use_per_session_threads = False
     if literal_qdq:
         # Q/DQ nodes that compute codes, not a model to deploy: onnxruntime's QDQ rewrites
         # (moving a DequantizeLinear past a Reshape, ...) are of no use there, and at opset 21
         # they write a QuantizeLinear whose types do not match (int8 codes, uint8 zero point).
         options.add_session_config_entry("session.disable_quant_qdq", "1")
-    if not spin:
+    if not spin and not _SHARED_POOL:
         # Idle onnxruntime threads sleep instead of spinning: a core they would spin on is
         # free for qcal's work between runs (statistics, metrics, the next batch's data) and
         # for onnxruntime's other sessions, and on a busy machine for other processes.
@@ -53,7 +69,7 @@ def _session_options(
     # Fatal only: onnxruntime's errors reach the caller as exceptions (reported by qcal in one
     # line); printed as well, they would put its multi-line log on the user's terminal.
     options.log_severity_level = 4
-    if threads:
+    if threads and not _SHARED_POOL:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     return options
@@ -89,7 +105,9 @@ def create_session(
     in its kernels' layout), for timings: its integer kernels run much slower on unpacked weights.
     With `optimized_to`, onnxruntime also writes the graph it will run there (after its fusions).
     With `literal_qdq`, onnxruntime runs QuantizeLinear/DequantizeLinear nodes as they are
-    written, without its QDQ fusions (for graphs that compute integer codes).
+    written, without its QDQ fusions (for graphs that compute integer codes). In a process
+    that has one pool (`share_one_pool`), the session runs on it: `threads` and `spin` are the
+    pool's.
     """
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
