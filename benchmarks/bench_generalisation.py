@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import bench_latency
 import numpy as np
@@ -444,23 +443,6 @@ def _score_f1(refs: list[list[np.ndarray]], quants: list[list[np.ndarray]]) -> f
     return 2 * hits / max(2 * hits + misses + extra, 1)
 
 
-def latency(
-    model: Any, variants: dict[str, dict[str, Any]], feed: dict[str, np.ndarray], args: Any
-) -> dict[str, dict[str, Any]]:
-    """``bench_latency.time_sessions`` on `feed` (every input of the model, batch 1)."""
-    settings = argparse.Namespace(
-        eval_samples=args.ppocr_eval_samples,  # names a data set it already has; feed is used
-        threads=args.threads,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        min_seconds=args.min_seconds,
-        timeout=args.timeout,
-        max_rss_mib=args.max_rss_mib,
-    )
-    with mock.patch.object(bench_latency, "iter_samples", lambda _path, _name: iter([feed])):
-        return bench_latency.time_sessions(model, variants, settings)
-
-
 def coverage_of(name: str, variant: dict[str, Any], feed: dict[str, np.ndarray]) -> dict[str, Any]:
     """qcal: the report's coverage; onnxruntime: DQ-fed Conv/MatMul/Gemm MACs in the graph."""
     if not variant["ok"]:
@@ -504,7 +486,7 @@ def bench_model(model: Any, qcal_variants: dict[str, list[str]], args: Any) -> d
         name: coverage_of(name, v, first) for name, v in variants.items() if name != "float"
     }
     counted = time.perf_counter()
-    lat = latency(model, variants, first, args)
+    lat = bench_latency.time_sessions(first, variants, args)  # every input, batch 1
     done = time.perf_counter()
     print(
         f"[time] {model.name}: data and quantizing {quantized - started:.0f} s, task metric "

@@ -140,10 +140,10 @@ LATENCY_ROUNDS = 3  # processes per session, taking turns with the other session
 
 
 def time_sessions(
-    model: BenchModel, variants: dict[str, dict[str, Any]], args: argparse.Namespace
+    feed: dict[str, np.ndarray], variants: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
-    """Median single-run latency per (variant, threads): each session alone in a process of
-    its own (a ``_worker.py`` latency job), LATENCY_ROUNDS rounds.
+    """Median single-run latency on `feed` (batch 1, every input) per (variant, threads): each
+    session alone in a process of its own (a ``_worker.py`` latency job), LATENCY_ROUNDS rounds.
 
     Sessions of one process interleaved run slower by what the others do between their runs:
     with onnxruntime's default spinning, the idle pools of the other two-thread sessions take
@@ -151,7 +151,6 @@ def time_sessions(
     1.29-1.31x in processes of their own); with spinning off, every parallel operator pays
     for waking the pool, more so in a quantized graph of more nodes (1.23x), where a deployment
     keeps the default."""
-    feed = next(iter_samples(model.eval_data(args.eval_samples), model.input_name))
     thread_counts = [int(t) for t in args.threads.split(",")]
     keys = [(name, threads) for threads in thread_counts
             for name, variant in variants.items() if variant["ok"]]
@@ -180,7 +179,7 @@ def time_sessions(
             "median_ms": 1e3 * float(np.median(medians[(name, threads)])),
             "round_medians_ms": [1e3 * m for m in medians[(name, threads)]],
             "runs": runs[(name, threads)],
-            "input_shape": list(feed[model.input_name].shape),
+            "input_shape": list(next(iter(feed.values())).shape),
         }
         for name, threads in keys
     }
@@ -216,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in models:
         variants = make_variants(model, args)
-        latency = time_sessions(model, variants, args)
+        feed = next(iter_samples(model.eval_data(args.eval_samples), model.input_name))
+        latency = time_sessions(feed, variants, args)
         agree = agreement(model, variants, args)
         results[model.name] = {"variants": variants, "latency": latency, "agreement": agree}
         for name, variant in variants.items():

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from eval_ppocr import BoxF1, db_boxes
+from eval_ppocr import BoxF1, db_boxes, iou_matrix
 
 PICODET_STRIDES = (8, 16, 32, 64)
 PICODET_SCORE, PICODET_IOU = 0.5, 0.5
@@ -68,17 +68,10 @@ def _hard_nms(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
     PICODET_CANDIDATES best, at most PICODET_KEEP."""
     order = np.argsort(-scores, kind="stable")[:PICODET_CANDIDATES]
     kept: list[np.ndarray] = []
-    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
     while len(order) and len(kept) < PICODET_KEEP:
         best, order = order[0], order[1:]
         kept.append(boxes[best])
-        x0 = np.maximum(boxes[best, 0], boxes[order, 0])
-        y0 = np.maximum(boxes[best, 1], boxes[order, 1])
-        x1 = np.minimum(boxes[best, 2], boxes[order, 2])
-        y1 = np.minimum(boxes[best, 3], boxes[order, 3])
-        inter = np.clip(x1 - x0, 0, None) * np.clip(y1 - y0, 0, None)
-        iou = inter / (area[best] + area[order] - inter)
-        order = order[iou <= PICODET_IOU]
+        order = order[iou_matrix(boxes[best : best + 1], boxes[order])[0] <= PICODET_IOU]
     return np.array(kept, dtype=np.float64).reshape(-1, 4)
 
 

@@ -150,10 +150,8 @@ def _components_bfs(mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     return result
 
 
-def match_boxes(ref: np.ndarray, cand: np.ndarray) -> int:
-    """True positives of a greedy one-to-one matching at IoU >= 0.5 (highest IoU first)."""
-    if len(ref) == 0 or len(cand) == 0:
-        return 0
+def iou_matrix(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """IoU of every box [x0, y0, x1, y1] of `ref` (rows) with every box of `cand` (columns)."""
     x0 = np.maximum(ref[:, None, 0], cand[None, :, 0])
     y0 = np.maximum(ref[:, None, 1], cand[None, :, 1])
     x1 = np.minimum(ref[:, None, 2], cand[None, :, 2])
@@ -161,7 +159,14 @@ def match_boxes(ref: np.ndarray, cand: np.ndarray) -> int:
     inter = np.clip(x1 - x0, 0, None) * np.clip(y1 - y0, 0, None)
     area_r = (ref[:, 2] - ref[:, 0]) * (ref[:, 3] - ref[:, 1])
     area_c = (cand[:, 2] - cand[:, 0]) * (cand[:, 3] - cand[:, 1])
-    iou = inter / (area_r[:, None] + area_c[None, :] - inter)
+    return np.asarray(inter / (area_r[:, None] + area_c[None, :] - inter))
+
+
+def match_boxes(ref: np.ndarray, cand: np.ndarray) -> int:
+    """True positives of a greedy one-to-one matching at IoU >= 0.5 (highest IoU first)."""
+    if len(ref) == 0 or len(cand) == 0:
+        return 0
+    iou = iou_matrix(ref, cand)
     matched = 0
     used_r, used_c = set(), set()
     for flat in np.argsort(-iou, axis=None):

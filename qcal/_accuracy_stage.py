@@ -129,7 +129,6 @@ def _improve_accuracy(
             if by_blocks.reached:
                 return _Accuracy(None, replace(
                     by_blocks, message=f"{by_blocks.message} ({_BLOCKS})"))
-            planned = (by_blocks.model, by_blocks.steps[0].comparison)  # the model as planned
     if sensitivity is None:
         with timings.stage("localise"):
             sensitivity = localise_error(
