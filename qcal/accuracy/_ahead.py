@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from qcal.calibration.runtime import Feed
+
 __all__ = ["runs_ahead"]
 
-Feed = Mapping[str, np.ndarray]
 
 # Quantized runs under way at once: each on one thread of its own (COMPARE_THREADS), so the
 # figures are the same whichever finishes first, and the comparison takes them in data order.

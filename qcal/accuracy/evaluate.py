@@ -17,7 +17,7 @@ is -inf, so every gate and fallback target fails on it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from qcal.accuracy.output_parts import (
     part_of,
 )
 from qcal.accuracy.reference import FloatReference
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
 from qcal.numerics.sums import inner_product
 
@@ -43,7 +43,6 @@ __all__ = [
     "numeric_outputs",
 ]
 
-Feed = Mapping[str, np.ndarray]
 
 
 # Every comparison of float and quantized models (this module, the localisation, sensitivity

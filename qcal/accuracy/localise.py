@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator, model_names
 from qcal.graph.placement import FUSED_ACTIVATIONS
@@ -45,7 +45,6 @@ from qcal.numerics.sums import inner_product
 
 __all__ = ["localise_error"]
 
-Feed = Mapping[str, np.ndarray]
 
 
 def localise_error(

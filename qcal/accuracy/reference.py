@@ -3,17 +3,16 @@ made once for the many QDQ models the accuracy stage checks (`qcal.accuracy.eval
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qcal.accuracy.decisions import DecisionRule
 from qcal.accuracy.output_parts import OutputPart
+from qcal.calibration.runtime import Feed
 
 __all__ = ["FloatReference"]
 
-Feed = Mapping[str, np.ndarray]
 
 
 class FloatReference:

@@ -34,7 +34,7 @@ from qcal.calibration.reduce_min_max import (
     read_per_channel,
     read_per_tensor,
 )
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.shapes import value_ranks
 from qcal.graph.structure import element_types
 from qcal.numerics import kernels
@@ -43,7 +43,6 @@ from qcal.numerics.observers import Observer, PerChannel, PerTensorExtremesFeed
 
 __all__ = ["CollectionSummary", "OutputSink", "collect", "expose_tensors"]
 
-Feed = Mapping[str, np.ndarray]
 OnBatch = Callable[[int], None]
 # Whole tensors (histograms) are observed by two threads, each tensor's observer by one of them
 # per batch. numpy leaves the GIL in its counting and reduction loops, and while the observers

@@ -14,7 +14,7 @@ position is a code equal to the zero point); a group of a grouped Conv has its o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,12 +29,11 @@ from qcal.calibration.layer_sums import (
     in_graph,
     read_sums,
 )
-from qcal.calibration.runtime import create_session, run_feed
+from qcal.calibration.runtime import Feed, create_session, run_feed
 from qcal.numerics.onnx_mapping import ONNX_CODE_LIMITS, OnnxQParams
 
 __all__ = ["HessianTarget", "LayerInputs", "collect_hessians", "hessian_target"]
 
-Feed = Mapping[str, np.ndarray]
 # Patches unfolded at a time (values): bounds the temporary memory of a large feature map.
 _CHUNK_VALUES = 2**22
 # A Conv's H takes the patches of at most this many output positions of each sample (evenly

@@ -19,7 +19,10 @@ from qcal.graph.files.large import (
 from qcal.graph.files.save import stage_model
 from qcal.numerics.errors import ConfigError, DataError, ModelError
 
-__all__ = ["available_providers", "create_session", "run_batches", "run_feed", "share_one_pool"]
+__all__ = ["Feed", "available_providers", "create_session", "run_batches", "run_feed", "share_one_pool"]
+
+# One run's inputs: input name -> array (a sample, or samples joined into a batch).
+Feed = Mapping[str, np.ndarray]
 
 # Protobuf cannot serialise a message of 2 GiB or more; such models go through a temp folder.
 _MAX_INLINE_BYTES = 2**31 - 2**24
@@ -175,7 +178,7 @@ def _mapping_weights(
 
 def run_batches(
     session: ort.InferenceSession, names: Sequence[str],
-    batches: Iterable[tuple[Mapping[str, np.ndarray], int]], *, what: str,
+    batches: Iterable[tuple[Feed, int]], *, what: str,
     on_batch: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """The outputs `names` of `session` for each of `batches`, by name; a DataError naming the
@@ -187,7 +190,7 @@ def run_batches(
 
 
 def run_feed(
-    session: ort.InferenceSession, names: Sequence[str], feed: Mapping[str, np.ndarray], *,
+    session: ort.InferenceSession, names: Sequence[str], feed: Feed, *,
     what: str,
 ) -> dict[str, np.ndarray]:
     """The outputs `names` of `session` for one feed, by name (errors as `run_batches`)."""

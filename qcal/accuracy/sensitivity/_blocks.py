@@ -23,13 +23,12 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 
 from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity._measure import _NEGLIGIBLE, _run
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.qdq import QuantizedWeight
 from qcal.numerics.errors import DataError
@@ -37,7 +36,6 @@ from qcal.numerics.onnx_mapping import OnnxQParams
 
 __all__ = ["BlockHarm", "measure_blocks"]
 
-Feed = Mapping[str, np.ndarray]
 
 # Blocks the tensors are first cut into, and measurements (blocks quantized alone) in all.
 FIRST_BLOCKS = 8

@@ -45,7 +45,7 @@ import onnx
 from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.sensitivity._models import _Models, switch_flags
 from qcal.accuracy.sensitivity._results import SensitivityResult, _OutputNoise
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.model import QuantPlan
 from qcal.graph.qdq import QuantizedWeight
 from qcal.numerics.errors import DataError
@@ -56,7 +56,6 @@ __all__ = ["SCREEN_FRACTION", "measure_sensitivity"]
 
 logger = logging.getLogger(__name__)
 
-Feed = Mapping[str, np.ndarray]
 
 # Screening keeps measuring a tensor when its harm is at least this share of the worst tensor's
 # (1 %: 20 dB below it; the fallback ranks by harm, so the order below that changes nothing it

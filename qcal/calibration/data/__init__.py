@@ -42,13 +42,14 @@ from qcal.calibration.data._onnx_test_data import (
     _read_tensor_header as _read_tensor_header,  # tests read headers directly
 )
 from qcal.calibration.data._open import open_data
-from qcal.calibration.data._source import ArrayInfo, DataSource, Feed, SampleLayout
+from qcal.calibration.data._source import ArrayInfo, DataSource, SampleLayout
 from qcal.calibration.data._synthetic import (
     SYNTHETIC_FREE_DIM,
     SYNTHETIC_INT_HIGH,
     SyntheticSource,
 )
 from qcal.calibration.data._validate import find_nonfinite, validate_data
+from qcal.calibration.runtime import Feed
 
 __all__ = [
     "SYNTHETIC_FREE_DIM",

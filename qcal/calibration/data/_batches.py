@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qcal.calibration.data._source import DataSource, Feed
+from qcal.calibration.data._source import DataSource
+from qcal.calibration.runtime import Feed
 from qcal.numerics.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -16,13 +16,8 @@ from qcal.calibration.data._npy import (
     _read_headers,
     _read_member,
 )
-from qcal.calibration.data._source import (
-    ArrayInfo,
-    Feed,
-    SampleLayout,
-    _check_names,
-    _visible,
-)
+from qcal.calibration.data._source import ArrayInfo, SampleLayout, _check_names, _visible
+from qcal.calibration.runtime import Feed
 
 if TYPE_CHECKING:
     from qcal.graph.model import InputSpec

@@ -15,13 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qcal.calibration.data._npy import _open_arrays, _read_headers, _RowReader
-from qcal.calibration.data._source import (
-    ArrayInfo,
-    Feed,
-    SampleLayout,
-    _check_names,
-    _shape_str,
-)
+from qcal.calibration.data._source import ArrayInfo, SampleLayout, _check_names, _shape_str
+from qcal.calibration.runtime import Feed
 from qcal.numerics.errors import DataError
 
 if TYPE_CHECKING:

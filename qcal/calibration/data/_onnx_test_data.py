@@ -22,14 +22,8 @@ import onnx
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped, unused-ignore]
 from onnx import numpy_helper
 
-from qcal.calibration.data._source import (
-    ArrayInfo,
-    Feed,
-    SampleLayout,
-    _check_names,
-    _quoted,
-    _visible,
-)
+from qcal.calibration.data._source import ArrayInfo, SampleLayout, _check_names, _quoted, _visible
+from qcal.calibration.runtime import Feed
 from qcal.numerics.errors import DataError, one_line
 
 if TYPE_CHECKING:

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
+from qcal.calibration.runtime import Feed
 from qcal.numerics.errors import DataError, one_line
 
 if TYPE_CHECKING:
     from qcal.graph.model import InputSpec
 
-Feed = dict[str, npt.NDArray[Any]]
 
 
 class DataSource(Protocol):

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from qcal.calibration.data._source import ArrayInfo, Feed, SampleLayout
+from qcal.calibration.data._source import ArrayInfo, SampleLayout
+from qcal.calibration.runtime import Feed
 from qcal.numerics.errors import DataError
 
 if TYPE_CHECKING:
