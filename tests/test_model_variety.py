@@ -204,12 +204,14 @@ def test_symbolic_batch_and_spatial_dims_with_samples_of_different_sizes(tmp_pat
 def test_zero_size_tensors_are_skipped_and_an_always_empty_tensor_stays_float(
     tmp_path: Path,
 ) -> None:
-    """A Slice that selects nothing feeds a MatMul: that tensor never has values."""
+    """A Slice that selects nothing feeds a MatMul through an Abs: that tensor never has values.
+    (Not the Slice's own output: a Slice moves its input's values and takes its parameters.)"""
     rng = np.random.default_rng(4)
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
         helper.make_node("Relu", ["h"], ["y"], name="relu"),
-        helper.make_node("Slice", ["x", "start", "end", "axis"], ["none"], name="take_nothing"),
+        helper.make_node("Slice", ["x", "start", "end", "axis"], ["cut"], name="take_nothing"),
+        helper.make_node("Abs", ["cut"], ["none"], name="magnitude"),
         helper.make_node("MatMul", ["none", "W"], ["z"], name="mm_empty"),
     ]
     inits = {

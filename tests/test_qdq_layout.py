@@ -161,6 +161,44 @@ def test_shared_outputs_take_the_source_parameters(tmp_path: Path) -> None:
     assert {"Reshape", "Transpose"} <= set(ops) and ops["DequantizeLinear"] == 2, ops
 
 
+def test_a_slice_between_integer_convolutions_moves_their_codes(tmp_path: Path) -> None:
+    """torch's ``x.chunk(2, dim=1)`` as TorchScript writes it, a Slice of the channels between
+    two Convs: placed by default, it takes its input's parameters and onnxruntime slices the
+    integer codes (with its own parameters it sliced floats between a DequantizeLinear and a
+    QuantizeLinear)."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Slice", ["r", "starts", "ends", "axes"], ["half"], name="chunk"),
+        helper.make_node("Conv", ["half", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3"], ["y"], name="conv3"),
+    ]
+    inits = {
+        "w": rng.standard_normal((16, 8, 1, 1)).astype(np.float32),
+        "starts": np.array([0], np.int64), "ends": np.array([8], np.int64),
+        "axes": np.array([1], np.int64),
+        "w2": rng.standard_normal((8, 8, 1, 1)).astype(np.float32),
+        "w3": rng.standard_normal((2, 8, 1, 1)).astype(np.float32),
+    }
+    model = build_model(nodes, [float_input("x", ["N", 8, 8, 8])], ["y"], inits)
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 8, 8, 8)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(
+        min_product_macs=0, data=tmp_path / "calib.npz", fallback=False), enforce_gates=False)
+    decisions = {d["name"]: d for d in result.report["nodes"]}
+    assert decisions["chunk"]["quantized"], decisions["chunk"]
+    records = {t["name"]: t for t in result.report["tensors"] if t["role"] == "activation"}
+    assert records["half"]["onnx"] == records["r"]["onnx"]
+    assert records["half"]["range"]["same_as"] == "r"
+    optimized_ops(result.model, tmp_path)
+    ran = onnx.load(tmp_path / "optimized.onnx").graph.node
+    producer = {v: n for n in ran for v in n.output}
+    (chunk,) = [n for n in ran if n.op_type == "Slice"]
+    assert producer[chunk.input[0]].op_type != "DequantizeLinear"
+
+
 def test_graph_outputs_stay_float(tmp_path: Path) -> None:
     """An Add whose output is a graph output keeps it float (no QuantizeLinear on it)."""
     rng = np.random.default_rng(3)

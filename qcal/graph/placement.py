@@ -103,7 +103,7 @@ FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 # Not MaxPool: onnxruntime's uint8 MaxPool is a plain loop, about 10x its float (NCHWc) kernel
 # (PP-OCR cls: 0.34 ms against 0.03 ms), far more than the Dequantize/Quantize pair it saves.
 _SERVING_OPS = frozenset({
-    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split", "Slice",
     "DepthToSpace", "SpaceToDepth", "GlobalMaxPool", "Resize",
     "AveragePool", "GlobalAveragePool", "Concat", "Add", "Mul", "Div", "Relu", "Clip",
     "LeakyRelu", "Sigmoid",  # bounded slopes: they shrink an input error, never amplify it

@@ -211,7 +211,7 @@ quantized even when nothing quantized reads them. For onnxruntime's CPU provider
 between a Conv, Gemm, MatMul, Add or Mul and a Relu or Clip (constant bounds) that is its only
 reader is left float: onnxruntime folds the activation into the QuantizeLinear that follows
 it, and the Relu/Clip output is quantized instead. The outputs of Reshape, Transpose, Flatten,
-Squeeze, Unsqueeze, Gather, Split, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool,
+Squeeze, Unsqueeze, Gather, Split, Slice, DepthToSpace, SpaceToDepth, MaxPool, GlobalMaxPool,
 Resize (not cubic) and Pad (by 0, the zero point's code) take the parameters of their input and
 are not observed: their values lie in its range, and onnxruntime then runs them on the integers (float readers of such an output
 read its DequantizeLinear, which holds the same values). The output of a Div by a positive
@@ -239,7 +239,7 @@ def rules_table() -> str:
 # pair around the node and runs it on the integers.
 SAME_SCALE_OPS = frozenset(
     {
-        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split",
+        "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Gather", "Split", "Slice",
         "DepthToSpace", "SpaceToDepth", "MaxPool", "GlobalMaxPool", "Resize",
         "Pad",  # its input's values and 0, which every grid holds exactly (the zero point)
     }
