@@ -30,6 +30,8 @@ from qcal.graph.passes import (
     NameNodes,
     PoolSpatialMeans,
     PrepPass,
+    ShuffleAsGather,
+    SumAsAdd,
     UnshareBiases,
     UpgradeOpset,
     WidenHalf,
@@ -158,8 +160,8 @@ def prepare_model(
     Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
     when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
     widen-half, lower-einsum, fold-constant-shapes, fold-constant-weights, fold-batchnorm,
-    fold-pad, fold-input-affine, unshare-biases, infer-shapes, pool-spatial-means (after shape
-    inference: it reads ranks). Each step that did something (or could not complete, as shape inference may)
+    fold-pad, fold-input-affine, unshare-biases, sum-as-add, infer-shapes, pool-spatial-means and
+    shuffle-as-gather (after shape inference: they read ranks and dimensions). Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -185,8 +187,10 @@ def prepare_model(
         FoldPad(),
         FoldInputAffine(),
         UnshareBiases(),
+        SumAsAdd(),
         InferShapes(),
         PoolSpatialMeans(),
+        ShuffleAsGather(),
     ]
     work = model
     if not in_place:

@@ -17,6 +17,8 @@ from qcal.graph.passes.inline_functions import InlineFunctions
 from qcal.graph.passes.lower_einsum import LowerEinsum
 from qcal.graph.passes.name_nodes import NameNodes
 from qcal.graph.passes.pool_spatial_means import PoolSpatialMeans
+from qcal.graph.passes.shuffle_as_gather import ShuffleAsGather
+from qcal.graph.passes.sum_as_add import SumAsAdd
 from qcal.graph.passes.unshare_biases import UnshareBiases
 from qcal.graph.passes.upgrade_opset import UpgradeOpset
 from qcal.graph.passes.widen_half import WidenHalf
@@ -35,7 +37,9 @@ __all__ = [
     "NameNodes",
     "PoolSpatialMeans",
     "PrepPass",
+    "ShuffleAsGather",
     "StepResult",
+    "SumAsAdd",
     "UnshareBiases",
     "UpgradeOpset",
     "WidenHalf",
