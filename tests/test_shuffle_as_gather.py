@@ -1,7 +1,7 @@
 """A channel shuffle (Reshape, Transpose, Reshape) becomes a Gather of channels
 (shuffle-as-gather) and a Sum of two an Add (sum-as-add): the prepared model computes the same
-values bit for bit, and quantized, onnxruntime keeps the integer Convs around a shuffle
-channels-last instead of transposing the feature map back and forth at it."""
+values bit for bit, and quantized, onnxruntime gathers the integer codes instead of running a
+five-axis Transpose, and adds the residual's codes instead of a float Sum."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ quantizes Add (onnxruntime runs it as QLinearAdd on the codes) and has no rule f
 quantized stays a float node between a DequantizeLinear and a QuantizeLinear: at every
 residual connection of a Caffe2 ShuffleNet, next to integer Convs that run channels-last,
 onnxruntime also transposed both inputs to channels-first and back (with its shuffles written
-as a Gather too, `qcal.graph.passes.shuffle_as_gather`: 1.7x / 2.1x -> 0.85x / 0.93x its float
+as a Gather too, `qcal.graph.passes.shuffle_as_gather`: 1.87x / 2.24x -> 0.85x / 0.94x its float
 model at one / two threads). A Sum of three or more stays: as a chain of Adds its sum could
 round differently.
 """
