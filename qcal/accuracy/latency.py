@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +118,17 @@ class SideBySide:
     figures: dict[str, float]
     worst_ratio: float
     clearly_slower: tuple[int, ...]
+
+    @classmethod
+    def joined(cls, parts: Iterable[SideBySide]) -> SideBySide:
+        """One answer for thread counts timed apart (`parts`, one or more each)."""
+        figures: dict[str, float] = {}
+        worst, slower = 0.0, list[int]()
+        for part in parts:
+            figures.update(part.figures)
+            worst = max(worst, part.worst_ratio)
+            slower += part.clearly_slower
+        return cls(figures, worst, tuple(slower))
 
     def ratio(self, threads: int) -> float:
         """Quantized/float median latency at `threads` (1.0 where not timed)."""
@@ -221,8 +232,7 @@ def time_side_by_side(
     Keypoint R-CNN quantized on every node crashed it at 2 threads) ends that process, not qcal's.
     qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
     budget = _budget(len(threads), for_gate)
-    figures: dict[str, float] = {}
-    worst, slower = 0.0, list[int]()
+    parts = []
     with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
         _write_models(Path(folder), float_model, quant_model, feed)
         for count in threads:  # a process per thread count: one pool each (`measure_latency`)
@@ -231,11 +241,8 @@ def time_side_by_side(
             done = _run_child(Path(folder), {
                 "providers": list(providers), "threads": count, "budget": budget,
                 "for_gate": for_gate, "tolerance": _TOLERANCE, "inputs": list(feed)})
-            found = _read_child(done, answer.read_text() if answer.exists() else "")
-            figures.update(found.figures)
-            worst = max(worst, found.worst_ratio)
-            slower += found.clearly_slower
-    return SideBySide(figures, worst, tuple(slower))
+            parts.append(_read_child(done, answer.read_text() if answer.exists() else ""))
+    return SideBySide.joined(parts)
 
 
 # Where the timing process (`qcal.accuracy._timing`) writes what it found, in its folder.
@@ -308,8 +315,7 @@ def time_here(
 ) -> SideBySide:
     """Both models at each thread count, in this process, for `budget` seconds each (about:
     see `measure_latency`; by default `_budget`'s)."""
-    figures: dict[str, float] = {}
-    worst, slower = 0.0, []
+    parts = []
     if budget is None:
         budget = _budget(len(threads), for_gate)
     for count in threads:
@@ -326,9 +332,9 @@ def time_here(
         unit = "thread" if count == 1 else "threads"
         float_s = statistics.fmean(r.float_seconds for r in rounds)
         quant_s = statistics.fmean(r.quantized_seconds for r in rounds)
-        figures[f"latency_float_{count}_{unit}"] = round(float_s, 9)
-        figures[f"latency_quantized_{count}_{unit}"] = round(quant_s, 9)
-        worst = max(worst, quant_s / float_s if float_s > 0 else 1.0)
-        if all(r.clearly_slower for r in rounds):
-            slower.append(count)
-    return SideBySide(figures, worst, tuple(slower))
+        parts.append(SideBySide(
+            {f"latency_float_{count}_{unit}": round(float_s, 9),
+             f"latency_quantized_{count}_{unit}": round(quant_s, 9)},
+            quant_s / float_s if float_s > 0 else 1.0,
+            (count,) if all(r.clearly_slower for r in rounds) else ()))
+    return SideBySide.joined(parts)

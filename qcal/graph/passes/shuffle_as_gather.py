@@ -98,7 +98,8 @@ def _shuffle(transpose: onnx.NodeProto, index: UseIndex,
     if first is None or len(readers) != 1:
         return None
     second = readers[0]
-    if not (_plain_reshape(first, index) and _plain_reshape(second, index)):
+    split, joined = _reshape_target(first, index), _reshape_target(second, index)
+    if split is None or joined is None:
         return None
     split_readers = index.readers(first.output[0])
     if (len(split_readers) != 1 or split_readers[0] is not transpose
@@ -113,9 +114,7 @@ def _shuffle(transpose: onnx.NodeProto, index: UseIndex,
     rank = len(shape) + 1
     if ints_attribute(transpose, "perm") != [0, 2, 1, *range(3, rank)]:
         return None
-    split = _target(first, index)
-    joined = _target(second, index)
-    if split is None or joined is None or len(split) != rank or len(joined) != rank - 1:
+    if len(split) != rank or len(joined) != rank - 1:
         return None
     groups, per_group = split[1], split[2]
     if (groups < 2 or per_group < 1 or groups * per_group != channels
@@ -128,21 +127,18 @@ def _shuffle(transpose: onnx.NodeProto, index: UseIndex,
     return first, second, order
 
 
-def _plain_reshape(node: onnx.NodeProto, index: UseIndex) -> bool:
-    """A Reshape of the default domain to a constant shape, which names no dimension 0 when
-    it has allowzero (torch's dynamo exporter sets it: then 0 is an empty dimension)."""
+def _reshape_target(node: onnx.NodeProto, index: UseIndex) -> list[int] | None:
+    """The constant target shape of a Reshape of the default domain, None for another node or
+    a target read at run time; and None for a target with a dimension 0 under allowzero
+    (torch's dynamo exporter sets it: then 0 is an empty dimension, not the input's)."""
     if (node.op_type != "Reshape" or node.domain not in DEFAULT_DOMAINS
             or len(node.input) != 2 or len(node.output) != 1):
-        return False
-    target = _target(node, index)
-    return target is not None and not (int_attribute(node, "allowzero", 0) and 0 in target)
-
-
-def _target(node: onnx.NodeProto, index: UseIndex) -> list[int] | None:
+        return None
     tensor = index.constant(node.input[1])
     if tensor is None:
         return None
-    return [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    target = [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    return None if int_attribute(node, "allowzero", 0) and 0 in target else target
 
 
 def _batch(target: int, batch: int | None) -> bool:
