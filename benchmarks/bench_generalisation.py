@@ -1,7 +1,7 @@
 """Benchmark of generalisation: qcal and onnxruntime's quantize_static on models qcal was not tuned on.
 
 Models: the generalisation models (PyTorch TorchScript and dynamo exports, Keras and JAX through
-tf2onnx, PaddlePaddle through paddle2onnx; built by ``benchmarks/generalisation/build_*.py`` into
+tf2onnx, PaddlePaddle through paddle2onnx, pretrained models from other projects' wheels; built by ``benchmarks/generalisation/build_*.py`` into
 ``benchmarks/.cache/generalisation/<name>/``) and the three PP-OCR models of ``models.py``.
 
 Variants, each from the same calibration data:
@@ -13,7 +13,8 @@ Variants, each from the same calibration data:
   QUInt8 activations, QInt8 weights, MinMax, every op type it knows).
 
 Per variant: the model's task metric against the float model on the same evaluation samples
-(generalisation models: ``top1`` / ``frames`` argmax agreement or mean ``cosine`` of output 0;
+(generalisation models: ``top1`` / ``frames`` argmax agreement or mean ``cosine`` of output 0,
+``decisions`` at p > 0.5, a detector's ``box_f1``, a CTC recognizer's ``strings``;
 PP-OCR: box F1, string agreement, direction agreement as ``eval_ppocr.py`` computes them), the
 batch-1 latency ratio to the float model at 1 and 2 threads (``bench_latency.time_sessions``:
 each session in a process of its own, the median of rounds taking turns), the share of Conv/MatMul/Gemm MACs quantized (qcal: its report;
@@ -60,7 +61,7 @@ from _common import (
     write_results,
 )
 from detector_boxes import box_f1
-from eval_ppocr import compute_coverage, evaluate
+from eval_ppocr import compute_coverage, ctc_indices, evaluate
 from models import BENCH_DIR, CACHE_DIR, BenchmarkSetupError, get_models
 
 SCRIPT = "generalisation"
@@ -83,6 +84,8 @@ GEN_MODELS = (
     "pretrained_textdet",
     "pretrained_filetype",
     "pretrained_vad",
+    "pretrained_captcha_ocr",
+    "pretrained_captcha_det",
 )
 PPOCR_MODELS = ("ppocr_det", "ppocr_rec", "ppocr_cls")
 # name prefix -> (build script, its virtual environment under .cache/, its requirements file)
@@ -100,7 +103,7 @@ PPOCR_INFO = {  # family, exporter (the rapidocr_onnxruntime 1.4.4 files)
 }
 METRIC_NAMES = {"top1": "top-1 agreement", "frames": "frame agreement", "cosine": "mean cosine",
                 "decisions": "frame decisions (p > 0.5)", "score_f1": "score F1 (p > 0.5)",
-                "box_f1": "box F1 (IoU 0.5)"}
+                "box_f1": "box F1 (IoU 0.5)", "strings": "string agreement (CTC)"}
 
 # `qcal calibrate` arguments per qcal variant (model, --data, -o, --report, --force, -q are
 # added); a variant whose flags `qcal calibrate --help` does not list is skipped.
@@ -422,8 +425,13 @@ def gen_metrics(
                                         [[c[i] for i in scores] for c in chunks])
         if decoder:
             row["box_f1"], row["float_boxes_per_sample"] = box_f1(decoder, refs, chunks, hws)
+        if model.metric == "strings":  # a CTC recognizer's logits [T, N, classes]
+            row["string_agreement"] = float(np.mean([
+                ctc_indices(r[0].swapaxes(0, 1)) == ctc_indices(c[0].swapaxes(0, 1))
+                for r, c in zip(refs, chunks)]))
         key = {"cosine": "cosine", "decisions": "decision_agreement", "score_f1": "score_f1",
-               "box_f1": "box_f1"}.get(model.metric, "argmax_agreement")
+               "box_f1": "box_f1", "strings": "string_agreement"}.get(model.metric,
+                                                                      "argmax_agreement")
         row["task_vs_float"] = row[key]
         if labels is not None and model.metric == "top1":
             row["accuracy_float"] = float((ref.argmax(-1) == labels).mean())

@@ -1,7 +1,7 @@
 """Boxes a detector's outputs decode to, for the benchmark's box F1 (quantized vs float).
 
 A detector's task is its boxes, not the values of its score maps: a score map judged per element
-counts every anchor near a threshold, where the boxes after decoding and NMS may not move. Both
+counts every anchor near a threshold, where the boxes after decoding and NMS may not move. The
 decoders follow the postprocessing the detectors ship with, simplified where it does not change
 which boxes come out:
 
@@ -12,7 +12,12 @@ which boxes come out:
   expectation times the stride is the distance from the anchor's centre), strides 8, 16, 32, 64
   on the input's height and width; per class, the anchors scoring above 0.5, then hard NMS at
   IoU 0.5, the boxes kept clipped to the image, as rapid_layout 1.2.1's defaults (conf_thresh 0.5, iou_thresh 0.5). Boxes carry their
-  class, and a float box matches only a quantized box of its class.
+  class, and a float box matches only a quantized box of its class;
+- ``yolox``: a YOLOX head's [N, anchors, 4 + 1 + classes] (centre offsets and log sizes per
+  grid cell, objectness, class probabilities), strides 8, 16, 32 on the input's height and
+  width; a box's score is its objectness times its best class probability; the boxes scoring
+  above 0.1, then NMS at IoU 0.45 over all classes, as ddddocr 1.6.1's detector does
+  (``multiclass_nms_class_agnostic``, score_thr 0.1, nms_thr 0.45). Boxes carry their class.
 
 Matching is ``eval_ppocr.match_boxes`` (one to one, IoU >= 0.5, highest IoU first), micro-averaged
 over the samples (``eval_ppocr.BoxF1``).
@@ -29,7 +34,9 @@ PICODET_STRIDES = (8, 16, 32, 64)
 PICODET_SCORE, PICODET_IOU = 0.5, 0.5
 PICODET_TOP_K = 1000  # candidates per stride, by their best class score (rapid_layout's nms_top_k)
 PICODET_CANDIDATES, PICODET_KEEP = 200, 100  # per class: NMS's candidates and the boxes kept
-DECODERS = ("db", "picodet")
+YOLOX_STRIDES = (8, 16, 32)
+YOLOX_SCORE, YOLOX_IOU = 0.1, 0.45
+DECODERS = ("db", "picodet", "yolox")
 
 
 def picodet_boxes(outputs: Sequence[np.ndarray], input_hw: Sequence[int]) -> list[np.ndarray]:
@@ -63,16 +70,45 @@ def picodet_boxes(outputs: Sequence[np.ndarray], input_hw: Sequence[int]) -> lis
     return kept
 
 
+def yolox_boxes(output: np.ndarray, input_hw: Sequence[int]) -> list[np.ndarray]:
+    """Boxes [x0, y0, x1, y1] per class of sample 0 of a YOLOX head's output."""
+    rows = output[0].astype(np.float64)
+    cells, strides = [], []
+    for stride in YOLOX_STRIDES:
+        h, w = input_hw[0] // stride, input_hw[1] // stride
+        y, x = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        cells.append(np.stack([x.ravel(), y.ravel()], axis=1))
+        strides.append(np.full((h * w, 1), stride))
+    cell, stride = np.concatenate(cells), np.concatenate(strides)
+    centre = (rows[:, :2] + cell) * stride
+    size = np.exp(rows[:, 2:4]) * stride
+    corners = np.concatenate([centre - size / 2, centre + size / 2], axis=1)
+    probabilities = rows[:, 4:5] * rows[:, 5:]
+    classes, scores = probabilities.argmax(1), probabilities.max(1)
+    above = scores > YOLOX_SCORE
+    kept = _nms_order(corners[above], scores[above], YOLOX_IOU, len(scores), len(scores))
+    boxes, classes = corners[above][kept], classes[above][kept]
+    return [boxes[classes == c] for c in range(probabilities.shape[1])]
+
+
 def _hard_nms(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """Boxes kept by greedy NMS at IoU PICODET_IOU, highest score first, among the
     PICODET_CANDIDATES best, at most PICODET_KEEP."""
-    order = np.argsort(-scores, kind="stable")[:PICODET_CANDIDATES]
-    kept: list[np.ndarray] = []
-    while len(order) and len(kept) < PICODET_KEEP:
+    kept = _nms_order(boxes, scores, PICODET_IOU, PICODET_CANDIDATES, PICODET_KEEP)
+    return np.array(boxes[kept], dtype=np.float64).reshape(-1, 4)
+
+
+def _nms_order(boxes: np.ndarray, scores: np.ndarray, iou: float, candidates: int, keep: int
+               ) -> np.ndarray:
+    """Indices of the boxes greedy NMS keeps at `iou`, highest score first, among the
+    `candidates` best, at most `keep`."""
+    order = np.argsort(-scores, kind="stable")[:candidates]
+    kept: list[int] = []
+    while len(order) and len(kept) < keep:
         best, order = order[0], order[1:]
-        kept.append(boxes[best])
-        order = order[iou_matrix(boxes[best : best + 1], boxes[order])[0] <= PICODET_IOU]
-    return np.array(kept, dtype=np.float64).reshape(-1, 4)
+        kept.append(int(best))
+        order = order[iou_matrix(boxes[best : best + 1], boxes[order])[0] <= iou]
+    return np.array(kept, dtype=np.int64)
 
 
 def decode(decoder: str, outputs: Sequence[np.ndarray], input_hw: Sequence[int]
@@ -82,6 +118,8 @@ def decode(decoder: str, outputs: Sequence[np.ndarray], input_hw: Sequence[int]
         return [db_boxes(outputs[0][0, 0])]
     if decoder == "picodet":
         return picodet_boxes(outputs, input_hw)
+    if decoder == "yolox":
+        return yolox_boxes(outputs[0], input_hw)
     raise ValueError(f"unknown box decoder {decoder!r}; choose from {', '.join(DECODERS)}")
 
 

