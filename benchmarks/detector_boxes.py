@@ -86,9 +86,9 @@ def yolox_boxes(output: np.ndarray, input_hw: Sequence[int]) -> list[np.ndarray]
     probabilities = rows[:, 4:5] * rows[:, 5:]
     classes, scores = probabilities.argmax(1), probabilities.max(1)
     above = scores > YOLOX_SCORE
-    kept = _nms_order(corners[above], scores[above], YOLOX_IOU, len(scores), len(scores))
-    boxes, classes = corners[above][kept], classes[above][kept]
-    return [boxes[classes == c] for c in range(probabilities.shape[1])]
+    boxes, scores, classes = corners[above], scores[above], classes[above]
+    kept = _nms_order(boxes, scores, YOLOX_IOU, len(scores), len(scores))  # every candidate
+    return [boxes[kept][classes[kept] == c] for c in range(probabilities.shape[1])]
 
 
 def _hard_nms(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:

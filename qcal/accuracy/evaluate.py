@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 # Every comparison of float and quantized models (this module, the localisation, sensitivity
 # and the runnable check whose session the first evaluation reuses) runs onnxruntime on this
 # many threads, whatever --threads says: its float kernels may sum in another order with more

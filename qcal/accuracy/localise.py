@@ -46,7 +46,6 @@ from qcal.numerics.sums import inner_product
 __all__ = ["localise_error"]
 
 
-
 def localise_error(
     float_model: onnx.ModelProto,
     quant_model: onnx.ModelProto,

@@ -14,7 +14,6 @@ from qcal.calibration.runtime import Feed
 __all__ = ["FloatReference"]
 
 
-
 class FloatReference:
     """The float model's session and its outputs on the evaluation data, made once for several
     comparisons on the same data (the fallback checks many QDQ models against one float model).

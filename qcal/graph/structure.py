@@ -107,6 +107,14 @@ class UseIndex:
             seen.setdefault(id(use.node), use.node)
         return list(seen.values())
 
+    def only_reader(self, value: str) -> onnx.NodeProto | None:
+        """The node that reads `value` when it is read once, by that node alone, and is not a
+        graph output (a pass may then rewrite the two together); else None."""
+        uses = self.uses.get(value, ())
+        if len(uses) != 1 or value in self.graph_outputs:
+            return None
+        return uses[0].node
+
     def constant(self, value: str) -> onnx.TensorProto | None:
         """The initializer holding `value`, unless a graph input of that name may override it."""
         if value in self.graph_inputs:

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from qcal.graph.model import InputSpec
 
 
-
 class DataSource(Protocol):
     """Calibration samples, streamed; `samples()` starts afresh on every call."""
 

@@ -141,12 +141,12 @@ def _pair_from(first: onnx.NodeProto, index: UseIndex) -> _Pair | None:
     if not _is_conv(first) or not _own_float_parameters(first, index):
         return None
     value, through = first.output[0], ""
-    reader = _only_reader(value, index)
+    reader = index.only_reader(value)
     if reader is not None and reader.op_type in _HOMOGENEOUS and reader.domain in DEFAULT_DOMAINS:
         if not _homogeneous(reader, index):
             return None
         through, value = reader.name or reader.op_type, reader.output[0]
-        reader = _only_reader(value, index)
+        reader = index.only_reader(value)
     if reader is None or not _is_conv(reader) or reader.input[0] != value:
         return None
     if not _own_float_parameters(reader, index, with_bias=False):
@@ -163,14 +163,6 @@ def _pair_from(first: onnx.NodeProto, index: UseIndex) -> _Pair | None:
 
 def _is_conv(node: onnx.NodeProto) -> bool:
     return node.op_type == "Conv" and node.domain in DEFAULT_DOMAINS and len(node.input) > 1
-
-
-def _only_reader(value: str, index: UseIndex) -> onnx.NodeProto | None:
-    if value in index.graph_outputs:
-        return None
-    readers = index.readers(value)
-    uses = index.uses.get(value, ())
-    return readers[0] if len(readers) == 1 and len(uses) == 1 else None
 
 
 def _homogeneous(node: onnx.NodeProto, index: UseIndex) -> bool:

@@ -94,21 +94,15 @@ def _shuffle(transpose: onnx.NodeProto, index: UseIndex,
     if transpose.op_type != "Transpose" or transpose.domain not in DEFAULT_DOMAINS:
         return None
     first = index.producer.get(transpose.input[0]) if transpose.input else None
-    readers = index.readers(transpose.output[0])
-    if first is None or len(readers) != 1:
+    second = index.only_reader(transpose.output[0])
+    if first is None or second is None or index.only_reader(first.output[0]) is not transpose:
         return None
-    second = readers[0]
     split, joined = _reshape_target(first, index), _reshape_target(second, index)
-    if split is None or joined is None:
-        return None
-    split_readers = index.readers(first.output[0])
-    if (len(split_readers) != 1 or split_readers[0] is not transpose
-            or first.output[0] in index.graph_outputs
-            or transpose.output[0] in index.graph_outputs):
-        return None
     shape = dims.get(first.input[0])
-    known = [d for d in shape[1:] if d is not None] if shape is not None else []
-    if shape is None or len(shape) < 3 or len(known) != len(shape) - 1:
+    if split is None or joined is None or shape is None or len(shape) < 3:
+        return None
+    known = [d for d in shape[1:] if d is not None]
+    if len(known) != len(shape) - 1:
         return None
     batch, channels, spatial = shape[0], known[0], known[1:]
     rank = len(shape) + 1
