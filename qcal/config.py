@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qcal.accuracy.fallback import AccuracyTarget
 from qcal.accuracy.gates import Gates
+from qcal.accuracy.target import AccuracyTarget
 from qcal.graph.placement import PLACEMENTS, SMALL_PRODUCT_MACS
 from qcal.graph.weight_only import DEFAULT_BLOCK_SIZE, check_weight_only_options
 from qcal.numerics.errors import ConfigError

@@ -26,9 +26,10 @@ from onnx import TensorProto, helper, numpy_helper
 import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage, shape_probe
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
-from qcal.accuracy.fallback import AccuracyTarget, Candidate, search_fallback
+from qcal.accuracy.fallback import Candidate, search_fallback
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import TensorSensitivity
+from qcal.accuracy.target import AccuracyTarget
 from qcal.calibration.runtime import create_session
 from qcal.cli import main
 from qcal.config import CalibrationConfig

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
-from qcal.accuracy.fallback import worst_agreement
 from qcal.accuracy.latency import SideBySide
+from qcal.accuracy.target import worst_agreement
 from qcal.numerics.errors import AccuracyGateError
 
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]

@@ -1,0 +1,62 @@
+"""What the quantized model must reach against the float model: the fallback's target (the
+default accuracy floor or the user's) and how far a comparison falls short of it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from qcal.accuracy.evaluate import Comparison
+
+__all__ = ["AccuracyTarget", "worst_agreement"]
+
+
+@dataclass(frozen=True)
+class AccuracyTarget:
+    """What the quantized model must reach against the float model.
+
+    Attributes:
+        min_sqnr_db: every model output's SQNR at least this (None: no SQNR target).
+        max_agreement_drop: top-1 agreement of every classifier-like output at least
+            ``1 - max_agreement_drop`` (a fraction; None: no agreement target).
+    """
+
+    min_sqnr_db: float | None = None
+    max_agreement_drop: float | None = None
+    sqnr_on_classifiers: bool = True  # False: the SQNR target skips argmax outputs (not sigmoid maps)
+
+    def is_met(self, comparison: Comparison) -> bool:
+        return self.shortfall(comparison) <= 0.0
+
+    def shortfall(self, comparison: Comparison) -> float:
+        """How far `comparison` is from the target (<= 0: met), comparable between models.
+        A model with broken (non-finite) outputs is infinitely far from any target."""
+        if comparison.broken_outputs:
+            return math.inf
+        gaps = [0.0]
+        if self.min_sqnr_db is not None:
+            sqnr = comparison.worst_finite_sqnr_db(classifiers=self.sqnr_on_classifiers)
+            if sqnr is not None:  # None: identical outputs
+                gaps.append((self.min_sqnr_db - sqnr) / 10.0)
+        if self.max_agreement_drop is not None:
+            agreement = worst_agreement(comparison)
+            if agreement is not None:
+                # 1e-9: 198/200 agreement meets a 1 % drop, whatever 1 - 0.99 rounds to
+                gaps.append((1.0 - agreement) - self.max_agreement_drop - 1e-9)
+        return max(gaps)
+
+    def describe(self) -> str:
+        parts = []
+        if self.min_sqnr_db is not None:
+            which = ("output" if self.sqnr_on_classifiers
+                     else "SQNR of outputs without decisions or sigmoid maps")
+            parts.append(f"{which} >= {self.min_sqnr_db:g} dB" if not self.sqnr_on_classifiers
+                         else f"output SQNR >= {self.min_sqnr_db:g} dB")
+        if self.max_agreement_drop is not None:
+            parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")
+        return " and ".join(parts)
+
+
+def worst_agreement(comparison: Comparison) -> float | None:
+    values = [o.top1_agreement for o in comparison.outputs if o.top1_agreement is not None]
+    return min(values) if values else None
