@@ -9,7 +9,7 @@ from typing import Any
 
 from qcal.accuracy.evaluate import floor_sqnr_applies
 from qcal.accuracy.gates import GateResult, shown_down
-from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB
+from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
 
 __all__ = ["Verdict", "agreement_cell", "other_warnings", "quality_verdict", "sqnr_cell"]
@@ -26,9 +26,14 @@ def sqnr_cell(output: Mapping[str, Any]) -> str:
 
 
 def agreement_cell(output: Mapping[str, Any]) -> str:
-    """An output's share of agreeing decisions as the tables show it (rounded down), or "-"."""
+    """An output's share of agreeing decisions as the tables show it (rounded down), or "-",
+    with the F1 of its yes decisions where it has one (`yes_f1`)."""
     agreement = output["top1_agreement"]
-    return "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%"
+    cell = "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%"
+    f1 = output.get("yes_f1")
+    if f1 is None:
+        return cell
+    return f"F1 {shown_down(f1, 3)}" if agreement is None else f"{cell} (F1 {shown_down(f1, 3)})"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
                        "float model")
+    yes_f1s = [o["yes_f1"] for o in outputs if o.get("yes_f1") is not None]
+    if yes_f1s:
+        figures.append(f"F1 {shown_down(min(yes_f1s), 3)} of the yes decisions of probabilities")
     if sqnrs:
         worst = min((s for s in sqnrs if s is not None), default=None)
         # the part of a concatenated output it is measured on (a detector's class scores)
@@ -91,7 +99,8 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
         return Verdict(
             "below-floor",
             f"quality: below the accuracy floor ({100 - DEFAULT_FLOOR_AGREEMENT_DROP:g} % of "
-            f"decisions, {DEFAULT_FLOOR_SQNR_DB:g} dB on values and sigmoids)",
+            f"decisions, F1 {DEFAULT_FLOOR_YES_F1:g} of yes decisions, {DEFAULT_FLOOR_SQNR_DB:g} "
+            "dB on values and sigmoids)",
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")

@@ -137,6 +137,11 @@ def test_shell_completion_is_clicks_own(tmp_path: Path) -> None:
     ({"sqnr_db": None, "max_abs_error": 86.0, "top1_agreement": 0.1054}, "-", "10.54%"),
     # just under a floor: never shown as the floor
     ({"sqnr_db": 13.96, "max_abs_error": 0.5, "top1_agreement": 0.98996}, "13.9", "98.99%"),
+    # a sigmoid's map, and a detector's output whose probability part has yes decisions
+    ({"sqnr_db": 7.5, "max_abs_error": 0.8, "top1_agreement": 0.9954, "yes_f1": 0.96999},
+     "7.5", "99.54% (F1 0.969)"),
+    ({"sqnr_db": 15.0, "max_abs_error": 2.4, "top1_agreement": None, "yes_f1": 0.934},
+     "15.0", "F1 0.934"),
 ])
 def test_the_tables_show_figures_rounded_down_and_exact_only_for_equal_outputs(
         output: dict[str, float | None], sqnr: str, agreement: str) -> None:

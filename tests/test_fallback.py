@@ -886,7 +886,8 @@ def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
     assert below.exit_code == 7
     agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
     said = " ".join(below.stdout.split())  # rich wraps lines
-    assert f"quality: below the accuracy floor (99 % of decisions, 14 dB on values and sigmoids): " \
+    assert "quality: below the accuracy floor (99 % of decisions, F1 0.97 of yes decisions, 14 dB " \
+           "on values and sigmoids): " \
            f"{_down(100 * agreement)}% of the decisions agree" in said
     assert "--min-coverage lower than 70" in said and "--no-fallback accepts" in said
     within = CliRunner().invoke(main, ["calibrate", str(SAMPLE_MODELS / "digits_cnn.onnx"),

@@ -15,9 +15,12 @@ read how, and at which shapes:
   a linear layer's output of a higher rank (a MatMul or Gemm, or its bias added on its own,
   through reshapes): the same heads exported without their softmax, whose logits a CTC decoder
   or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier);
-* a Sigmoid's output, any shape: every element is a yes/no at 0.5 (voice activity per frame,
-  multi-label tags, a detector's objectness); so is a mean of it (a chunk's speech probability),
-  and an If's output that every branch computes from a Sigmoid.
+* a Sigmoid's output, any shape, also transposed: every element is a yes/no at 0.5 (voice
+  activity per frame, multi-label tags, a detector's objectness or class scores, which
+  paddle2onnx's PicoDet transposes to anchors x classes); so is a mean of it (a chunk's speech
+  probability), and an If's output that every branch computes from a Sigmoid. Its yes
+  decisions are also counted apart (`yes_decisions`): on a detector's map the confident
+  background agrees by itself, and what a user reads is the few cells called yes.
 
 Hidden states are a normalization's or a residual Add's output, not a linear layer's; an
 exporter that names them (`last_hidden_state`) is taken at its word below. Reshapes, casts and a
@@ -46,7 +49,8 @@ import onnx.numpy_helper
 
 from qcal.graph.structure import node_subgraphs
 
-__all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like"]
+__all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like",
+           "yes_decisions"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
@@ -110,6 +114,13 @@ class DecisionRule:
         return agree, int(fx.size), fx if fx.ndim == 1 else None
 
 
+def yes_decisions(x: np.ndarray, y: np.ndarray) -> tuple[int, int, int]:
+    """Elements above 0.5 in the float `x`, in the quantized `y`, and in both (probabilities of
+    the same shape)."""
+    fx, fy = x > 0.5, y > 0.5
+    return int(np.count_nonzero(fx)), int(np.count_nonzero(fy)), int(np.count_nonzero(fx & fy))
+
+
 def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     """Main-graph outputs that hold decisions (module docstring) -> how they are read."""
     producer = {v: n for n in model.graph.node for v in n.output}
@@ -121,9 +132,9 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
             continue
-        node, reshaped, pooled = _source(output.name, producer, positive)
-        if node is None:
-            continue
+        node, reshaped, pooled, transposed = _source(output.name, producer, positive)
+        if node is None or (transposed and node.op_type != "Sigmoid"):
+            continue  # a transposed argmax would be read over another axis
         if node.op_type == "Sigmoid":
             # Pooled too: a mean (or max) of probabilities is one, thresholded alike (a
             # voice-activity model averaging its per-frame sigmoid over the chunk).
@@ -144,17 +155,21 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
 
 
 def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[str],
-            ) -> tuple[onnx.NodeProto | None, bool, bool]:
+            ) -> tuple[onnx.NodeProto | None, bool, bool, bool]:
     """The node whose output reaches `value` through ops that keep decisions, and whether the
-    way reshaped or pooled it. Through an If, the branches' own ways, when every branch comes
+    way reshaped, pooled or transposed it (a Transpose keeps each element's yes/no, not the
+    axis an argmax reads). Through an If, the branches' own ways, when every branch comes
     from a Sigmoid (a streaming model choosing its path by the sample rate); other ops an If
     returns are read as computed values."""
     node = producer.get(value)
-    reshaped = pooled = False
+    reshaped = pooled = transposed = False
     after = ""  # the op on the way after this one
     while node is not None and node.input:
         if node.op_type in _PASS_THROUGH:
             reshaped = reshaped or node.op_type != "Identity"
+            value = node.input[0]
+        elif node.op_type == "Transpose":
+            transposed = True
             value = node.input[0]
         elif node.op_type == "Split" and after == "Squeeze":
             # one score channel of a head split off and squeezed: a question-answering head's
@@ -171,12 +186,12 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
             value = node.input[1]
         elif node.op_type == "If":
             index = list(node.output).index(value)
-            return _branches_sigmoid(node, index, producer, positive), True, True
+            return _branches_sigmoid(node, index, producer, positive), True, True, transposed
         else:
             break
         after = node.op_type
         node = producer.get(value)
-    return node, reshaped, pooled
+    return node, reshaped, pooled, transposed
 
 
 def _branches_sigmoid(node: onnx.NodeProto, index: int,
@@ -189,7 +204,7 @@ def _branches_sigmoid(node: onnx.NodeProto, index: int,
         if index >= len(branch.output):
             return None
         inner = {**producer, **{v: n for n in branch.node for v in n.output}}
-        source, _, _ = _source(branch.output[index].name, inner, positive)
+        source, *_ = _source(branch.output[index].name, inner, positive)
         if source is None or source.op_type != "Sigmoid":
             return None
         found.append(source)

@@ -5,7 +5,10 @@ SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical; f
 concatenates parts of different kinds or sizes, the worst part's: `qcal.accuracy.output_parts`),
 cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
-decisions that are the same. With labels (one per sample), top-1 accuracy of both models on the
+decisions that are the same; for probabilities (a sigmoid's map, a concatenated output's
+probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
+|quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes (fewer are
+too few to judge: one cell is then more than 2 %). With labels (one per sample), top-1 accuracy of both models on the
 per-sample classifier outputs. Only running sums are kept, never the outputs.
 
 Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
@@ -25,7 +28,7 @@ import numpy as np
 import onnx
 
 from qcal.accuracy._ahead import runs_ahead
-from qcal.accuracy.decisions import DecisionRule, decision_rules
+from qcal.accuracy.decisions import DecisionRule, decision_rules, yes_decisions
 from qcal.accuracy.output_parts import (
     OutputPart,
     describe_parts,
@@ -39,7 +42,7 @@ from qcal.numerics.errors import DataError, ModelError, one_line
 from qcal.numerics.sums import inner_product
 
 __all__ = [
-    "Comparison", "OutputMetrics", "compare_models", "floor_sqnr_applies",
+    "MIN_YES_DECISIONS", "Comparison", "OutputMetrics", "compare_models", "floor_sqnr_applies",
     "numeric_outputs",
 ]
 
@@ -50,6 +53,7 @@ __all__ = [
 # (a float Conv reading dequantized values did, in a detector head's quantized model), and
 # neither the figures (reports, `qcal compare`) nor the fallback's choices may depend on it.
 COMPARE_THREADS = 1
+MIN_YES_DECISIONS = 50
 
 
 def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None) -> bool:
@@ -80,6 +84,8 @@ class OutputMetrics:
     # The parts of a concatenated output whose SQNR `sqnr_db` is (`describe_parts`); None:
     # the whole output's.
     sqnr_part: str | None = None
+    # F1 of the yes decisions of its probabilities (module docstring); None: none, or too few.
+    yes_f1: float | None = None
 
     @property
     def floor_sqnr(self) -> bool:
@@ -105,6 +111,7 @@ class OutputMetrics:
             "nonfinite_introduced": self.nonfinite_introduced,
             "decisions": self.decisions,
             "sqnr_part": self.sqnr_part,
+            "yes_f1": _round(self.yes_f1),
         }
 
 
@@ -174,6 +181,8 @@ class _Accumulator:
     parts: tuple[OutputPart, ...] = ()
     part_signal: list[float] = field(default_factory=list)
     part_noise: list[float] = field(default_factory=list)
+    # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
+    yes: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
         self.batches += 1
@@ -207,6 +216,8 @@ class _Accumulator:
                 signal, noise = _energies(part_of(x, part.box), part_of(y, part.box))
                 self.part_signal[i] += signal
                 self.part_noise[i] += noise
+                if part.probabilities:
+                    self._count_yes(part_of(x, part.box), part_of(y, part.box))
         if self.measure:
             if _distributions(x) and (self.batches == 1 or self.rule is not None):
                 self.rule = self.rule or _MEASURED_SOFTMAX
@@ -215,6 +226,8 @@ class _Accumulator:
         if self.rule is not None and not self.rule.applies(x.shape):
             self.rule = None  # a shape without decisions (first batch or any later one)
         if self.rule is not None:
+            if self.rule.threshold:
+                self._count_yes(x, y)
             agree, decisions, classes = self.rule.count(x, y)
             self.agree += agree
             self.rows += decisions
@@ -227,6 +240,9 @@ class _Accumulator:
                 self.correct_float += int(np.sum(classes == labels))
                 self.correct_quant += int(np.sum(fy == labels))
                 self.labelled += int(labels.shape[0])
+
+    def _count_yes(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
 
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
@@ -267,6 +283,8 @@ class _Accumulator:
                             and self.batches > self.other_shape),
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
+            yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
+                    if self.yes[0] >= MIN_YES_DECISIONS else None),
         )
 
 

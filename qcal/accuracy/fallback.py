@@ -32,7 +32,7 @@ from qcal.accuracy.sensitivity import (
     TensorSensitivity,
     noise_ratio_db,
 )
-from qcal.accuracy.target import AccuracyTarget, worst_agreement
+from qcal.accuracy.target import AccuracyTarget, worst_agreement, worst_yes_f1
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import integer_output_writers
 
@@ -108,6 +108,7 @@ class FallbackStep:
             "kept_float": self.kept,
             "worst_sqnr_db": _round(self.comparison.worst_sqnr_db),
             "worst_top1_agreement": _round(worst_agreement(self.comparison)),
+            "worst_yes_f1": _round(worst_yes_f1(self.comparison)),
             "macs_quantized_fraction": _round(self.coverage.fraction),
             "target_met": self.met,
         }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.latency import SideBySide
-from qcal.accuracy.target import worst_agreement
+from qcal.accuracy.target import worst_agreement, worst_yes_f1
 from qcal.numerics.errors import AccuracyGateError
 
 __all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
@@ -188,6 +188,9 @@ def _figures(comparison: Comparison) -> str:
     agreement = worst_agreement(comparison)
     if agreement is not None:
         said.append(f"{shown_down(100 * agreement, 2)} % of the decisions agree")
+    f1 = worst_yes_f1(comparison)
+    if f1 is not None:
+        said.append(f"F1 {shown_down(f1, 3)} of the yes decisions")
     sqnr = comparison.worst_finite_sqnr_db(classifiers=False)
     if sqnr is not None:
         said.append(f"worst SQNR {shown_down(sqnr, 1)} dB")

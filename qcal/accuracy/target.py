@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from qcal.accuracy.evaluate import Comparison
 
-__all__ = ["AccuracyTarget", "worst_agreement"]
+__all__ = ["AccuracyTarget", "worst_agreement", "worst_yes_f1"]
 
 
 @dataclass(frozen=True)
@@ -19,10 +19,13 @@ class AccuracyTarget:
         min_sqnr_db: every model output's SQNR at least this (None: no SQNR target).
         max_agreement_drop: top-1 agreement of every classifier-like output at least
             ``1 - max_agreement_drop`` (a fraction; None: no agreement target).
+        min_yes_f1: the F1 of every output's yes decisions (its probabilities above 0.5,
+            `OutputMetrics.yes_f1`) at least this (None: no such target).
     """
 
     min_sqnr_db: float | None = None
     max_agreement_drop: float | None = None
+    min_yes_f1: float | None = None
     sqnr_on_classifiers: bool = True  # False: the SQNR target skips argmax outputs (not sigmoid maps)
 
     def is_met(self, comparison: Comparison) -> bool:
@@ -43,6 +46,10 @@ class AccuracyTarget:
             if agreement is not None:
                 # 1e-9: 198/200 agreement meets a 1 % drop, whatever 1 - 0.99 rounds to
                 gaps.append((1.0 - agreement) - self.max_agreement_drop - 1e-9)
+        if self.min_yes_f1 is not None:
+            f1 = worst_yes_f1(comparison)
+            if f1 is not None:
+                gaps.append(self.min_yes_f1 - f1 - 1e-9)
         return max(gaps)
 
     def describe(self) -> str:
@@ -54,9 +61,16 @@ class AccuracyTarget:
                          else f"output SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
             parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")
+        if self.min_yes_f1 is not None:
+            parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions of probabilities")
         return " and ".join(parts)
 
 
 def worst_agreement(comparison: Comparison) -> float | None:
     values = [o.top1_agreement for o in comparison.outputs if o.top1_agreement is not None]
+    return min(values) if values else None
+
+
+def worst_yes_f1(comparison: Comparison) -> float | None:
+    values = [o.yes_f1 for o in comparison.outputs if o.yes_f1 is not None]
     return min(values) if values else None
