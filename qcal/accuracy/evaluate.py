@@ -7,9 +7,9 @@ cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|, and, for outputs 
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
 decisions that are the same; for probabilities (a sigmoid's map, a concatenated output's
 probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
-|quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes (fewer are
-too few to judge: one cell is then more than 2 %). With labels (one per sample), top-1 accuracy of both models on the
-per-sample classifier outputs. Only running sums are kept, never the outputs.
+|quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes. With labels
+(one per sample), top-1 accuracy of both models on the per-sample classifier outputs. Only
+running sums are kept, never the outputs.
 
 Non-finite values (NaN, ±inf) are counted per output and model, and the sums run over the
 elements both models computed finite. A quantized model that produces a non-finite value where
@@ -53,6 +53,8 @@ __all__ = [
 # (a float Conv reading dequantized values did, in a detector head's quantized model), and
 # neither the figures (reports, `qcal compare`) nor the fallback's choices may depend on it.
 COMPARE_THREADS = 1
+# Fewer yes decisions are too few for an F1: one cell would move it by over 2 %, most of the
+# floor's 3 % (a detector's yes decisions on a handful of held-out images).
 MIN_YES_DECISIONS = 50
 
 
