@@ -379,6 +379,44 @@ def test_a_narrow_convolution_between_integer_ones_is_quantized(tmp_path: Path) 
     assert _ops_run(result.model, tmp_path)["QLinearConv"] == 3
 
 
+def test_a_narrow_convolution_on_a_pooled_vector_keeps_the_chain_in_integers(
+        tmp_path: Path) -> None:
+    """A squeeze-excitation whose excitation Conv reads 4 channels of a pooled vector (PP-OCR's
+    RSE-FPN): one output position, next to no work, so no kernel is slower, but kept float it
+    would leave its HardSigmoid, the Mul scaling the feature map and what follows in float
+    between integer Convs. It is quantized with them; a stem of as few channels on a map stays
+    float (above)."""
+    rng = np.random.default_rng(29)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="wide", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("GlobalAveragePool", ["r0"], ["p"], name="squeeze"),
+        helper.make_node("Conv", ["p", "w1"], ["s1"], name="reduce"),
+        helper.make_node("Relu", ["s1"], ["s2"], name="relu1"),
+        helper.make_node("Conv", ["s2", "w2"], ["s3"], name="excite"),
+        helper.make_node("HardSigmoid", ["s3"], ["s4"], name="gate"),
+        helper.make_node("Mul", ["r0", "s4"], ["m"], name="scale"),
+        helper.make_node("Conv", ["m", "w3"], ["c3"], name="last", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c3"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((16, 8, 3, 3)) * 0.3).astype(np.float32),
+               "w1": (rng.standard_normal((4, 16, 1, 1)) * 0.3).astype(np.float32),
+               "w2": (rng.standard_normal((16, 4, 1, 1)) * 0.3).astype(np.float32),
+               "w3": (rng.standard_normal((8, 16, 3, 3)) * 0.2).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 8, 24, 24])], ["y"], weights)
+    data = rng.standard_normal((16, 8, 24, 24)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert all(decisions[name]["quantized"] for name in ("wide", "reduce", "excite", "gate",
+                                                           "scale", "last")), decisions
+    assert decisions["excite"]["reason"].startswith("Conv rule")
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["QLinearConv"] == 4 == result.report["coverage"]["quantized_compute_nodes"]
+    assert ops["HardSigmoid"] == 0 and ops["Mul"] == 0, ops
+    got, want = _outputs(result.model, {"x": data[:4]}), _outputs(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
 def test_a_one_dimensional_stem_on_a_waveform_runs_in_integers(tmp_path: Path) -> None:
     """The narrow-stem rule is for 2-D Convs (onnxruntime's float kernel for them has blocked
     channels): a 1-D Conv of one input channel with a long kernel runs faster in integers."""

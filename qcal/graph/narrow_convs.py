@@ -34,15 +34,22 @@ _MIN_CHANNELS_PER_GROUP = 8
 # 0.29x float quantized against 1.17x with it float.
 _MIN_INPUT_CHANNELS = 8
 _MAX_NARROW_TAPS = 27
+# None of this holds for a Conv on a pooled vector (one output position): a squeeze-excitation's
+# (PP-OCR's RSE-FPN: 4 input and 16 output channels, 64 multiply-adds) costs nothing either way,
+# and kept float it left its HardSigmoid, its Mul and the FPN after it in float.
 
 
-def slow_narrow_conv(node: onnx.NodeProto, index: UseIndex) -> str | None:
+def slow_narrow_conv(node: onnx.NodeProto, index: UseIndex,
+                     output_dims: tuple[int | None, ...] | None = None) -> str | None:
     """Why a Conv with few channels stays float under "auto", or None: a depthwise Conv (one
     input and one output channel per group) has an integer kernel of its own, slow on a single
     channel (one group, one input and one output channel); other grouped
     Convs with few channels per group (_MIN_CHANNELS_PER_GROUP), and 2-D and 3-D Convs of one
-    group with few input channels and a small kernel (_MIN_INPUT_CHANNELS), do not pay."""
+    group with few input channels and a small kernel (_MIN_INPUT_CHANNELS), do not pay; unless
+    the dimensions its output states (`output_dims`) say it has one position."""
     if node.op_type != "Conv" or len(node.input) < 2:
+        return None
+    if output_dims is not None and len(output_dims) > 2 and set(output_dims[2:]) == {1}:
         return None
     group = int_attribute(node, "group", 1)
     weight = index.constant(node.input[1])

@@ -29,7 +29,8 @@ softmax, GELU, recurrent state). So under "auto":
   float kernel (`qcal.graph.narrow_convs`); nor is a Conv of one input and one output channel,
   which onnxruntime runs as a slow depthwise one; nor is a 2-D or 3-D Conv of one group with few
   input channels and a small kernel (an image's stem), whose integer kernel with the
-  QuantizeLinear of its input costs more than its float one. Unless its input is dequantized
+  QuantizeLinear of its input costs more than its float one. Unless it has one output position
+  (a squeeze-excitation's on a pooled vector), or its input is dequantized
   and its output runs straight into a quantized node: onnxruntime then quantizes its weight
   itself (per tensor) and runs that kernel anyway; or a narrow Conv of one group writes
   (through a Relu/Clip) into a MaxPool whose output is quantized: onnxruntime would run that
@@ -67,6 +68,7 @@ import onnx
 import onnx.defs
 
 from qcal.graph.narrow_convs import slow_narrow_conv
+from qcal.graph.shapes import known_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
@@ -182,7 +184,8 @@ def place(
                 f"fewer than {min_product_macs} (--min-product-macs): quantizing its input at "
                 "every run costs more than its integer kernel saves")
     nodes = [n for n in nodes if n.name not in placement.nodes]
-    slow = {n.name: why for n in nodes if (why := slow_narrow_conv(n, index)) is not None}
+    dims = {v.name: known_dims(v) for v in (*graph.value_info, *graph.output)}
+    slow = {n.name: why for n in nodes if (why := slow_narrow_conv(n, index, dims.get(n.output[0])))}
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
     bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"
                and (anchor := added_bias_of(n, index, constant)) is not None}
