@@ -732,6 +732,9 @@ def test_below_the_floor_the_blocks_find_the_error_and_the_fallback_restores_it(
     assert fallback["reached"] and [k["tensor"] for k in fallback["kept_float"]] == ["h"]
     assert fallback["message"].endswith("(ranked by their measured effect on the outputs, "
                                         "in blocks)")
+    # it names the floor's figures that apply: this model has no probabilities to hold
+    assert fallback["message"].startswith("SQNR of outputs without decisions or sigmoid maps "
+                                          ">= 14 dB and agreement >= 99 % of decisions reached")
     # the blocks' ranking reached the floor: the error jumps were never localised
     assert report["sensitivity"] is None and "localise" not in report["timings_seconds"]
     expected = run(_outlier_mlp(), {"x": data})[0]

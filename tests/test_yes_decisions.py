@@ -72,6 +72,7 @@ def test_the_f1_of_a_sparse_maps_yes_decisions_fails_the_floor_its_agreement_pas
     floor = CalibrationConfig().accuracy_target()
     assert not floor.is_met(comparison)
     assert floor.shortfall(comparison) == pytest.approx(DEFAULT_FLOOR_YES_F1 - expected, abs=1e-6)
+    assert "F1 >= 0.97 of the yes decisions of probabilities" in floor.describe(comparison)
     # the floor's failed gate names the figure that missed
     coverage = Coverage(basis="nodes", compute_nodes=1, quantized_nodes=1, macs_total=None,
                         macs_quantized=None, note=None)
@@ -90,8 +91,11 @@ def test_too_few_yes_decisions_are_not_judged() -> None:
     x = _sparse_logits(100)
     few = x[:4]
     assert 0 < np.count_nonzero(few > 0) < MIN_YES_DECISIONS <= np.count_nonzero(x > 0)
-    out = compare_models(_shifted_map(0.0), _shifted_map(-0.3), [({"x": few}, 4)]).outputs[0]
+    comparison = compare_models(_shifted_map(0.0), _shifted_map(-0.3), [({"x": few}, 4)])
+    out = comparison.outputs[0]
     assert out.decisions == "threshold" and out.yes_f1 is None
+    # the fallback's message names no F1 it did not hold the model to
+    assert "F1" not in CalibrationConfig().accuracy_target().describe(comparison)
 
 
 def test_a_transposed_linear_layers_scores_are_not_read_by_an_argmax() -> None:

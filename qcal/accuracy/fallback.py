@@ -321,13 +321,13 @@ def search_fallback(
     if reached:
         share = (f"; {100 * step.coverage.fraction:.1f} % of compute quantized"
                  if step.coverage.compute_nodes else "")
-        message = f"{target.describe()} reached with {chosen} tensor(s) kept float{share}"
+        message = f"{target.describe(step.comparison)} reached with {chosen} tensor(s) kept float{share}"
     elif limit < len(candidates):
-        message = (f"{target.describe()} NOT reached: it would need more than "
+        message = (f"{target.describe(step.comparison)} NOT reached: it would need more than "
                    f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
                    f"{100 * floor:.0f} %); {as_planned}")
     else:
-        message = (f"{target.describe()} NOT reached even with all {len(candidates)} "
+        message = (f"{target.describe(step.comparison)} NOT reached even with all {len(candidates)} "
                    f"sensitive tensor(s) in float; {as_planned}")
     return FallbackResult(
         plan=restricted, model=written, comparison=step.comparison, coverage=step.coverage,

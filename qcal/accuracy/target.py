@@ -52,7 +52,9 @@ class AccuracyTarget:
                 gaps.append(self.min_yes_f1 - f1 - 1e-9)
         return max(gaps)
 
-    def describe(self) -> str:
+    def describe(self, comparison: Comparison | None = None) -> str:
+        """The target in words; the F1 of yes decisions only where `comparison` (a model
+        checked against it) has any, or without one."""
         parts = []
         if self.min_sqnr_db is not None:
             which = ("output" if self.sqnr_on_classifiers
@@ -61,7 +63,8 @@ class AccuracyTarget:
                          else f"output SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
             parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")
-        if self.min_yes_f1 is not None:
+        if self.min_yes_f1 is not None and (comparison is None
+                                            or worst_yes_f1(comparison) is not None):
             parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions of probabilities")
         return " and ".join(parts)
 
