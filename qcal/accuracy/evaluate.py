@@ -215,11 +215,12 @@ class _Accumulator:
             if not self.part_signal:
                 self.part_signal, self.part_noise = [0.0] * len(self.parts), [0.0] * len(self.parts)
             for i, part in enumerate(self.parts):
-                signal, noise = _energies(part_of(x, part.box), part_of(y, part.box))
+                px, py = part_of(x, part.box), part_of(y, part.box)
+                signal, noise = _energies(px, py)
                 self.part_signal[i] += signal
                 self.part_noise[i] += noise
                 if part.probabilities:
-                    self._count_yes(part_of(x, part.box), part_of(y, part.box))
+                    self._count_yes(px, py)
         if self.measure:
             if _distributions(x) and (self.batches == 1 or self.rule is not None):
                 self.rule = self.rule or _MEASURED_SOFTMAX

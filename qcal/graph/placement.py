@@ -68,7 +68,7 @@ import onnx
 import onnx.defs
 
 from qcal.graph.narrow_convs import slow_narrow_conv
-from qcal.graph.shapes import known_dims
+from qcal.graph.shapes import value_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
@@ -184,7 +184,7 @@ def place(
                 f"fewer than {min_product_macs} (--min-product-macs): quantizing its input at "
                 "every run costs more than its integer kernel saves")
     nodes = [n for n in nodes if n.name not in placement.nodes]
-    dims = {v.name: known_dims(v) for v in (*graph.value_info, *graph.output)}
+    dims = value_dims(graph)
     slow = {n.name: why for n in nodes if (why := slow_narrow_conv(n, index, dims.get(n.output[0])))}
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
     bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"

@@ -20,6 +20,12 @@ def known_dims(value: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
                  for d in tensor_type.shape.dim)
 
 
+def value_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...] | None]:
+    """`known_dims` of every value the graph declares (outputs, inputs, value_info; a value
+    declared twice takes its value_info's)."""
+    return {v.name: known_dims(v) for v in (*graph.output, *graph.input, *graph.value_info)}
+
+
 def value_ranks(graph: onnx.GraphProto) -> dict[str, int]:
     """Ranks of the main graph's values known from value_info, inputs and outputs."""
     ranks: dict[str, int] = {}

@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper
 
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.shapes import known_dims
+from qcal.graph.shapes import value_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -50,7 +50,7 @@ class ShuffleAsGather:
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         graph = model.graph
         index = UseIndex.build(graph)
-        dims = {v.name: known_dims(v) for v in (*graph.input, *graph.value_info)}
+        dims = value_dims(graph)
         names = NameAllocator.from_model(model)
         found: dict[int, tuple[onnx.NodeProto, onnx.NodeProto, np.ndarray]] = {}
         for position, node in enumerate(graph.node):

@@ -23,7 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qcal.graph.names import NameAllocator
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs, default_opset
 
 __all__ = ["share_dequantized_reads"]
 
@@ -35,7 +35,7 @@ def share_dequantized_reads(model: onnx.ModelProto, float_nodes: frozenset[str])
     and its readers in `float_nodes` when there are two or more (module docstring), in every
     graph; returns how many."""
     names = NameAllocator.from_model(model)
-    opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 13)
+    opset = default_opset(model) or 13
     lowest = ""
     count = 0
     for graph in all_graphs(model.graph):
@@ -52,16 +52,17 @@ def share_dequantized_reads(model: onnx.ModelProto, float_nodes: frozenset[str])
             if len(readers) < 2:
                 continue
             shared = names.allocate(f"{value}_shared")
-            name = names.allocate(f"{node.name}_shared")
-            if opset < 11:  # bounds as attributes before opset 11
-                nodes.append(helper.make_node("Clip", [value], [shared], name=name,
-                                              min=-_FLOAT_MAX))
+            clip_name = names.allocate(f"{node.name}_shared")
+            if opset < 11:  # the bound as an attribute before opset 11
+                clip = helper.make_node("Clip", [value], [shared], name=clip_name,
+                                        min=-_FLOAT_MAX)
             else:
                 if not lowest:  # one constant for all, in the main graph (outer scope)
                     lowest = names.allocate("float_lowest")
                     model.graph.initializer.append(
                         numpy_helper.from_array(np.array(-_FLOAT_MAX, np.float32), lowest))
-                nodes.append(helper.make_node("Clip", [value, lowest], [shared], name=name))
+                clip = helper.make_node("Clip", [value, lowest], [shared], name=clip_name)
+            nodes.append(clip)
             for reader in readers:
                 for slot, name in enumerate(reader.input):
                     if name == value:
