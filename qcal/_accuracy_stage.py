@@ -13,7 +13,6 @@ import onnx
 
 from qcal._inputs import _SampleRange
 from qcal._stages import Progress, _stage_progress, _Timings
-from qcal.accuracy.coverage import compute_macs, shape_probe
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import (
     Candidate,
@@ -23,6 +22,7 @@ from qcal.accuracy.fallback import (
     search_fallback,
 )
 from qcal.accuracy.localise import localise_error
+from qcal.accuracy.macs import compute_macs, shape_probe
 from qcal.accuracy.sensitivity import SensitivityResult, measure_blocks, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.config import CalibrationConfig

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qcal.accuracy.coverage import compute_macs
 from qcal.accuracy.decisions import decision_rules
+from qcal.accuracy.macs import compute_macs
 from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules

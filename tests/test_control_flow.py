@@ -523,8 +523,9 @@ def test_the_coverage_floor_skips_a_model_whose_weights_sit_in_its_bodies(body_h
     model, and the coverage floor is not checked on it."""
     import dataclasses
 
-    from qcal.accuracy.coverage import compute_macs, measure_coverage
+    from qcal.accuracy.coverage import measure_coverage
     from qcal.accuracy.gates import Gates, check_gates
+    from qcal.accuracy.macs import compute_macs
     from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
 
     model, _ = loop_model(np.random.default_rng(21))

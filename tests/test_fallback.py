@@ -24,9 +24,10 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 import qcal._accuracy_stage as accuracy_stage
-from qcal.accuracy.coverage import Coverage, compute_macs, measure_coverage, shape_probe
+from qcal.accuracy.coverage import Coverage, measure_coverage
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
 from qcal.accuracy.fallback import Candidate, search_fallback
+from qcal.accuracy.macs import compute_macs, shape_probe
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import TensorSensitivity
 from qcal.accuracy.target import AccuracyTarget

@@ -225,7 +225,7 @@ def test_what_computes_from_constants_alone_stays_float_and_out_of_the_macs() ->
     """A projection of a constant table (DeBERTa's relative positions, Swin-v2's position-bias
     MLP), which onnxruntime computes once when it loads the float model: with Q/DQ it ran at
     every run (1.21x float), and its MACs counted as quantized work."""
-    from qcal.accuracy.coverage import compute_macs
+    from qcal.accuracy.macs import compute_macs
 
     rng = np.random.default_rng(4)
     nodes = [

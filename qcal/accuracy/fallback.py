@@ -264,7 +264,7 @@ def search_fallback(
         model: the prepared float model.
         plan: the full plan.
         candidates: ranked by `rank_candidates`.
-        macs: MACs per compute node (`qcal.accuracy.coverage.compute_macs`).
+        macs: MACs per compute node (`qcal.accuracy.macs.compute_macs`).
         target: what the QDQ model must reach.
         floor: lowest acceptable quantized share of compute (0..1).
         write: writes the QDQ model of a plan (InsertQDQ with the run's parameters).
