@@ -22,7 +22,7 @@ from qcal.accuracy.fallback import (
     search_fallback,
 )
 from qcal.accuracy.localise import localise_error
-from qcal.accuracy.macs import compute_macs, shape_probe
+from qcal.accuracy.macs import body_macs, compute_macs, shape_probe
 from qcal.accuracy.sensitivity import SensitivityResult, measure_blocks, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.config import CalibrationConfig
@@ -46,11 +46,13 @@ _SHAPE_SAMPLES = 32
 
 def _compute_macs(
     model: onnx.ModelProto, calib: Any, inputs: Sequence[InputSpec], config: CalibrationConfig
-) -> dict[str, int | None]:
-    """MACs per compute node at the shapes of the largest of the first few samples (most input
-    values; the first of equals): a decoder step's first sample may hold an empty cache, whose
-    attention products count nothing (coverage read 99.8 % where it is 87 % at a cache of 31).
-    Where every input's shape is fixed but for the batch axis, the first sample is read alone."""
+) -> tuple[dict[str, int | None], dict[str, int]]:
+    """MACs per compute node of the main graph, and per call of those in bodies whose shapes
+    inference knows (`body_macs`), at the shapes of the largest of the first few samples (most
+    input values; the first of equals): a decoder step's first sample may hold an empty cache,
+    whose attention products count nothing (coverage read 99.8 % where it is 87 % at a cache of
+    31). Where every input's shape is fixed but for the batch axis, the first sample is read
+    alone."""
     varies = any(not isinstance(d, int) for spec in inputs for d in spec.shape[1:])
     largest, most = None, -1
     for sample in islice(calib.samples(), _SHAPE_SAMPLES if varies else 1):
@@ -59,7 +61,7 @@ def _compute_macs(
             largest, most = sample, size
     probe = None if largest is None else shape_probe(
         model, largest, providers=config.providers, threads=config.threads)
-    return compute_macs(model, largest, run_shapes=probe)
+    return compute_macs(model, largest, run_shapes=probe), body_macs(model, largest)
 
 
 def _improve_accuracy(

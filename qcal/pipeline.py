@@ -172,8 +172,8 @@ def calibrate(
         labels = load_labels(labels_path) if labels_path is not None else None
         calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
                                                            collected=statistics is not None)
-        macs = _compute_macs(prepared, calib, inputs, config)
-        rules = with_product_sizes(_selection_rules(config), macs, config)
+        macs, body_macs = _compute_macs(prepared, calib, inputs, config)
+        rules = with_product_sizes(_selection_rules(config), {**macs, **body_macs}, config)
         plan = plan_quantization(prepared, rules)
         _check_overrides(config, plan)
         reused = None if statistics is None else reuse_statistics(

@@ -98,3 +98,43 @@ def test_a_negative_or_non_integer_minimum_is_refused(tmp_path: Path, value: str
     assert result.exit_code == code, result.output  # bad configuration / bad usage
     assert "min-product-macs" in result.output
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_products_inside_an_if_branch_are_held_to_the_same_minimum(tmp_path: Path) -> None:
+    """A branch's products are sized per call at the calibration data's shapes, as the main
+    graph's are: the small one stays float, the large one is quantized, and a branch holding
+    a copy of a small main-graph product no longer quantizes what its twin leaves float."""
+    rng = np.random.default_rng(3)
+    w = {name: (rng.standard_normal((64, 64)) * 0.15).astype(np.float32)
+         for name in ("w0", "w1", "w2")}
+    then = helper.make_graph(
+        [helper.make_node("MatMul", ["r", "w1"], ["t"], name="then_mm")], "then", [],
+        [float_input("t", ["N", 64, 64])])
+    other = helper.make_graph(
+        [helper.make_node("ReduceMean", ["r"], ["pooled"], name="pool", axes=[1]),
+         helper.make_node("MatMul", ["pooled", "w2"], ["e"], name="else_mm"),
+         helper.make_node("Add", ["r", "e"], ["s"], name="else_add")], "else", [],
+        [float_input("s", ["N", 64, 64])])
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["m"], name="mm0"),
+             helper.make_node("Relu", ["m"], ["r"], name="relu0"),
+             helper.make_node("ReduceMean", ["x"], ["mean"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["mean", "zero"], ["cond"], name="positive"),
+             helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then,
+                              else_branch=other)]
+    model = build_model(nodes, [float_input("x", ["N", 64, 64])], ["y"],
+                        {**w, "zero": np.float32(0)})
+    onnx.save(model, tmp_path / "m.onnx")
+    x = rng.standard_normal((24, 64, 64)).astype(np.float32)
+    x += np.where(np.arange(24) % 2, 0.05, -0.05).astype(np.float32)[:, None, None]  # both branches
+    np.savez(tmp_path / "calib.npz", x=x)
+    config = CalibrationConfig(data=tmp_path / "calib.npz")
+    decisions = _decisions(calibrate(tmp_path / "m.onnx", config, enforce_gates=False))
+    assert decisions["mm0"]["quantized"] and decisions["then_mm"]["quantized"]
+    assert not decisions["else_mm"]["quantized"]
+    assert decisions["else_mm"]["reason"].startswith(SMALL_PRODUCT)
+    assert f"{64 * 64} multiply-adds" in decisions["else_mm"]["reason"]
+    # the size is what keeps it float: with no minimum it is quantized like the others
+    again = calibrate(tmp_path / "m.onnx", CalibrationConfig(data=tmp_path / "calib.npz",
+                                                             min_product_macs=0),
+                      enforce_gates=False)
+    assert _decisions(again)["else_mm"]["quantized"]

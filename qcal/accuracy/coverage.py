@@ -172,8 +172,9 @@ class CoverageMeter:
                             "; ".join(n for n in (note, bodies) if n), anything,
                             mostly_in_bodies, len(in_bodies))
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
+        # the main graph's: the figure leaves the bodies' out
         small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
-                 and d.reason.startswith(SMALL_PRODUCT)]
+                 and d.node in macs and d.reason.startswith(SMALL_PRODUCT)]
         said = None
         if small:
             share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0

@@ -38,13 +38,14 @@ from qcal.graph.shapes import static_shapes
 from qcal.graph.structure import (
     COMPUTE_OPS,
     DEFAULT_DOMAINS,
+    all_graphs,
     computed_from_constants,
     element_types,
     ints_attribute,
 )
 from qcal.numerics.errors import QcalError
 
-__all__ = ["ShapeProbe", "Shapes", "compute_macs", "is_compute", "shape_probe"]
+__all__ = ["ShapeProbe", "Shapes", "body_macs", "compute_macs", "is_compute", "shape_probe"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,15 +160,45 @@ def _fused_attention_macs(
     return math.prod(data) * weight[1] + batch * positions * positions * (q_width + v_width)
 
 
+def body_macs(model: onnx.ModelProto, sample: Mapping[str, np.ndarray] | None) -> dict[str, int]:
+    """MACs per call of the compute nodes inside If, Loop and Scan bodies (one branch taken, one
+    iteration), where shape inference with the sample's input shapes knows every shape a node's
+    count needs; the others are left out. Placement "auto" holds a body's products to the same
+    size as the main graph's: an If branch holding copies of the main graph's small Gemms
+    (openwakeword's hey_jarvis) had them quantized while their twins stayed float."""
+    if sample is None or len(graphs := list(all_graphs(model.graph))) == 1:
+        return {}
+    inferred = _inferred_at(model, sample)
+    if inferred is None:
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for graph in all_graphs(inferred.graph):  # a body reads the values of the graphs around it
+        shapes.update(static_shapes(graph, None))
+    return {node.name: count for graph in graphs[1:] for node in graph.node
+            if is_compute(node) and (count := _node_macs(node, shapes)) is not None}
+
+
 def _concrete_shapes(
     model: onnx.ModelProto, sample: Mapping[str, np.ndarray], wanted: list[str]
 ) -> Shapes:
-    """Shapes of `wanted` from shape inference on a weightless copy whose inputs take the
-    sample's shapes: symbols the model's own inference derived (``unk__12``) become numbers
-    without the cost of an onnxruntime session."""
+    """Shapes of `wanted` from shape inference with the sample's input shapes (`_inferred_at`):
+    symbols the model's own inference derived (``unk__12``) become numbers without the cost of
+    an onnxruntime session."""
+    inferred = _inferred_at(model, sample)
+    if inferred is None:
+        return {}
+    found = static_shapes(inferred.graph, None)
+    return {t: found[t] for t in wanted if t in found}
 
+
+def _inferred_at(
+    model: onnx.ModelProto, sample: Mapping[str, np.ndarray]
+) -> onnx.ModelProto | None:
+    """A weightless copy of `model` whose inputs take the sample's shapes, shape-inferred anew
+    (every graph's earlier value_info dropped), or None when the inference fails."""
     light = light_copy(model, min_bytes=DETACH_MIN_BYTES)[0]
-    del light.graph.value_info[:]
+    for graph in all_graphs(light.graph):
+        del graph.value_info[:]
     for value in light.graph.input:
         array = sample.get(value.name)
         if array is None or not value.type.tensor_type.HasField("shape"):
@@ -177,12 +208,10 @@ def _concrete_shapes(
         for size in array.shape:
             shape.dim.add().dim_value = int(size)
     try:
-        inferred = infer_shapes(light, strict=False)
+        return infer_shapes(light, strict=False)
     except Exception as err:  # noqa: BLE001  the C++ inference raises assorted types
         logger.info("shape inference with the sample's shapes failed: %s", err)
-        return {}
-    found = static_shapes(inferred.graph, None)
-    return {t: found[t] for t in wanted if t in found}
+        return None
 
 
 def shape_probe(

@@ -27,7 +27,8 @@ class SelectionRules:
         integer_forms: placement "auto" writes HardSwish and HardSigmoid in integer operators
             (`OpRule.integer_form`); with activations of another type than uint8 it leaves
             them float instead.
-        run_macs: (node, MACs per run) of compute nodes at the calibration data's shapes;
+        run_macs: (node, MACs per run) of compute nodes at the calibration data's shapes
+            (inside an If, Loop or Scan body: per call of the body);
             placement "auto" leaves the MatMul and Gemm under `min_product_macs` float
             (`qcal.graph.placement`). Empty: sizes unknown, none left float for their size.
         min_product_macs: the fewest MACs per run of a quantized MatMul/Gemm under "auto".
