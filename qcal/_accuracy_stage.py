@@ -48,7 +48,7 @@ def _compute_macs(
     model: onnx.ModelProto, calib: Any, inputs: Sequence[InputSpec], config: CalibrationConfig
 ) -> tuple[dict[str, int | None], dict[str, int]]:
     """MACs per compute node of the main graph, and per call of those in bodies whose shapes
-    inference knows (`body_macs`), at the shapes of the largest of the first few samples (most
+    inference knows (`body_macs`, when placement weighs sizes), at the shapes of the largest of the first few samples (most
     input values; the first of equals): a decoder step's first sample may hold an empty cache,
     whose attention products count nothing (coverage read 99.8 % where it is 87 % at a cache of
     31). Where every input's shape is fixed but for the batch axis, the first sample is read
@@ -61,7 +61,9 @@ def _compute_macs(
             largest, most = sample, size
     probe = None if largest is None else shape_probe(
         model, largest, providers=config.providers, threads=config.threads)
-    return compute_macs(model, largest, run_shapes=probe), body_macs(model, largest)
+    # the bodies' sizes serve placement "auto" alone (`with_product_sizes`)
+    bodies = body_macs(model, largest) if config.places_for_speed else {}
+    return compute_macs(model, largest, run_shapes=probe), bodies
 
 
 def _improve_accuracy(

@@ -102,8 +102,8 @@ def test_a_negative_or_non_integer_minimum_is_refused(tmp_path: Path, value: str
 
 def test_products_inside_an_if_branch_are_held_to_the_same_minimum(tmp_path: Path) -> None:
     """A branch's products are sized per call at the calibration data's shapes, as the main
-    graph's are: the small one stays float, the large one is quantized, and a branch holding
-    a copy of a small main-graph product no longer quantizes what its twin leaves float."""
+    graph's are: the else branch's product of a pooled row (4096 multiply-adds) stays float,
+    the then branch's of the whole input (2^18) is quantized, as the main graph's is."""
     rng = np.random.default_rng(3)
     w = {name: (rng.standard_normal((64, 64)) * 0.15).astype(np.float32)
          for name in ("w0", "w1", "w2")}
