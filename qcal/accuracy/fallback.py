@@ -318,16 +318,17 @@ def search_fallback(
     as_planned = (f"the model is handed over as planned (the closest checked kept {closest} "
                   "tensor(s) float, short too)" if closest else
                   "the model is handed over as planned (the closest of those checked)")
+    wanted = target.describe(step.comparison)
     if reached:
         share = (f"; {100 * step.coverage.fraction:.1f} % of compute quantized"
                  if step.coverage.compute_nodes else "")
-        message = f"{target.describe(step.comparison)} reached with {chosen} tensor(s) kept float{share}"
+        message = f"{wanted} reached with {chosen} tensor(s) kept float{share}"
     elif limit < len(candidates):
-        message = (f"{target.describe(step.comparison)} NOT reached: it would need more than "
+        message = (f"{wanted} NOT reached: it would need more than "
                    f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
                    f"{100 * floor:.0f} %); {as_planned}")
     else:
-        message = (f"{target.describe(step.comparison)} NOT reached even with all {len(candidates)} "
+        message = (f"{wanted} NOT reached even with all {len(candidates)} "
                    f"sensitive tensor(s) in float; {as_planned}")
     return FallbackResult(
         plan=restricted, model=written, comparison=step.comparison, coverage=step.coverage,

@@ -155,9 +155,9 @@ def measure_latency(
     until it is or for `_SIGN_BLOCKS` pairs of blocks: a model of 50 ms found 1.18x at 2
     threads in two pairs passed as not slower); one that does not stops after
     `_FIGURE_PAIRS`, unless `fill` asks for the whole budget (the `--fail-if-slower` gate's
-    median). Where to stop is
-    judged at doubling pair counts and at the deadline: the medians cost a sort of every time
-    taken, which judged after every block took over half of a small model's budget.
+    median). Where to stop is judged at doubling pair counts and at the deadline: the medians
+    cost a sort of every time taken, which judged after every block took over half of a small
+    model's budget.
 
     The timing process (`time_side_by_side`, one per thread count) gives both sessions one
     pool of `threads` (`share_one_pool`), spinning as onnxruntime's pools do by default, as a
