@@ -103,9 +103,12 @@ def _transform_lines(transforms: dict[str, Any]) -> list[str]:
     lines = []
     if "equalize" in transforms:
         pairs = transforms["equalize"]["pairs"]
-        before = max((p["range_ratio_before"] for p in pairs), default=1.0)
-        after = max((p["range_ratio_after"] for p in pairs), default=1.0)
-        lines.append(f"equalize: {len(pairs)} Conv pair{'s' * (len(pairs) != 1)}, largest "
+        inputs = transforms["equalize"].get("depthwise_inputs")
+        entries, what = (pairs, "Conv pair") if inputs is None else (
+            inputs, "depthwise input")
+        before = max((p["range_ratio_before"] for p in entries), default=1.0)
+        after = max((p["range_ratio_after"] for p in entries), default=1.0)
+        lines.append(f"equalize: {len(entries)} {what}{'s' * (len(entries) != 1)}, largest "
                      f"channel range ratio {before:.3g} -> {after:.3g}")
     if "smooth_quant" in transforms:
         layers = transforms["smooth_quant"]["layers"]

@@ -170,15 +170,21 @@ def test_transforms_refuse_statistics_collected_beforehand(tmp_path: Path, dwsep
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "stats.npz").exists()
 
 
-def test_summary_has_one_line_per_transform(tmp_path: Path, dwsep: Path) -> None:
+@pytest.mark.parametrize(("granularity", "line"), [
+    ("--per-tensor", "equalize: 3 Conv pairs, largest channel range ratio"),
+    # per-channel weights: the activations are evened out instead, where a depthwise Conv
+    # reads them (tests/test_equalize_depthwise.py); this one's are within 2x of each other
+    ("--per-channel", "equalize: 0 depthwise inputs, largest channel range ratio 1 -> 1"),
+])
+def test_summary_has_one_line_per_transform(tmp_path: Path, dwsep: Path, granularity: str,
+                                            line: str) -> None:
     result = CliRunner().invoke(main, [
         "calibrate", str(dwsep), "--data", str(tmp_path / "calib.npz"), "--equalize",
         "--smooth-quant", "auto", "-o", str(tmp_path / "q.onnx"), "--report",
-        str(tmp_path / "q.json"), "--no-fallback"])
+        str(tmp_path / "q.json"), "--no-fallback", granularity])
     assert result.exit_code == 0, result.output
     lines = [line.strip() for line in result.output.splitlines()]
-    assert any(line.startswith("equalize: 3 Conv pairs, largest channel range ratio")
-               for line in lines)
+    assert sum(shown.startswith(line) for shown in lines) == 1
     # A Conv-only model has no MatMul/Gemm input to smooth: the run says so.
     assert "smooth-quant: 0 of 0 activations smoothed, summed layer output error 0 -> 0" in lines
 

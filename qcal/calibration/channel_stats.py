@@ -1,5 +1,7 @@
-"""A statistics pass for SmoothQuant: per-channel extremes of some activations along their last
-axis, and a bounded sample of their rows, over all the calibration data.
+"""Statistics passes for the float-equivalent rewrites: for SmoothQuant, per-channel extremes of
+some activations along their last axis and a bounded sample of their rows; for the depthwise
+inputs of `--equalize`, per-channel extremes along axis 1 (`collect_channel_extremes`). Both
+over all the calibration data.
 
 Each activation of width K is read as rows ``x.reshape(-1, K)``. The extremes are exact
 (minimum and maximum commute with any split or order of the data). The row sample keeps, of all
@@ -22,7 +24,7 @@ from qcal.calibration.runtime import create_session, run_batches
 from qcal.graph.structure import exposing
 from qcal.numerics.errors import DataError
 
-__all__ = ["ROWS", "ChannelStats", "collect_channel_stats"]
+__all__ = ["ROWS", "ChannelStats", "collect_channel_extremes", "collect_channel_stats"]
 
 ROWS = 512  # rows kept per activation for the layer error of `--smooth-quant auto`
 _SEEDS = (0x5EED_0001, 0x5EED_0002)
@@ -106,3 +108,35 @@ def collect_channel_stats(
                                 f"on its last axis, not {widths[name]}")
             stats[name].update(value)
     return stats
+
+
+def collect_channel_extremes(
+    model: onnx.ModelProto,
+    names: Sequence[str],
+    batches: Iterable[tuple[Mapping[str, np.ndarray], int]],
+    *,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    threads: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Run `model` over `batches` once: per activation of `names`, the (min, max) of each
+    channel along axis 1 (NCHW), float32; absent for an activation that received no values.
+    Exact, so the same whatever the data order or batch split; a NaN propagates into its
+    channel's extremes (the caller leaves such a channel alone)."""
+    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    if not names:
+        return found
+    ordered = sorted(set(names))
+    session = create_session(exposing(model, ordered), providers=providers, threads=threads,
+                             what="equalization statistics model")
+    for values in run_batches(session, ordered, batches, what="equalization statistics pass",
+                              on_batch=on_batch):
+        for name, value in values.items():
+            if value.ndim < 2 or value.size == 0:
+                continue
+            axes = (0, *range(2, value.ndim))
+            low, high = value.min(axis=axes), value.max(axis=axes)
+            if name in found:
+                low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)
+            found[name] = (low.astype(np.float32), high.astype(np.float32))
+    return found
