@@ -6,7 +6,6 @@ BatchNormalization's doing) quantizes far better."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jsonschema
@@ -14,11 +13,10 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, float_input, run
-from click.testing import CliRunner
 from onnx import helper
+from test_equalize import _calibrate
 
 from qcal.calibration.channel_stats import collect_channel_extremes
-from qcal.cli import main
 from qcal.graph.passes.equalize_depthwise import (
     apply_depthwise_scales,
     depthwise_scales,
@@ -138,14 +136,6 @@ def test_the_scales_are_the_same_whatever_the_data_order_or_split() -> None:
 
 
 # ---------------------------------------------------------------------- end to end
-
-
-def _calibrate(tmp: Path, model: Path, name: str, *args: str) -> dict:
-    result = CliRunner().invoke(main, [
-        "calibrate", str(model), "--data", str(tmp / "calib.npz"), "-o", str(tmp / f"{name}.onnx"),
-        "--report", str(tmp / f"{name}.json"), "--no-fallback", "-q", *args])
-    assert result.exit_code == 0, result.output
-    return json.loads((tmp / f"{name}.json").read_text())
 
 
 def test_equalize_lowers_the_error_of_a_depthwise_input(tmp_path: Path) -> None:

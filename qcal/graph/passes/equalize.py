@@ -37,7 +37,7 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import StepResult
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
 
-__all__ = ["EqualizeLayers", "EqualizedPair"]
+__all__ = ["EqualizeLayers", "EqualizedPair", "own_float_parameters"]
 
 _MAX_SWEEPS = 20
 _CONVERGED = 1e-4  # a sweep whose every scale is within this of 1 changes nothing that matters
@@ -138,7 +138,7 @@ class EqualizeLayers:
 
 def _pair_from(first: onnx.NodeProto, index: UseIndex) -> _Pair | None:
     """The pair starting at `first`, when it qualifies."""
-    if not _is_conv(first) or not _own_float_parameters(first, index):
+    if not _is_conv(first) or not own_float_parameters(first, index):
         return None
     value, through = first.output[0], ""
     reader = index.only_reader(value)
@@ -149,7 +149,7 @@ def _pair_from(first: onnx.NodeProto, index: UseIndex) -> _Pair | None:
         reader = index.only_reader(value)
     if reader is None or not _is_conv(reader) or reader.input[0] != value:
         return None
-    if not _own_float_parameters(reader, index, with_bias=False):
+    if not own_float_parameters(reader, index, with_bias=False):
         return None
     first_weight = index.constant(first.input[1])
     second_weight = index.constant(reader.input[1])
@@ -178,7 +178,7 @@ def _parameters(conv: onnx.NodeProto) -> tuple[str, ...]:
     return (conv.input[1], conv.input[2]) if has_bias else (conv.input[1],)
 
 
-def _own_float_parameters(conv: onnx.NodeProto, index: UseIndex, *, with_bias: bool = True) -> bool:
+def own_float_parameters(conv: onnx.NodeProto, index: UseIndex, *, with_bias: bool = True) -> bool:
     """Whether the Conv's weight (and bias) are float32 initializers read by it alone."""
     names = _parameters(conv) if with_bias else (conv.input[1],)
     for name in names:

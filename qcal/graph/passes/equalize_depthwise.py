@@ -42,6 +42,7 @@ import onnx
 from onnx import numpy_helper
 
 from qcal.graph.files.large import tensor_array
+from qcal.graph.passes.equalize import own_float_parameters
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, float_attribute, int_attribute
 
 __all__ = [
@@ -60,7 +61,6 @@ _HEADROOM = 2.0
 # int32 limit.
 _MAX_SCALE = 1000.0
 _HOMOGENEOUS = frozenset({"Relu", "LeakyRelu", "PRelu"})
-_FLOAT = onnx.TensorProto.FLOAT
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def find_depthwise_inputs(model: onnx.ModelProto) -> list[DepthwiseInput]:
 
 
 def _target_from(first: onnx.NodeProto, index: UseIndex) -> DepthwiseInput | None:
-    if not _is_conv(first) or not _own_float(first, index, with_bias=True):
+    if not _is_conv(first) or not own_float_parameters(first, index):
         return None
     weight = index.constant(first.input[1])
     assert weight is not None
@@ -134,23 +134,9 @@ def _is_conv(node: onnx.NodeProto) -> bool:
             and bool(node.name))
 
 
-def _own_float(conv: onnx.NodeProto, index: UseIndex, *, with_bias: bool) -> bool:
-    """Whether the Conv's weight (and bias) are float32 initializers read by it alone."""
-    names = [conv.input[1]]
-    if with_bias and len(conv.input) > 2 and conv.input[2]:
-        names.append(conv.input[2])
-    for name in names:
-        tensor = index.constant(name)
-        if tensor is None or tensor.data_type != _FLOAT or not tensor.dims:
-            return False
-        if len(index.uses.get(name, ())) != 1 or name in index.graph_outputs:
-            return False
-    return True
-
-
 def _depthwise_of(node: onnx.NodeProto, value: str, channels: int, index: UseIndex) -> bool:
     """Whether `node` is a depthwise Conv of `value` (one input channel per group)."""
-    if not _is_conv(node) or node.input[0] != value or not _own_float(node, index, with_bias=False):
+    if not _is_conv(node) or node.input[0] != value or not own_float_parameters(node, index, with_bias=False):
         return False
     weight = index.constant(node.input[1])
     assert weight is not None
