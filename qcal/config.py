@@ -90,7 +90,7 @@ class CalibrationConfig:
     weight_only: str | None = None  # "int4": MatMul/Gemm weights alone, in blocks along K
     block_size: int = DEFAULT_BLOCK_SIZE
     weight_only_format: str = "matmulnbits"  # or "qdq"
-    equalize: bool = False  # cross-layer equalization of Conv pairs (qcal.graph.passes.equalize)
+    equalize: bool = False  # depthwise inputs or Conv pairs evened out (qcal._transforms)
     smooth_quant: float | str | None = None  # SmoothQuant's alpha, or "auto" per layer
     data: Path | None = None
     eval_data: Path | None = None

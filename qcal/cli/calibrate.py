@@ -62,8 +62,9 @@ from qcal.numerics.errors import ConfigError, OutputError
               help="--weight-only: onnxruntime's MatMulNBits, or int4 DequantizeLinear (qdq, "
                    "opset 21).")
 @click.option("--equalize/--no-equalize", default=False, show_default=True,
-              help="Cross-layer equalization: even out the channel ranges of Conv pairs "
-                   "(weights only; the float outputs stay the same).")
+              help="Even out channel ranges, the float outputs staying the same: with "
+                   "per-channel weights, those of depthwise Conv inputs (one more pass over the "
+                   "data); with per-tensor weights, those of Conv pairs' weights.")
 @click.option("--smooth-quant", metavar="ALPHA|auto",
               help="SmoothQuant: move activation outliers of MatMul/Gemm inputs into their "
                    "weights with strength ALPHA in [0, 1], or the best of 0.3..0.9 per layer "
