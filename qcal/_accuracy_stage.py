@@ -48,11 +48,11 @@ def _compute_macs(
     model: onnx.ModelProto, calib: Any, inputs: Sequence[InputSpec], config: CalibrationConfig
 ) -> tuple[dict[str, int | None], dict[str, int]]:
     """MACs per compute node of the main graph, and per call of those in bodies whose shapes
-    inference knows (`body_macs`, when placement weighs sizes), at the shapes of the largest of the first few samples (most
-    input values; the first of equals): a decoder step's first sample may hold an empty cache,
-    whose attention products count nothing (coverage read 99.8 % where it is 87 % at a cache of
-    31). Where every input's shape is fixed but for the batch axis, the first sample is read
-    alone."""
+    inference knows (`body_macs`, when placement weighs sizes), at the shapes of the largest of
+    the first few samples (most input values; the first of equals): a decoder step's first
+    sample may hold an empty cache, whose attention products count nothing (coverage read
+    99.8 % where it is 87 % at a cache of 31). Where every input's shape is fixed but for the
+    batch axis, the first sample is read alone."""
     varies = any(not isinstance(d, int) for spec in inputs for d in spec.shape[1:])
     largest, most = None, -1
     for sample in islice(calib.samples(), _SHAPE_SAMPLES if varies else 1):

@@ -124,6 +124,7 @@ def equalize_depthwise_inputs(
     extremes = collect_channel_extremes(
         model, [v for t in targets for v in t.values], batches,
         providers=config.providers, threads=config.threads, on_batch=on_batch)
+    initializers = {t.name: t for t in model.graph.initializer}
     done = []
     for target in targets:
         if not all(v in extremes and extremes[v][0].shape == (target.channels,)
@@ -134,7 +135,7 @@ def equalize_depthwise_inputs(
         scale = depthwise_scales(target, low, high)
         if np.all(scale == 1.0):
             continue
-        apply_depthwise_scales(model, target, scale)
+        apply_depthwise_scales(initializers, target, scale)
         before = input_magnitudes(target, low, high)
         done.append(EqualizedInput(
             target.first, target.through, target.depthwise, float(scale.max()),

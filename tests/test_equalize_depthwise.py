@@ -34,10 +34,11 @@ def _model(seed: int, *, activation: str = "Clip", low: float = 0.0) -> onnx.Mod
     inverse (channel 0, the widest, reaches the Clip's bound of 6 on the data)."""
     rng = np.random.default_rng(seed)
     spread = np.geomspace(2.0, 0.002, CHANNELS)
+    along = spread[:, None, None, None]
     inits = {
-        "w0": (rng.normal(size=(CHANNELS, 3, 3, 3)) * spread[:, None, None, None]).astype(np.float32),
+        "w0": (rng.normal(size=(CHANNELS, 3, 3, 3)) * along).astype(np.float32),
         "b0": (np.abs(rng.normal(size=CHANNELS)) * spread).astype(np.float32),
-        "dw": (rng.normal(size=(CHANNELS, 1, 3, 3)) / spread[:, None, None, None]).astype(np.float32),
+        "dw": (rng.normal(size=(CHANNELS, 1, 3, 3)) / along).astype(np.float32),
         "dwb": rng.normal(size=CHANNELS).astype(np.float32),
         "pw": rng.normal(size=(4, CHANNELS, 1, 1)).astype(np.float32),
         "lo": np.array(low, np.float32),
@@ -65,7 +66,7 @@ def _equalize(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     low = np.stack([extremes[v][0] for v in target.values])
     high = np.stack([extremes[v][1] for v in target.values])
     scale = depthwise_scales(target, low, high)
-    apply_depthwise_scales(model, target, scale)
+    apply_depthwise_scales({t.name: t for t in model.graph.initializer}, target, scale)
     return scale
 
 

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from qcal.calibration.reduce_min_max import add_min_max_outputs, read_per_channel
 from qcal.calibration.runtime import create_session, run_batches
-from qcal.graph.structure import exposing
+from qcal.graph.shapes import value_ranks
+from qcal.graph.structure import element_types, exposing
 from qcal.numerics.errors import DataError
 
 __all__ = ["ROWS", "ChannelStats", "collect_channel_extremes", "collect_channel_stats"]
@@ -121,22 +123,34 @@ def collect_channel_extremes(
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Run `model` over `batches` once: per activation of `names`, the (min, max) of each
     channel along axis 1 (NCHW), float32; absent for an activation that received no values.
-    Exact, so the same whatever the data order or batch split; a NaN propagates into its
-    channel's extremes (the caller leaves such a channel alone)."""
-    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    if not names:
-        return found
-    ordered = sorted(set(names))
-    session = create_session(exposing(model, ordered), providers=providers, threads=threads,
+    Float32 activations of known rank are reduced inside onnxruntime (`reduce_min_max`, as the
+    collection's per-channel observers are), the others leave it whole. Exact, so the same
+    whatever the data order or batch split; NaN where a channel held one (the caller leaves
+    such a channel alone)."""
+    ranks, types = value_ranks(model.graph), element_types(model.graph)
+    in_graph: dict[str, int | None] = {
+        name: 1 for name in names
+        if ranks.get(name, 0) >= 2 and types.get(name) == onnx.TensorProto.FLOAT}
+    whole = sorted(set(names) - in_graph.keys())
+    reducing, layout = add_min_max_outputs(model, in_graph)
+    session = create_session(exposing(reducing, whole), providers=providers, threads=threads,
                              what="equalization statistics model")
-    for values in run_batches(session, ordered, batches, what="equalization statistics pass",
-                              on_batch=on_batch):
-        for name, value in values.items():
-            if value.ndim < 2 or value.size == 0:
-                continue
-            axes = (0, *range(2, value.ndim))
-            low, high = value.min(axis=axes), value.max(axis=axes)
-            if name in found:
-                low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)
-            found[name] = (low.astype(np.float32), high.astype(np.float32))
+    del reducing
+    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def merge(name: str, low: np.ndarray, high: np.ndarray) -> None:
+        if name in found:
+            low, high = np.minimum(found[name][0], low), np.maximum(found[name][1], high)
+        found[name] = (low.astype(np.float32), high.astype(np.float32))
+
+    for arrays in run_batches(session, layout.output_names + whole, batches,
+                              what="equalization statistics pass", on_batch=on_batch):
+        for name, low, high in read_per_channel(layout, arrays):
+            if low is not None and high is not None:  # None: empty in this batch
+                merge(name, low, high)
+        for name in whole:
+            value = arrays[name]
+            if value.ndim >= 2 and value.size:
+                axes = (0, *range(2, value.ndim))
+                merge(name, value.min(axis=axes), value.max(axis=axes))
     return found

@@ -37,7 +37,7 @@ from qcal.graph.files.large import tensor_array
 from qcal.graph.passes._base import StepResult
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, int_attribute
 
-__all__ = ["EqualizeLayers", "EqualizedPair", "own_float_parameters"]
+__all__ = ["EqualizeLayers", "EqualizedPair", "conv_parameters", "own_float_parameters"]
 
 _MAX_SWEEPS = 20
 _CONVERGED = 1e-4  # a sweep whose every scale is within this of 1 changes nothing that matters
@@ -106,7 +106,7 @@ class EqualizeLayers:
             return StepResult(model, False)
         weights = {
             name: tensor_array(index.initializers[name]).astype(np.float64)
-            for p in pairs for name in _parameters(p.first) + (p.second.input[1],)
+            for p in pairs for name in conv_parameters(p.first) + (p.second.input[1],)
         }
         before = {id(p): _range_ratio(_output_ranges(weights[p.first.input[1]])) for p in pairs}
         for _ in range(_MAX_SWEEPS):
@@ -173,14 +173,14 @@ def _homogeneous(node: onnx.NodeProto, index: UseIndex) -> bool:
     return slope is not None and int(np.prod(slope.dims)) == 1
 
 
-def _parameters(conv: onnx.NodeProto) -> tuple[str, ...]:
+def conv_parameters(conv: onnx.NodeProto) -> tuple[str, ...]:
     has_bias = len(conv.input) > 2 and bool(conv.input[2])
     return (conv.input[1], conv.input[2]) if has_bias else (conv.input[1],)
 
 
 def own_float_parameters(conv: onnx.NodeProto, index: UseIndex, *, with_bias: bool = True) -> bool:
     """Whether the Conv's weight (and bias) are float32 initializers read by it alone."""
-    names = _parameters(conv) if with_bias else (conv.input[1],)
+    names = conv_parameters(conv) if with_bias else (conv.input[1],)
     for name in names:
         tensor = index.constant(name)
         if tensor is None or tensor.data_type != _FLOAT or not tensor.dims:

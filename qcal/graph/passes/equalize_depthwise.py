@@ -34,7 +34,7 @@ This module finds the targets and applies the scales; `qcal._transforms` measure
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +42,7 @@ import onnx
 from onnx import numpy_helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.passes.equalize import own_float_parameters
+from qcal.graph.passes.equalize import conv_parameters, own_float_parameters
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, float_attribute, int_attribute
 
 __all__ = [
@@ -61,6 +61,7 @@ _HEADROOM = 2.0
 # int32 limit.
 _MAX_SCALE = 1000.0
 _HOMOGENEOUS = frozenset({"Relu", "LeakyRelu", "PRelu"})
+_FUSED = frozenset({"Relu", "Clip"})  # onnxruntime fuses them into the Conv's integer kernel
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class DepthwiseInput:
             activation's (the depthwise input), each NCHW with the channels on axis 1.
         bounds: the activation's (low, high) clip bounds, or None when it is unbounded.
         channels: A's output channels.
-        relu: the activation is a Relu (fused into A's integer kernel, like a Clip).
+        activation: the activation's op type ("" when none).
+        scaled: A's weight (and bias): multiplied by the scales.
+        divided: the depthwise Convs' weights: divided by them.
     """
 
     first: str
@@ -84,7 +87,9 @@ class DepthwiseInput:
     values: tuple[str, ...]
     bounds: tuple[float, float] | None
     channels: int
-    relu: bool = False
+    activation: str
+    scaled: tuple[str, ...]
+    divided: tuple[str, ...]
 
 
 def find_depthwise_inputs(model: onnx.ModelProto) -> list[DepthwiseInput]:
@@ -126,7 +131,8 @@ def _target_from(first: onnx.NodeProto, index: UseIndex) -> DepthwiseInput | Non
     if not readers or any(not _depthwise_of(r, value, channels, index) for r in readers):
         return None
     return DepthwiseInput(first.name, through, tuple(r.name for r in readers), tuple(values),
-                          bounds, channels, relu=through != "" and activation_op == "Relu")
+                          bounds, channels, activation_op, conv_parameters(first),
+                          tuple(r.input[1] for r in readers))
 
 
 def _is_conv(node: onnx.NodeProto) -> bool:
@@ -136,7 +142,9 @@ def _is_conv(node: onnx.NodeProto) -> bool:
 
 def _depthwise_of(node: onnx.NodeProto, value: str, channels: int, index: UseIndex) -> bool:
     """Whether `node` is a depthwise Conv of `value` (one input channel per group)."""
-    if not _is_conv(node) or node.input[0] != value or not own_float_parameters(node, index, with_bias=False):
+    if not _is_conv(node) or node.input[0] != value:
+        return False
+    if not own_float_parameters(node, index, with_bias=False):
         return False
     weight = index.constant(node.input[1])
     assert weight is not None
@@ -166,7 +174,7 @@ def depthwise_scales(target: DepthwiseInput, low: np.ndarray, high: np.ndarray) 
     The ranges evened out are those of the values the model quantizes: after a Relu or Clip,
     only the activation's output (onnxruntime fuses them into the Conv, whose integer output is
     the activation's); otherwise every value on the way (A's output is quantized on its own)."""
-    fused = target.bounds is not None or target.relu
+    fused = target.activation in _FUSED
     measured = slice(1, None) if fused else slice(None)
     magnitude = np.max(np.maximum(np.abs(low[measured]), np.abs(high[measured])), axis=0)
     magnitude = magnitude.astype(np.float64)
@@ -215,27 +223,19 @@ def _room(extreme: np.ndarray, bound: float) -> np.ndarray:
     return room
 
 
-def apply_depthwise_scales(model: onnx.ModelProto, target: DepthwiseInput,
-                           scale: np.ndarray) -> None:
-    """Multiply A's output channels by `scale` and divide the depthwise weights reading them."""
-    index = UseIndex.build(model.graph)
-    nodes = {n.name: n for n in model.graph.node}
-    first = nodes[target.first]
-
-    def along_rows(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return rows.reshape((-1,) + (1,) * (w.ndim - 1))
-
-    _rewrite(index, first.input[1], lambda w: w * along_rows(w, scale))
-    if len(first.input) > 2 and first.input[2]:
-        _rewrite(index, first.input[2], lambda b: b * scale)
-    for name in target.depthwise:
+def apply_depthwise_scales(initializers: Mapping[str, onnx.TensorProto],
+                           target: DepthwiseInput, scale: np.ndarray) -> None:
+    """Multiply A's output channels by `scale` and divide the depthwise weights reading them
+    (`initializers`: the model's, by name)."""
+    for name in target.scaled:  # the weight's rows (axis 0), or the bias
+        _rewrite(initializers[name], lambda w: w * scale.reshape((-1,) + (1,) * (w.ndim - 1)))
+    for name in target.divided:
         # a channel multiplier m: output channels c*m .. c*m+m-1 read input channel c
-        _rewrite(index, nodes[name].input[1], lambda w: w / along_rows(
-            w, np.repeat(scale, w.shape[0] // target.channels)))
+        _rewrite(initializers[name], lambda w: w / np.repeat(
+            scale, w.shape[0] // target.channels).reshape((-1,) + (1,) * (w.ndim - 1)))
 
 
-def _rewrite(index: UseIndex, name: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
+def _rewrite(tensor: onnx.TensorProto, change: Callable[[np.ndarray], np.ndarray]) -> None:
     """Change a float32 initializer in float64, rounding once to float32."""
-    tensor = index.initializers[name]
     array = change(tensor_array(tensor).astype(np.float64))
-    tensor.CopyFrom(numpy_helper.from_array(array.astype(np.float32), name))
+    tensor.CopyFrom(numpy_helper.from_array(array.astype(np.float32), tensor.name))
