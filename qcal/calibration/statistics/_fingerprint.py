@@ -11,29 +11,18 @@ someone crafting a collision.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SCHEME", "Fingerprint", "FingerprintedSource", "sample_digest"]
+from qcal.calibration.data._content import sample_digest
+
+__all__ = ["SCHEME", "Fingerprint", "FingerprintedSource"]
 
 SCHEME = "sum-sha256-v1"
 _MODULUS = 1 << 256
-
-
-def sample_digest(feed: Mapping[str, np.ndarray]) -> int:
-    """The SHA-256 of one sample, as an integer."""
-    digest = hashlib.sha256()
-    for name in sorted(feed):
-        array = np.asarray(feed[name])
-        data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        digest.update(name.encode() + b"\0" + data.dtype.str.encode() + b"\0")
-        digest.update(repr(tuple(int(d) for d in data.shape)).encode() + b"\0")
-        digest.update(data.tobytes())
-    return int.from_bytes(digest.digest(), "big")
 
 
 class Fingerprint:
