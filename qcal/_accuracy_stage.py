@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import islice
 from typing import Any
 
 import numpy as np
 import onnx
 
-from qcal._inputs import _SampleRange
 from qcal._stages import Progress, _stage_progress, _Timings
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.fallback import (
@@ -45,17 +43,19 @@ _SHAPE_SAMPLES = 32
 
 
 def _compute_macs(
-    model: onnx.ModelProto, calib: Any, inputs: Sequence[InputSpec], config: CalibrationConfig
+    model: onnx.ModelProto, calib: Any, order: data_mod.ContentOrder,
+    inputs: Sequence[InputSpec], config: CalibrationConfig,
 ) -> tuple[dict[str, int | None], dict[str, int]]:
     """MACs per compute node of the main graph, and per call of those in bodies whose shapes
     inference knows (`body_macs`, when placement weighs sizes), at the shapes of the largest of
-    the first few samples (most input values; the first of equals): a decoder step's first
-    sample may hold an empty cache, whose attention products count nothing (coverage read
-    99.8 % where it is 87 % at a cache of 31). Where every input's shape is fixed but for the
-    batch axis, the first sample is read alone."""
+    the first few samples in their content's `order` (most input values; the first of equals):
+    a decoder step's first sample may hold an empty cache, whose attention products count
+    nothing (coverage read 99.8 % where it is 87 % at a cache of 31). Where every input's shape
+    is fixed but for the batch axis, the first sample is read alone."""
     varies = any(not isinstance(d, int) for spec in inputs for d in spec.shape[1:])
     largest, most = None, -1
-    for sample in islice(calib.samples(), _SHAPE_SAMPLES if varies else 1):
+    probes = data_mod.SampleSubset(calib, order.positions[:_SHAPE_SAMPLES if varies else 1])
+    for sample in probes.samples():
         size = sum(int(np.size(value)) for value in sample.values())
         if size > most:
             largest, most = sample, size
@@ -80,6 +80,7 @@ def _improve_accuracy(
     (`measure_blocks`), then, where that falls short or cannot be measured, by the error jumps
     of two passes (`qcal.accuracy.localise`)."""
     sensitivity = None
+    first_samples = _first_by_content(source)
     if config.sensitivity:
         with timings.stage("sensitivity"):
             count, screen = _sensitivity_samples(config, plan, source)
@@ -88,7 +89,7 @@ def _improve_accuracy(
             # change in the last bits (and the fallback's ranking with them).
             sensitivity = measure_sensitivity(
                 model, plan, act_params, weights,
-                data_mod.iter_batches(_SampleRange(source, 0, count), inputs, 1),
+                data_mod.iter_batches(first_samples(count), inputs, 1),
                 screen_samples=screen, refine_runs=_REFINE_RUNS, providers=config.providers,
                 on_batch=_stage_progress(progress, "sensitivity", count),
             )
@@ -118,7 +119,7 @@ def _improve_accuracy(
         # to the floor never localises by jumps at all.
         with timings.stage("localise blocks"):
             feeds = [feed for feed, _ in data_mod.iter_batches(
-                _spread_samples(source, _BLOCK_SAMPLES), inputs, 1)]
+                first_samples(_BLOCK_SAMPLES), inputs, 1)]
             try:
                 blocks = measure_blocks(model, plan, act_params, weights, feeds,
                                         providers=config.providers)
@@ -137,7 +138,7 @@ def _improve_accuracy(
         with timings.stage("localise"):
             sensitivity = localise_error(
                 model, quant_model, plan,
-                data_mod.iter_batches(_spread_samples(source, _LOCALISE_SAMPLES), inputs, 1),
+                data_mod.iter_batches(first_samples(_LOCALISE_SAMPLES), inputs, 1),
                 providers=config.providers,
             )
     with timings.stage("fallback"):
@@ -162,12 +163,20 @@ def _after_both(blocks: FallbackResult, jumps: FallbackResult) -> FallbackResult
     return replace(chosen, steps=steps, message=message)
 
 
-def _spread_samples(source: Any, count: int) -> _SampleRange:
-    """`count` samples spread over the data: its first samples may all be alike (a recording
-    that starts in silence)."""
-    available = source.num_samples() or count
-    step = max(1, available // count)
-    return _SampleRange(source, 0, min(available, step * count), step)
+def _first_by_content(source: Any) -> Callable[[int], Any]:
+    """A function of `count` giving the first `count` samples of `source` in their content's
+    order (`data.content_order`, read once when first asked for): the same samples whatever
+    order the data comes in, and spread over it as a random choice is (its first samples may
+    all be alike: a recording that starts in silence)."""
+    order: list[int] | None = None
+
+    def first(count: int) -> Any:
+        nonlocal order
+        if order is None:
+            order = data_mod.content_order(source).positions
+        return data_mod.SampleSubset(source, order[:count])
+
+    return first
 
 
 _LOCALISE_SAMPLES = 4  # samples the two localisation passes run on (every tensor exposed)

@@ -8,8 +8,7 @@ be joined at (the one check here that runs the model).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from itertools import islice
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import onnx
 
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.macs import compute_macs
+from qcal.calibration import data as data_mod
 from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
 from qcal.graph.model import QuantPlan, SelectionRules
@@ -142,39 +142,27 @@ def _check_agreement_options(config: CalibrationConfig, model: onnx.ModelProto) 
         )
 
 
-class _SampleRange:
-    """Samples [start, stop) of another source (the held-out part of the calibration data),
-    every `step`-th of them."""
-
-    def __init__(self, source: Any, start: int, stop: int, step: int = 1) -> None:
-        self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
-        self._source, self._range = source, range(start, stop, step)
-
-    def num_samples(self) -> int:
-        return len(self._range)
-
-    def samples(self) -> Iterator[dict[str, np.ndarray]]:
-        r = self._range
-        return islice(self._source.samples(), r.start, r.stop, r.step)
-
-
 def _accuracy_sources(
-    config: CalibrationConfig, calib: Any, eval_source: Any, *, collected: bool = False
+    config: CalibrationConfig, calib: Any, order: data_mod.ContentOrder, eval_source: Any, *,
+    collected: bool = False,
 ) -> tuple[Any, Any, str | None]:
     """(calibration, evaluation, evaluation label): without evaluation data, the accuracy
-    floor's check (and sensitivity and fallback) hold out the last quarter of the calibration
-    samples (at most 256) to measure on: the samples the ranges were fitted on flatter a model
-    (silero-vad kept 99.1 % of its decisions on them and 97.0 % on other speech). Statistics
+    floor's check (and sensitivity and fallback) hold out a quarter of the calibration samples
+    (at most 256) to measure on: the samples the ranges were fitted on flatter a model
+    (silero-vad kept 99.1 % of its decisions on them and 97.0 % on other speech). They are the
+    first of the samples in their content's `order` (`data.content_order`), not the last in the
+    data's, so the same samples in any order calibrate on the same ones and write the same
+    model; and only samples whose numbers are all finite: calibration refuses NaN and infinite
+    values where an observed tensor meets them, which an evaluation cannot tell. Statistics
     `collected` beforehand (`--stats`) saw every sample: nothing is held out then."""
     if eval_source is not None or not config.checks_accuracy or collected:
         return calib, eval_source, None
-    count = calib.num_samples() or 0
-    held = min(count // 4, 256)
+    held = min(len(order.positions) // 4, order.finite, 256)
     if held < 1:
         return calib, None, None  # too few to split: measured on the calibration data itself
-    kept = count - held
-    label = f"calibration samples {kept}-{count - 1}, held out from calibration"
-    return _SampleRange(calib, 0, kept), _SampleRange(calib, kept, count), label
+    label = "a quarter of the calibration samples, chosen by their content, held out from calibration"
+    return (data_mod.SampleSubset(calib, sorted(order.positions[held:])),
+            data_mod.SampleSubset(calib, sorted(order.positions[:held])), label)
 
 
 # About two milliseconds of float work per sample on one core (see `_exact_runs`).

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +169,13 @@ def calibrate(
             data_mod.validate_data(eval_source, inputs)
         labels_path = _labels_path(config, eval_path)
         labels = load_labels(labels_path) if labels_path is not None else None
-        calib, eval_source, eval_label = _accuracy_sources(config, calib, eval_source,
+        # The samples ranked by their content: what is held out, and the samples checks and
+        # shape probes run on, are the same whatever order the data comes in.
+        order = data_mod.content_order(calib)
+        all_calib = calib
+        calib, eval_source, eval_label = _accuracy_sources(config, calib, order, eval_source,
                                                            collected=statistics is not None)
-        macs, body_macs = _compute_macs(prepared, calib, inputs, config)
+        macs, body_macs = _compute_macs(prepared, all_calib, order, inputs, config)
         rules = with_product_sizes(_selection_rules(config), {**macs, **body_macs}, config)
         plan = plan_quantization(prepared, rules)
         _check_overrides(config, plan)
@@ -200,7 +203,7 @@ def calibrate(
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.
-    first_feed, _ = next(iter(data_mod.iter_batches(calib, inputs, 1)))
+    first_feed = next(iter(data_mod.SampleSubset(all_calib, order.positions[:1]).samples()))
     # Weights-only rewrites (the plan above holds): the float model keeps its outputs.
     transforms, transform_steps = apply_transforms(
         prepared, config, preset, calib_batches,
@@ -225,6 +228,7 @@ def calibrate(
                         expected_samples=calib.num_samples(),
                         # evaluated on the calibration data: its float outputs come from here
                         outputs=None if source is not calib else _output_sink(prepared, reference),
+                        name_samples=partial(data_mod.name_samples, calib),
                     )
                 except DataError as err:
                     blame_nan_weights(prepared)  # a NaN inside the model is the model's fault
@@ -326,8 +330,9 @@ def calibrate(
             # a float16 model widened to float32 computes more precisely than the user's
             widened = any(step.name == "widen-half" for step in steps)
             drift = None if users is None or widened else prepared_model_drift(
-                users, prepared, islice((f for f, _ in data_mod.iter_batches(calib, inputs, 1)),
-                                        PREPARED_CHECK_SAMPLES), config)
+                users, prepared,
+                data_mod.SampleSubset(all_calib, order.positions[:PREPARED_CHECK_SAMPLES]).samples(),
+                config)
         with timings.stage("latency"):
             speed = time_against_users_model(users, prepared, loaded, quant_model,
                                              first_feed, config)

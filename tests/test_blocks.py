@@ -115,12 +115,15 @@ def test_below_the_floor_the_fallback_searches_by_blocks_first(
     naive = calibrate(path, CalibrationConfig(min_product_macs=0, fallback=False))
     assert naive.report["evaluation"]["outputs"][0]["top1_agreement"] < 0.99
     monkeypatch.setattr(accuracy_stage, "rank_candidates", lambda *args: [])
-    result = calibrate(path, CalibrationConfig(min_product_macs=0))
+    # Each of the chain's seven products is 9-15 % of its MACs: with h2 float, the other
+    # roundings may still flip 1-2 % of the decisions on these random weights, and the search
+    # may need another product or two past the default coverage floor.
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, min_coverage=50.0))
     report = result.report
     fallback = report["fallback"]
     assert fallback["reached"], fallback["message"]
     assert "in blocks" in fallback["message"]
-    assert "h2" in [k["tensor"] for k in fallback["kept_float"]]
+    assert fallback["kept_float"][0]["tensor"] == "h2"  # the harmful one, ranked first
     assert all("quantized alone" in k["reason"] and "output SQNR" in k["reason"]
                for k in fallback["kept_float"])  # no softmax output: the outputs' SQNR
     assert "localise blocks" in report["timings_seconds"]
@@ -203,7 +206,9 @@ def test_a_run_below_the_floor_with_a_zipmap_output_localises_on_the_tensors(
     path, data = save_with_data(tmp_path, "chain", model, 4, calib=64, evaluate=200,
                                 features=WIDTH)
     assert data is not None
-    result = calibrate(path, CalibrationConfig(min_product_macs=0, allow_slower=True))
+    # the coverage floor as in test_below_the_floor_the_fallback_searches_by_blocks_first
+    result = calibrate(path, CalibrationConfig(min_product_macs=0, allow_slower=True,
+                                               min_coverage=50.0))
     report = result.report
     assert report["fallback"]["reached"], report["fallback"]["message"]
     expected = run(deep_chain(), {"x": data})[0].argmax(1)

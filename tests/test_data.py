@@ -19,10 +19,14 @@ from qcal.calibration.data import (
     SYNTHETIC_FREE_DIM,
     SYNTHETIC_INT_HIGH,
     DataSource,
+    SampleSubset,
     _read_tensor_header,
+    content_order,
     find_nonfinite,
     iter_batches,
+    name_samples,
     open_data,
+    sample_digest,
     validate_data,
 )
 from qcal.graph.model import InputSpec
@@ -762,3 +766,56 @@ def test_string_inputs_of_test_data_sets_are_passed_through(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     quantized = onnx.load(tmp_path / "q.onnx")
     assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
+
+
+class _Rows:
+    """A source of single-row samples that counts how many it reads."""
+
+    kind, path, is_synthetic = "npz", None, False
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows, self.read = rows, 0
+
+    def num_samples(self) -> int:
+        return len(self.rows)
+
+    def samples(self) -> Any:
+        for row in self.rows:
+            self.read += 1
+            yield {"x": row[None]}
+
+
+def test_content_order_ranks_samples_by_digest_whatever_the_data_order() -> None:
+    rows = np.random.default_rng(3).standard_normal((12, 4)).astype(np.float32)
+    digests = [sample_digest({"x": row[None]}) for row in rows]
+    order = content_order(_Rows(rows))
+    assert order.finite == 12 and [digests[p] for p in order.positions] == sorted(digests)
+    flipped = content_order(_Rows(rows[::-1]))
+    assert [len(rows) - 1 - p for p in flipped.positions] == order.positions  # first to last
+
+
+def test_content_order_puts_samples_holding_nan_or_inf_last() -> None:
+    rows = np.random.default_rng(4).standard_normal((6, 3)).astype(np.float32)
+    rows[1, 2], rows[4, 0] = np.nan, -np.inf
+    order = content_order(_Rows(rows))
+    assert order.finite == 4 and sorted(order.positions[4:]) == [1, 4]
+
+
+def test_sample_subset_gives_its_positions_in_the_order_asked_reading_no_further() -> None:
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    source = _Rows(rows)
+    subset = SampleSubset(source, [6, 1, 3])
+    assert subset.num_samples() == 3
+    got = [s["x"][0, 0] for s in subset.samples()]
+    assert got == [12.0, 2.0, 6.0]
+    assert source.read == 7  # up to position 6, not beyond
+    assert list(SampleSubset(source, []).samples()) == []
+    assert [s["x"][0, 0] for s in SampleSubset(source, [9, 0]).samples()] == [18.0, 0.0]
+
+
+def test_errors_name_a_subsets_samples_by_their_positions_in_the_data() -> None:
+    subset = SampleSubset(_Rows(np.zeros((10, 2), np.float32)), [0, 1, 3, 4, 7])
+    assert name_samples(subset, 0, 2) == "samples 0-1"
+    assert name_samples(subset, 1, 2) == "samples 1, 3"
+    assert name_samples(subset, 4, 1) == "sample 7"
+    assert name_samples(None, 5, 3) == "samples 5-7"  # a plain source: counted in order

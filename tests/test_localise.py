@@ -81,22 +81,6 @@ def test_each_sample_weighs_the_same_in_the_error_ratios() -> None:
     assert harm["w1"] == pytest.approx(np.mean(ratios), rel=1e-4)
 
 
-def test_a_sample_range_takes_every_step_th_sample() -> None:
-    """The localisation's few samples are spread over the data (a recording may start with
-    seconds of silence): every step-th sample of the range, counted as such."""
-    from qcal._inputs import _SampleRange
-
-    class Numbers:
-        kind, path, is_synthetic = "npz", None, False
-
-        def samples(self):  # type: ignore[no-untyped-def]
-            return iter({"x": np.array([i])} for i in range(10))
-
-    spread = _SampleRange(Numbers(), 0, 8, 2)
-    assert spread.num_samples() == 4
-    assert [int(s["x"][0]) for s in spread.samples()] == [0, 2, 4, 6]
-
-
 def test_an_error_where_the_float_model_computes_zeros_is_the_largest_ratio() -> None:
     """A layer the float model computes as all zeros (a zero-initialised weight) that the
     quantized model computes otherwise: noise with no signal, ratio 1 (noise as large as the

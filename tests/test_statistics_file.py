@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from qcal.calibration.data._content import sample_digest
+from qcal.calibration.data import sample_digest
 from qcal.calibration.statistics import read_statistics
 from qcal.calibration.statistics._fingerprint import Fingerprint
 from qcal.cli import main

@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import onnx
 
 from qcal.calibration.data import find_nonfinite
+from qcal.calibration.data import name_samples as name_in_data
 from qcal.calibration.expose_subgraph_tensors import expose_subgraph_tensors
 from qcal.calibration.reduce_min_max import (
     MinMaxLayout,
@@ -244,6 +246,9 @@ def _update_observers(
             raise type(err)(f"tensor {tensor!r}: {err}") from None
 
 
+_IN_ORDER = partial(name_in_data, None)  # samples named as counted in the batches
+
+
 def collect(
     model: onnx.ModelProto,
     observers: Mapping[str, Observer],
@@ -254,9 +259,11 @@ def collect(
     on_batch: OnBatch | None = None,
     expected_samples: int | None = None,
     outputs: OutputSink | None = None,
+    name_samples: Callable[[int, int], str] = _IN_ORDER,
 ) -> CollectionSummary:
     """Run `model` on every batch and update `observers` (keyed by tensor name) in data order;
-    the model's outputs go to `outputs` when given.
+    the model's outputs go to `outputs` when given. An error names the samples of a batch by
+    `name_samples(first, n)` (counted in the batches' order by default).
 
     `expected_samples` (the size of the data, when known) decides early whether loading the
     compiled kernels pays (:class:`_KernelsWhenWorthIt`); results never depend on it.
@@ -284,8 +291,8 @@ def collect(
     statistics = _ReducedFeed(by_output, reduced)
     samples = batch_count = 0
     kernels_when_worth_it = _KernelsWhenWorthIt(expected_samples)
-    # The batch being observed, with its feed and first sample (to name bad inputs on failure).
-    pending: tuple[list[Future[None]], Feed, int, int] | None = None
+    # The batch being observed, with its feed and samples (to name bad inputs on failure).
+    pending: tuple[list[Future[None]], Feed, str] | None = None
     # Not a `with` block: on an interrupt (Ctrl-C raises wherever the program is, even inside a
     # lock the workers need) the pool is left without waiting for its threads. Started only
     # for whole tensors: extremes taken inside onnxruntime are a few numbers a batch, fed here
@@ -294,7 +301,8 @@ def collect(
     pool: ThreadPoolExecutor | None = None
     try:
         for feed, n in batches:
-            arrays = _run(session, output_names, feed, samples, n)
+            which = name_samples(samples, n)
+            arrays = _run(session, output_names, feed, which)
             by_name = dict(zip(output_names, arrays))
             if outputs is not None:  # copies: onnxruntime's arrays held 0.5 GB more on det
                 outputs.keep([np.array(by_name[name], copy=True) for name in kept])
@@ -312,7 +320,7 @@ def collect(
                                         share, extremes) for share in shares]
             else:
                 futures = [_done_here(_update_reduced, by_output, statistics, batch)]
-            pending = (futures, feed, samples, n)
+            pending = (futures, feed, which)
             del arrays, by_name
             samples += n
             batch_count += 1
@@ -368,20 +376,13 @@ class _KernelsWhenWorthIt:
             self._started = True
 
 
-def _samples_text(first: int, n: int) -> str:
-    """Which samples a batch holds, 0-based in data order."""
-    return f"sample {first}" if n == 1 else f"samples {first}-{first + n - 1}"
-
-
-def _run(
-    session: object, output_names: list[str], feed: Feed, first: int, n: int
-) -> list[np.ndarray]:
+def _run(session: object, output_names: list[str], feed: Feed, which: str) -> list[np.ndarray]:
     try:
         return session.run(output_names, dict(feed))  # type: ignore[attr-defined, no-any-return]
     except Exception as err:  # noqa: BLE001  onnxruntime raises its own untyped exceptions
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(
-            f"onnxruntime failed on calibration {_samples_text(first, n)}: {message}"
+            f"onnxruntime failed on calibration {which}: {message}"
         ) from None
 
 
@@ -397,7 +398,7 @@ def _done_here(update: Callable[..., None], *args: object) -> Future[None]:
     return future
 
 
-def _wait(futures: list[Future[None]], feed: Feed, first: int, n: int) -> None:
+def _wait(futures: list[Future[None]], feed: Feed, which: str) -> None:
     """The observers' update of one batch; a failure names the inputs holding NaN/inf."""
     try:
         for future in futures:
@@ -409,5 +410,5 @@ def _wait(futures: list[Future[None]], feed: Feed, first: int, n: int) -> None:
         names = ", ".join(repr(name) for name in bad)
         raise DataError(
             f"input {names} holds NaN or infinite values in calibration "
-            f"{_samples_text(first, n)} (0-based); {err}"
+            f"{which} (0-based); {err}"
         ) from None

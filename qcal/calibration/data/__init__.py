@@ -23,18 +23,28 @@ Formats (`open_data`):
 - Synthetic: N random samples from the model's input specs (see `SyntheticSource`).
 
 `validate_data` reads only headers: the ``.npy`` headers inside the zips, and the dims/type/name
-fields of the TensorProto files (tensor payloads are skipped, not read). Values are never scanned
-for NaN/Inf here (too costly); `find_nonfinite` names the culprit once a problem shows up.
+fields of the TensorProto files (tensor payloads are skipped, not read). Values are not scanned
+for NaN/Inf there; `find_nonfinite` names the culprit once a problem shows up. `content_order`
+reads every sample once (its digest, and whether its numbers are all finite), to pick samples by
+content rather than by position.
 
 Layout: `_source` (sample and source types, name matching shared by every reader), one reader
 module per format (`_npz_file`, `_npz_dir` over the ``.npy`` reading of `_npy`, in zips or plain,
 `_onnx_test_data`, `_synthetic`), `_open` (the entry point that picks the reader), `_validate`
-(checks against the model inputs, non-finite values) and `_batches` (joining samples).
+(checks against the model inputs, non-finite values), `_batches` (joining samples) and `_content`
+(samples chosen by their content, whatever the data's order).
 """
 
 from __future__ import annotations
 
 from qcal.calibration.data._batches import iter_batches
+from qcal.calibration.data._content import (
+    ContentOrder,
+    SampleSubset,
+    content_order,
+    name_samples,
+    sample_digest,
+)
 from qcal.calibration.data._npz_dir import NpzDirSource
 from qcal.calibration.data._npz_file import NpzSource
 from qcal.calibration.data._onnx_test_data import OnnxTestDataSource
@@ -55,15 +65,20 @@ __all__ = [
     "SYNTHETIC_FREE_DIM",
     "SYNTHETIC_INT_HIGH",
     "ArrayInfo",
+    "ContentOrder",
     "DataSource",
     "Feed",
     "NpzDirSource",
     "NpzSource",
     "OnnxTestDataSource",
     "SampleLayout",
+    "SampleSubset",
     "SyntheticSource",
+    "content_order",
     "find_nonfinite",
     "iter_batches",
+    "name_samples",
     "open_data",
+    "sample_digest",
     "validate_data",
 ]

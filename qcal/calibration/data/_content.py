@@ -1,13 +1,25 @@
-"""A sample's content as one number: what tells samples apart whatever order the data comes in."""
+"""Samples by their content: what picks the same samples whatever order the data comes in.
+
+A run that holds samples out of calibration to check the quantized model on, or measures
+sensitivity on a few samples, must not pick them by position: the same data in another order
+(another file listing, a shuffled export) would then calibrate on other samples and write
+another model. `content_order` ranks the samples by the SHA-256 of their content, an order that
+depends on the samples alone (samples holding NaN or infinite values last: the calibration's
+checks judge those, an evaluation cannot), and `SampleSubset` serves the samples at chosen
+positions, in the order chosen.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["sample_digest"]
+from qcal.calibration.runtime import Feed
+
+__all__ = ["ContentOrder", "SampleSubset", "content_order", "name_samples", "sample_digest"]
 
 
 def sample_digest(feed: Mapping[str, np.ndarray]) -> int:
@@ -21,3 +33,70 @@ def sample_digest(feed: Mapping[str, np.ndarray]) -> int:
         digest.update(repr(tuple(int(d) for d in data.shape)).encode() + b"\0")
         digest.update(data.tobytes())
     return int.from_bytes(digest.digest(), "big")
+
+
+class ContentOrder(NamedTuple):
+    """A source's sample positions ranked by content: those whose numbers are all finite first,
+    each part by digest (then position), and how many are finite."""
+
+    positions: list[int]
+    finite: int
+
+
+def content_order(source: Any) -> ContentOrder:
+    """The positions of `source`'s samples ordered by their digests, samples holding NaN or
+    infinite values last (one pass over the data, nothing kept but a digest and a flag per
+    sample). Samples of equal digests are equal, so whichever of them a prefix of this order
+    takes, it takes the same contents."""
+    keys = [(not _finite(sample), sample_digest(sample)) for sample in source.samples()]
+    positions = sorted(range(len(keys)), key=lambda position: (*keys[position], position))
+    return ContentOrder(positions, sum(1 for nonfinite, _ in keys if not nonfinite))
+
+
+def _finite(feed: Mapping[str, np.ndarray]) -> bool:
+    return all(bool(np.isfinite(a).all()) for a in map(np.asarray, feed.values())
+               if a.dtype.kind in "fc")
+
+
+class SampleSubset:
+    """The samples of `source` at `positions`, in the order of `positions`.
+
+    The source is read once per `samples()` call, up to the last position wanted; a sample read
+    before its turn is held until then, so positions in ascending order hold nothing and any
+    order holds at most the subset."""
+
+    def __init__(self, source: Any, positions: Sequence[int]) -> None:
+        self.kind, self.path, self.is_synthetic = source.kind, source.path, source.is_synthetic
+        self._source, self.positions = source, tuple(positions)
+
+    def num_samples(self) -> int:
+        return len(self.positions)
+
+    def samples(self) -> Iterator[Feed]:
+        turn = {position: k for k, position in enumerate(self.positions)}
+        waiting: dict[int, Feed] = {}
+        given = 0
+        if not turn:
+            return
+        for position, sample in enumerate(self._source.samples()):
+            k = turn.get(position)
+            if k is None:
+                continue
+            waiting[k] = sample
+            while given in waiting:
+                yield waiting.pop(given)
+                given += 1
+            if given == len(self.positions):
+                return
+
+
+def name_samples(source: Any, first: int, n: int) -> str:
+    """The `n` samples from the `first` that `source` gave, as an error names them: 0-based
+    positions in the data the user gave (a `SampleSubset` maps its own count to those)."""
+    positions = (source.positions[first:first + n] if isinstance(source, SampleSubset)
+                 else range(first, first + n))
+    if len(positions) <= 1:
+        return f"sample {positions[0] if positions else first}"
+    if list(positions) == list(range(positions[0], positions[0] + len(positions))):
+        return f"samples {positions[0]}-{positions[-1]}"
+    return "samples " + ", ".join(str(p) for p in positions)
