@@ -355,6 +355,38 @@ def test_a_stem_before_a_max_pool_is_quantized_so_the_pool_runs_channels_last(
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
 
 
+def test_a_3d_stem_before_a_max_pool_stays_float(tmp_path: Path) -> None:
+    """The 3-D form of the stem above (a video network's: 3 channels, 3x3x3, then a MaxPool):
+    onnxruntime's integer kernel for so narrow a 3-D Conv costs more than the channels-first
+    uint8 MaxPool its float form leads to, so the stem stays float, saying why, and the Convs
+    after it run in integers."""
+    rng = np.random.default_rng(33)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1] * 6),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("MaxPool", ["r0"], ["p0"], name="pool0", kernel_shape=[1, 2, 2],
+                         strides=[1, 2, 2]),
+        helper.make_node("Conv", ["p0", "w1"], ["c1"], name="conv1", pads=[1] * 6),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1] * 6),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="pool"),
+    ]
+    weights = {"w0": (rng.standard_normal((16, 3, 3, 3, 3)) * 0.3).astype(np.float32),
+               "w1": (rng.standard_normal((16, 16, 3, 3, 3)) * 0.1).astype(np.float32),
+               "w2": (rng.standard_normal((8, 16, 3, 3, 3)) * 0.1).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 3, 4, 16, 16])], ["y"], weights)
+    data = rng.standard_normal((8, 3, 4, 16, 16)).astype(np.float32)
+    result = _calibrate(model, tmp_path, {"x": data})
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert not decisions["stem"]["quantized"]
+    assert decisions["stem"]["reason"].startswith("placement auto: a convolution with 3 input")
+    assert decisions["conv1"]["quantized"] and decisions["conv2"]["quantized"]
+    ops = _ops_run(result.model, tmp_path)
+    assert ops["QLinearConv"] == 2 == result.report["coverage"]["quantized_compute_nodes"]
+    got, want = _outputs(result.model, {"x": data[:4]}), _outputs(model, {"x": data[:4]})
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
+
+
 def test_a_narrow_convolution_between_integer_ones_is_quantized(tmp_path: Path) -> None:
     """A Conv of 4 input channels read from a quantized Conv and writing straight (through a
     Relu) into another: onnxruntime would quantize its weight itself, per tensor, and run its
