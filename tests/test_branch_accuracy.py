@@ -74,15 +74,16 @@ def test_a_sigmoid_every_branch_of_an_if_returns_is_read_as_yes_no_decisions() -
     threshold does. A branch returning anything else makes it a value."""
     model = _if_model(_pooled_sigmoid("a", 0.0), _pooled_sigmoid("b", 0.0), ["N", 6])
     assert decision_rules(model)["y"].threshold
-    shifted = _if_model(_pooled_sigmoid("a", 0.3), _pooled_sigmoid("b", 0.3), ["N", 6])
+    shifted = _if_model(_pooled_sigmoid("a", 3.0), _pooled_sigmoid("b", 3.0), ["N", 6])
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((64, 6)).astype(np.float32)
+    # a trained model's rows: sigmoids near 0 or 1 (means of them too), a few undecided
+    x = (rng.standard_normal((64, 1)) * 6 + rng.standard_normal((64, 6)) * 0.5).astype(np.float32)
     feed = {"x": x, "flag": np.array(True)}
 
     def mean_sigmoid(bias: float) -> np.ndarray:
         return np.mean(1.0 / (1.0 + np.exp(-(x + bias))), axis=1)
 
-    expected = float(np.mean((mean_sigmoid(0.0) > 0.5) == (mean_sigmoid(0.3) > 0.5)))
+    expected = float(np.mean((mean_sigmoid(0.0) > 0.5) == (mean_sigmoid(3.0) > 0.5)))
     assert 0.0 < expected < 1.0
     out = compare_models(model, shifted, [(feed, 64)]).outputs[0]
     assert out.top1_agreement == pytest.approx(expected)

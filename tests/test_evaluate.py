@@ -494,12 +494,32 @@ def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
     """Voice activity per frame, multi-label tags: every element of a sigmoid's output is a
     decision (p > 0.5), and the agreement counts them, as an independent threshold says."""
     x, _, _ = _sequence_data()
-    shift = np.float32(0.3)
+    x = x * np.float32(10.0)  # a trained model's: most probabilities near 0 or 1
+    shift = np.float32(3.0)
     expected = float(np.mean((x > 0) == (x + shift > 0)))  # sigmoid(t) > 0.5 iff t > 0
     assert 0.0 < expected < 1.0
     out = compare_models(_sigmoid_after("Add", 0.0), _sigmoid_after("Add", shift),
                          [({"x": x}, 4)]).outputs[0]
+    assert out.decisions == "threshold"
     assert out.top1_agreement == pytest.approx(expected)
+
+
+def test_a_sigmoid_output_of_mostly_undecided_values_is_judged_by_its_sqnr() -> None:
+    """An image through a sigmoid (a style-transfer network's) holds values, not decisions:
+    with most of its float probabilities between 0.1 and 0.9, small errors move many of them
+    across 0.5. It is compared by SQNR alone, and a small error meets the floor."""
+    x = np.random.default_rng(8).uniform(-1.5, 1.5, (64, 3, 5)).astype(np.float32)
+    shift = np.float32(0.02)
+    assert np.mean((x > 0) != (x + shift > 0)) > 0.005  # as decisions: below 99 %
+    comparison = compare_models(_sigmoid_after("Add", 0.0), _sigmoid_after("Add", shift),
+                                [({"x": x}, 64)])
+    out = comparison.outputs[0]
+    assert out.decisions is None and out.top1_agreement is None and out.yes_f1 is None
+    p = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+    q = 1.0 / (1.0 + np.exp(-(x.astype(np.float64) + shift)))
+    expected = 10.0 * np.log10(np.sum(p * p) / np.sum((p - q) ** 2))
+    assert out.sqnr_db == pytest.approx(expected, abs=0.01)
+    assert CalibrationConfig().accuracy_target().is_met(comparison)
 
 
 def test_a_sparse_sigmoid_map_is_held_to_the_sqnr_floor_as_well() -> None:

@@ -20,7 +20,9 @@ read how, and at which shapes:
   paddle2onnx's PicoDet transposes to anchors x classes); so is a mean of it (a chunk's speech
   probability), and an If's output that every branch computes from a Sigmoid. Its yes
   decisions are also counted apart (`yes_decisions`): on a detector's map the confident
-  background agrees by itself, and what a user reads is the few cells called yes.
+  background agrees by itself, and what a user reads is the few cells called yes. Unless the
+  float model leaves most of its values undecided: an image through a sigmoid holds values,
+  which the evaluation measures (`qcal.accuracy.evaluate`).
 
 Hidden states are a normalization's or a residual Add's output, not a linear layer's; an
 exporter that names them (`last_hidden_state`) is taken at its word below. Reshapes, casts and a

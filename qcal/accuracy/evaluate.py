@@ -185,6 +185,9 @@ class _Accumulator:
     part_noise: list[float] = field(default_factory=list)
     # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
     yes: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
+    probabilities: int = 0
+    undecided: int = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
         self.batches += 1
@@ -231,6 +234,9 @@ class _Accumulator:
         if self.rule is not None:
             if self.rule.threshold:
                 self._count_yes(x, y)
+                low, high = _UNDECIDED
+                self.probabilities += int(x.size)
+                self.undecided += int(np.count_nonzero((x > low) & (x < high)))
             agree, decisions, classes = self.rule.count(x, y)
             self.agree += agree
             self.rows += decisions
@@ -262,6 +268,9 @@ class _Accumulator:
         denom = math.sqrt(self.signal * self.quant_energy)
         cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
         agreement = self.agree / self.rows if self.rule is not None and self.rows else None
+        images = self.undecided > _MOSTLY_UNDECIDED * self.probabilities
+        if images:  # values, not yes/no decisions: judged by their SQNR (`_UNDECIDED`)
+            agreement = None
         if self.integer:  # no SQNR of indices: the share of equal elements is the agreement
             sqnr, agreement = None, self.equal / self.elements if self.elements else 1.0
         if self.other_shape:  # a batch of another shape is a batch of decisions that differ
@@ -287,11 +296,19 @@ class _Accumulator:
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
-                    if self.yes[0] >= MIN_YES_DECISIONS else None),
+                    if self.yes[0] >= MIN_YES_DECISIONS and not images else None),
         )
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
+# A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: the
+# maps and scores of trained detectors and voice-activity models hold 0-2 % of their
+# probabilities between 0.1 and 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's four score maps 0-1.6 %,
+# a VAD 0 %). An output with most of them there is an image or a soft map whose values are
+# what is read (a style-transfer network's sigmoid image: 100 %; 98 % of its pixels kept their
+# side of 0.5 at 35.7 dB), and is judged by its SQNR instead.
+_UNDECIDED = (0.1, 0.9)
+_MOSTLY_UNDECIDED = 0.5
 
 
 def _energies(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
