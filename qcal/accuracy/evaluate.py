@@ -268,8 +268,8 @@ class _Accumulator:
         denom = math.sqrt(self.signal * self.quant_energy)
         cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
         agreement = self.agree / self.rows if self.rule is not None and self.rows else None
-        images = self.undecided > _MOSTLY_UNDECIDED * self.probabilities
-        if images:  # values, not yes/no decisions: judged by their SQNR (`_UNDECIDED`)
+        soft = self.undecided > _MOSTLY_UNDECIDED * self.probabilities
+        if soft:  # values, not yes/no decisions: judged by their SQNR (`_UNDECIDED`)
             agreement = None
         if self.integer:  # no SQNR of indices: the share of equal elements is the agreement
             sqnr, agreement = None, self.equal / self.elements if self.elements else 1.0
@@ -296,7 +296,7 @@ class _Accumulator:
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
-                    if self.yes[0] >= MIN_YES_DECISIONS and not images else None),
+                    if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
         )
 
 

@@ -73,11 +73,11 @@ class SampleSubset:
         return len(self.positions)
 
     def samples(self) -> Iterator[Feed]:
+        if not self.positions:
+            return
         turn = {position: k for k, position in enumerate(self.positions)}
         waiting: dict[int, Feed] = {}
         given = 0
-        if not turn:
-            return
         for position, sample in enumerate(self._source.samples()):
             k = turn.get(position)
             if k is None:
