@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import onnx
 
 from qcal._stages import Progress, _stage_progress, _Timings
@@ -53,12 +52,12 @@ def _compute_macs(
     nothing (coverage read 99.8 % where it is 87 % at a cache of 31). Where every input's shape
     is fixed but for the batch axis, the first sample is read alone."""
     varies = any(not isinstance(d, int) for spec in inputs for d in spec.shape[1:])
-    largest, most = None, -1
-    probes = data_mod.SampleSubset(calib, order.positions[:_SHAPE_SAMPLES if varies else 1])
-    for sample in probes.samples():
-        size = sum(int(np.size(value)) for value in sample.values())
-        if size > most:
-            largest, most = sample, size
+    candidates = order.positions[:_SHAPE_SAMPLES if varies else 1]
+    largest = None
+    if candidates:  # kept from the content pass, or read when beyond those
+        k = max(range(len(candidates)), key=lambda k: (order.sizes[candidates[k]], -k))
+        largest = (order.leading[k] if k < len(order.leading)
+                   else next(iter(data_mod.SampleSubset(calib, [candidates[k]]).samples())))
     probe = None if largest is None else shape_probe(
         model, largest, providers=config.providers, threads=config.threads)
     # the bodies' sizes serve placement "auto" alone (`with_product_sizes`)

@@ -170,8 +170,9 @@ def calibrate(
         labels_path = _labels_path(config, eval_path)
         labels = load_labels(labels_path) if labels_path is not None else None
         # The samples ranked by their content: what is held out, and the samples checks and
-        # shape probes run on, are the same whatever order the data comes in.
-        order = data_mod.content_order(calib)
+        # shape probes run on, are the same whatever order the data comes in. The first few
+        # are kept from that pass for the checks that run on them.
+        order = data_mod.content_order(calib, keep=PREPARED_CHECK_SAMPLES)
         all_calib = calib
         calib, eval_source, eval_label = _accuracy_sources(config, calib, order, eval_source,
                                                            collected=statistics is not None)
@@ -203,7 +204,7 @@ def calibrate(
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.
-    first_feed = next(iter(data_mod.SampleSubset(all_calib, order.positions[:1]).samples()))
+    first_feed = order.leading[0]
     # Weights-only rewrites (the plan above holds): the float model keeps its outputs.
     transforms, transform_steps = apply_transforms(
         prepared, config, preset, calib_batches,
@@ -330,9 +331,7 @@ def calibrate(
             # a float16 model widened to float32 computes more precisely than the user's
             widened = any(step.name == "widen-half" for step in steps)
             drift = None if users is None or widened else prepared_model_drift(
-                users, prepared,
-                data_mod.SampleSubset(all_calib, order.positions[:PREPARED_CHECK_SAMPLES]).samples(),
-                config)
+                users, prepared, order.leading, config)
         with timings.stage("latency"):
             speed = time_against_users_model(users, prepared, loaded, quant_model,
                                              first_feed, config)

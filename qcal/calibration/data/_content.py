@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from qcal.calibration.data._validate import find_nonfinite
 from qcal.calibration.runtime import Feed
 
 __all__ = ["ContentOrder", "SampleSubset", "content_order", "name_samples", "sample_digest"]
@@ -35,27 +37,45 @@ def sample_digest(feed: Mapping[str, np.ndarray]) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
-class ContentOrder(NamedTuple):
+@dataclass(frozen=True)
+class ContentOrder:
     """A source's sample positions ranked by content: those whose numbers are all finite first,
-    each part by digest (then position), and how many are finite."""
+    each part by digest (then position).
+
+    Attributes:
+        positions: the ranking.
+        finite: how many samples hold no NaN or infinite value (the first `finite` positions).
+        sizes: each sample's count of input values, by position.
+        leading: the first samples of the ranking themselves (as many as asked for), so that
+            the checks that run on a few samples need not read the data again.
+    """
 
     positions: list[int]
     finite: int
+    sizes: list[int]
+    leading: tuple[Feed, ...]
 
 
-def content_order(source: Any) -> ContentOrder:
+def content_order(source: Any, keep: int = 0) -> ContentOrder:
     """The positions of `source`'s samples ordered by their digests, samples holding NaN or
-    infinite values last (one pass over the data, nothing kept but a digest and a flag per
-    sample). Samples of equal digests are equal, so whichever of them a prefix of this order
-    takes, it takes the same contents."""
-    keys = [(not _finite(sample), sample_digest(sample)) for sample in source.samples()]
-    positions = sorted(range(len(keys)), key=lambda position: (*keys[position], position))
-    return ContentOrder(positions, sum(1 for nonfinite, _ in keys if not nonfinite))
-
-
-def _finite(feed: Mapping[str, np.ndarray]) -> bool:
-    return all(bool(np.isfinite(a).all()) for a in map(np.asarray, feed.values())
-               if a.dtype.kind in "fc")
+    infinite values last, with the first `keep` samples of that order (one pass over the data;
+    beyond those, nothing is kept but a digest, a flag and a size per sample). Samples of equal
+    digests are equal, so whichever of them a prefix of this order takes, it takes the same
+    contents."""
+    keys: list[tuple[bool, int, int]] = []
+    sizes: list[int] = []
+    kept: list[tuple[tuple[bool, int, int], Feed]] = []  # the `keep` smallest keys so far
+    for position, sample in enumerate(source.samples()):
+        key = (bool(find_nonfinite(sample)), sample_digest(sample), position)
+        keys.append(key)
+        sizes.append(sum(int(np.size(value)) for value in sample.values()))
+        if keep:
+            kept.append((key, sample))
+            kept.sort(key=lambda entry: entry[0])
+            del kept[keep:]
+    positions = sorted(range(len(keys)), key=keys.__getitem__)
+    return ContentOrder(positions, sum(1 for nonfinite, _, _ in keys if not nonfinite), sizes,
+                        tuple(sample for _, sample in kept))
 
 
 class SampleSubset:
