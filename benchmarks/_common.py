@@ -361,6 +361,20 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (short), with "-dirty" when tracked files differ from it; None
+    outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 cwd=root, text=True, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if changed.strip() else "")
+
+
 def write_results(name: str, data: Mapping[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}-{RUN_ID}.json"

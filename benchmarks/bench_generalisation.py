@@ -23,6 +23,7 @@ the wall time of the calibration process.
 
     python benchmarks/bench_generalisation.py
     python benchmarks/bench_generalisation.py --quick --markdown
+    python benchmarks/bench_generalisation.py --quick --readme README.md
     python benchmarks/bench_generalisation.py --models torch_vit,keras_lstm,ppocr_cls
     python benchmarks/bench_generalisation.py --quick --variant "mse=--method mse --no-fallback"
 """
@@ -46,9 +47,11 @@ import bench_latency
 import numpy as np
 from _common import (
     QCAL_CLI,
+    RUN_ID,
     OutputAgreement,
     compile_qcal_bytecode,
     default_max_rss_mib,
+    git_commit,
     machine_info,
     ort_job,
     parse_with_quick,
@@ -60,6 +63,7 @@ from _common import (
     work_dir,
     write_results,
 )
+from _gen_table import summary_markdown, write_readme
 from detector_boxes import box_f1
 from eval_ppocr import compute_coverage, ctc_indices, evaluate
 from models import BENCH_DIR, CACHE_DIR, BenchmarkSetupError, get_models
@@ -610,6 +614,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per session first")
     parser.add_argument("--threads", default="1,2", help="intra-op thread counts")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--readme", type=Path, default=None, metavar="README",
+                        help="write the summary table (one row per model) into README between "
+                        "its generalisation-table markers")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="RESULTS",
+                        help="run nothing: print (and with --readme write) the summary table "
+                        "of a run's results JSON")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--max-rss-mib", type=float, default=default_max_rss_mib())
     parser.add_argument("--no-install", action="store_true")
@@ -626,8 +636,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parse_with_quick(parser, argv, QUICK)  # type: ignore[no-any-return]
 
 
+def summary(run: dict[str, Any], readme: Path | None) -> None:
+    """Print the summary table of a run and, with `readme`, write it there."""
+    table = summary_markdown(run, _format_metric)
+    print("\nSummary, one row per model\n\n" + table)
+    if readme is not None:
+        write_readme(readme, table)
+        print(f"written into {readme}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        run = json.loads(args.from_json.read_text())
+        run.setdefault("run", args.from_json.stem.removeprefix(f"{SCRIPT}-"))  # older files
+        summary(run, args.readme)
+        return 0
     if args.markdown:
         os.environ["QCAL_BENCH_MARKDOWN"] = "1"
     if args.models is None:
@@ -711,20 +735,21 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for note in notes:
         print(f"- {note}")
-    path = write_results(
-        SCRIPT,
-        {
-            "machine": machine_info(),
-            "args": vars(args),
-            "qcal_variants": qcal_variants,
-            "qcal_variants_skipped": sorted(set(QCAL_VARIANTS) - set(qcal_variants)),
-            "qcal_calibrate_help": help_text or None,
-            "ort_method": ORT_METHOD,
-            "notes": notes,
-            "models": results,
-        },
-    )
+    run = {
+        "run": RUN_ID,
+        "commit": git_commit(),
+        "machine": machine_info(),
+        "args": vars(args),
+        "qcal_variants": qcal_variants,
+        "qcal_variants_skipped": sorted(set(QCAL_VARIANTS) - set(qcal_variants)),
+        "qcal_calibrate_help": help_text or None,
+        "ort_method": ORT_METHOD,
+        "notes": notes,
+        "models": results,
+    }
+    path = write_results(SCRIPT, run)
     print(f"\nJSON: {path}")
+    summary(run, args.readme)
     return 0
 
 
