@@ -10,7 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from qcal.accuracy.evaluate import _Accumulator, compare_models
+from qcal.accuracy.evaluate import compare_models
+from qcal.accuracy.output_metrics import OutputAccumulator
 from qcal.accuracy.output_parts import OutputPart, Part, measured_groups, output_parts
 
 _W_BOX = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32) * 100
@@ -141,7 +142,7 @@ def test_parts_of_one_kind_are_measured_together() -> None:
         b = (rng.standard_normal((1, 4)) * size_b).astype(np.float32)
         x = np.concatenate([a, b], axis=1)
         y = np.concatenate([a * np.float32(1.001), b * np.float32(1.1)], axis=1)
-        accumulator = _Accumulator(parts=output_parts(model)["y"])
+        accumulator = OutputAccumulator(parts=output_parts(model)["y"])
         accumulator.add(x, y, None)
         out = accumulator.metrics("y")
         assert out.sqnr_db == pytest.approx(_sqnr(x, y) if whole else _sqnr(x[:, 6:], y[:, 6:]),
@@ -189,7 +190,7 @@ def test_an_output_of_another_rank_than_its_parts_is_measured_whole() -> None:
     """A model may declare an output's shape wrongly (a recognizer declared [1, T] computes
     [T, 1, classes]): parts found at one rank are not cut from another."""
     parts = (OutputPart((None, (0, 4))), OutputPart((None, (4, 6)), probabilities=True))
-    accumulator = _Accumulator(parts=parts)
+    accumulator = OutputAccumulator(parts=parts)
     x = np.random.default_rng(4).standard_normal((2, 3, 6)).astype(np.float32)
     y = x.copy()
     y[..., 4:] *= np.float32(1.5)

@@ -21,25 +21,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
 from qcal.accuracy._ahead import runs_ahead
-from qcal.accuracy.decisions import DecisionRule, decision_rules, yes_decisions
-from qcal.accuracy.output_parts import (
-    OutputPart,
-    describe_parts,
-    measured_groups,
-    output_parts,
-    part_of,
+from qcal.accuracy.decisions import decision_rules
+from qcal.accuracy.output_metrics import (
+    MIN_YES_DECISIONS,
+    OutputAccumulator,
+    OutputMetrics,
+    floor_sqnr_applies,
 )
+from qcal.accuracy.output_parts import output_parts
 from qcal.accuracy.reference import FloatReference
 from qcal.calibration.runtime import Feed, create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
-from qcal.numerics.sums import inner_product
 
 __all__ = [
     "MIN_YES_DECISIONS", "Comparison", "OutputMetrics", "compare_models", "floor_sqnr_applies",
@@ -53,68 +52,6 @@ __all__ = [
 # (a float Conv reading dequantized values did, in a detector head's quantized model), and
 # neither the figures (reports, `qcal compare`) nor the fallback's choices may depend on it.
 COMPARE_THREADS = 1
-# Fewer yes decisions are too few for an F1: one cell would move it by over 2 %, most of the
-# floor's 3 % (a detector's yes decisions on a handful of held-out images).
-MIN_YES_DECISIONS = 50
-
-
-def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None) -> bool:
-    """Whether the floor's SQNR applies to an output: one without decisions, or a sigmoid's map,
-    whose per-element agreement a sparse map's confident background fills (a pitch detector's
-    note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73)."""
-    return top1_agreement is None or decisions == "threshold"
-
-
-@dataclass(frozen=True)
-class OutputMetrics:
-    name: str
-    sqnr_db: float | None
-    cosine: float
-    max_abs_error: float
-    top1_agreement: float | None
-    float_accuracy: float | None = None
-    quantized_accuracy: float | None = None
-    nonfinite_float: int = 0       # non-finite elements in the float model's output
-    nonfinite_quantized: int = 0   # ... in the quantized model's output
-    nonfinite_introduced: int = 0  # non-finite in the quantized output where the float is finite
-    # The float model's output is 0 on every sample (a zero-initialised head): equal outputs
-    # then say nothing of the quantized model (the report warns; not a figure of its own).
-    float_all_zero: bool = False
-    # How `top1_agreement` counts: "argmax" (per sample or position), "threshold" (a
-    # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs); None: no decisions.
-    decisions: str | None = None
-    # The parts of a concatenated output whose SQNR `sqnr_db` is (`describe_parts`); None:
-    # the whole output's.
-    sqnr_part: str | None = None
-    # F1 of the yes decisions of its probabilities (module docstring); None: none, or too few.
-    yes_f1: float | None = None
-
-    @property
-    def floor_sqnr(self) -> bool:
-        """Whether the floor's SQNR applies (`floor_sqnr_applies`)."""
-        return floor_sqnr_applies(self.top1_agreement, self.decisions)
-
-    @property
-    def broken(self) -> bool:
-        """The quantized model computes non-finite values the float model does not."""
-        return self.nonfinite_introduced > 0
-
-    def to_json(self) -> dict[str, float | int | str | None]:
-        return {
-            "name": self.name,
-            "sqnr_db": _round(self.sqnr_db),
-            "cosine": _round(self.cosine),
-            "max_abs_error": _round(self.max_abs_error),
-            "top1_agreement": _round(self.top1_agreement),
-            "float_accuracy": _round(self.float_accuracy),
-            "quantized_accuracy": _round(self.quantized_accuracy),
-            "nonfinite_float": self.nonfinite_float,
-            "nonfinite_quantized": self.nonfinite_quantized,
-            "nonfinite_introduced": self.nonfinite_introduced,
-            "decisions": self.decisions,
-            "sqnr_part": self.sqnr_part,
-            "yes_f1": _round(self.yes_f1),
-        }
 
 
 @dataclass(frozen=True)
@@ -141,197 +78,6 @@ class Comparison:
     @property
     def broken_outputs(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs if o.broken)
-
-
-def _round(value: float | None) -> float | None:
-    # Reports are compared byte for byte across runs; 9 significant digits hide summation noise
-    # that does not exist anyway (sums are sequential) while keeping float32-level detail.
-    if value is None or not math.isfinite(value):
-        return None
-    return float(f"{value:.9g}")
-
-
-@dataclass
-class _Accumulator:
-    signal: float = 0.0
-    noise: float = 0.0
-    dot: float = 0.0
-    quant_energy: float = 0.0
-    max_abs: float = 0.0
-    agree: int = 0
-    rows: int = 0
-    rule: DecisionRule | None = None  # None: no decisions, SQNR and cosine only
-    correct_float: int = 0
-    correct_quant: int = 0
-    labelled: int = 0
-    nonfinite_float: int = 0
-    nonfinite_quantized: int = 0
-    nonfinite_introduced: int = 0
-    # Integer outputs (indices, labels, counts) are decisions: their elements agree or not.
-    integer: bool = False
-    equal: int = 0
-    elements: int = 0
-    # Batches whose outputs differ in shape (NonZero finds another count): they disagree.
-    batches: int = 0
-    other_shape: int = 0
-    # No rule from the graph: an output whose rows are probability distributions in every
-    # batch (a softmax however it is spelled, as jax2tf's Exp / ReduceSum / Div) is read as
-    # decisions, one argmax per row.
-    measure: bool = False
-    # An output that concatenates parts of different kinds or sizes: each part's sums (when
-    # the output has the rank they were found at).
-    parts: tuple[OutputPart, ...] = ()
-    part_signal: list[float] = field(default_factory=list)
-    part_noise: list[float] = field(default_factory=list)
-    # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
-    yes: list[int] = field(default_factory=lambda: [0, 0, 0])
-    # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
-    probabilities: int = 0
-    undecided: int = 0
-
-    def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
-        self.batches += 1
-        if x.shape != y.shape:
-            self.other_shape += 1
-            return
-        if x.dtype.kind in "biu":  # cosine and largest error still say how far they are
-            self.integer = True
-            self.equal += int(np.count_nonzero(x == y))
-            self.elements += int(x.size)
-        x64 = x.astype(np.float64, copy=False).ravel()
-        y64 = y.astype(np.float64, copy=False).ravel()
-        finite_x, finite_y = np.isfinite(x64), np.isfinite(y64)
-        if not (finite_x.all() and finite_y.all()):
-            self.nonfinite_float += int(finite_x.size - np.count_nonzero(finite_x))
-            self.nonfinite_quantized += int(finite_y.size - np.count_nonzero(finite_y))
-            self.nonfinite_introduced += int(np.count_nonzero(finite_x & ~finite_y))
-            both = finite_x & finite_y
-            x64, y64 = x64[both], y64[both]
-        diff = x64 - y64
-        self.signal += inner_product(x64, x64)
-        self.noise += inner_product(diff, diff)
-        self.dot += inner_product(x64, y64)
-        self.quant_energy += inner_product(y64, y64)
-        if diff.size:
-            self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
-        if self.parts and x.ndim == len(self.parts[0].box):
-            if not self.part_signal:
-                self.part_signal, self.part_noise = [0.0] * len(self.parts), [0.0] * len(self.parts)
-            for i, part in enumerate(self.parts):
-                px, py = part_of(x, part.box), part_of(y, part.box)
-                signal, noise = _energies(px, py)
-                self.part_signal[i] += signal
-                self.part_noise[i] += noise
-                if part.probabilities:
-                    self._count_yes(px, py)
-        if self.measure:
-            if _distributions(x) and (self.batches == 1 or self.rule is not None):
-                self.rule = self.rule or _MEASURED_SOFTMAX
-            else:
-                self.rule, self.measure = None, False
-        if self.rule is not None and not self.rule.applies(x.shape):
-            self.rule = None  # a shape without decisions (first batch or any later one)
-        if self.rule is not None:
-            if self.rule.threshold:
-                self._count_yes(x, y)
-                low, high = _UNDECIDED
-                self.probabilities += int(x.size)
-                self.undecided += int(np.count_nonzero((x > low) & (x < high)))
-            agree, decisions, classes = self.rule.count(x, y)
-            self.agree += agree
-            self.rows += decisions
-            if labels is not None and classes is not None:
-                if labels.shape[0] != classes.shape[0]:
-                    raise DataError(
-                        f"labels: {labels.shape[0]} labels for a batch of {classes.shape[0]} outputs"
-                    )
-                fy = np.argmax(y, axis=-1)
-                self.correct_float += int(np.sum(classes == labels))
-                self.correct_quant += int(np.sum(fy == labels))
-                self.labelled += int(labels.shape[0])
-
-    def _count_yes(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
-
-    def metrics(self, name: str) -> OutputMetrics:
-        sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
-        worst_part = None
-        groups = (measured_groups(self.part_signal, [p.probabilities for p in self.parts])
-                  if self.part_signal else [])
-        for group in groups if len(groups) > 1 else ():
-            signal = sum(self.part_signal[i] for i in group)
-            noise = sum(self.part_noise[i] for i in group)
-            # parts the float model leaves at zero have no signal to measure their error against
-            if noise > 0.0 and signal > 0.0 and sqnr is not None and (
-                    part_sqnr := 10.0 * math.log10(signal / noise)) < sqnr:
-                sqnr, worst_part = part_sqnr, describe_parts([self.parts[i].box for i in group])
-        denom = math.sqrt(self.signal * self.quant_energy)
-        cosine = 1.0 if denom == 0.0 and self.noise == 0.0 else (self.dot / denom if denom else 0.0)
-        agreement = self.agree / self.rows if self.rule is not None and self.rows else None
-        soft = self.undecided > _MOSTLY_UNDECIDED * self.probabilities
-        if soft:  # values, not yes/no decisions: judged by their SQNR (`_UNDECIDED`)
-            agreement = None
-        if self.integer:  # no SQNR of indices: the share of equal elements is the agreement
-            sqnr, agreement = None, self.equal / self.elements if self.elements else 1.0
-        if self.other_shape:  # a batch of another shape is a batch of decisions that differ
-            same = 1.0 - self.other_shape / self.batches
-            agreement = same * (1.0 if agreement is None else agreement)
-        has_labels = self.rule is not None and self.labelled > 0
-        decisions = ("equal" if self.integer else None if agreement is None
-                     else "threshold" if self.rule is not None and self.rule.threshold
-                     else "argmax")
-        return OutputMetrics(
-            name=name,
-            sqnr_db=sqnr,
-            cosine=cosine,
-            max_abs_error=self.max_abs,
-            top1_agreement=agreement,
-            float_accuracy=self.correct_float / self.labelled if has_labels else None,
-            quantized_accuracy=self.correct_quant / self.labelled if has_labels else None,
-            nonfinite_float=self.nonfinite_float,
-            nonfinite_quantized=self.nonfinite_quantized,
-            nonfinite_introduced=self.nonfinite_introduced,
-            float_all_zero=(not self.integer and self.signal == 0.0 and self.nonfinite_float == 0
-                            and self.batches > self.other_shape),
-            decisions=decisions,
-            sqnr_part=None if self.integer else worst_part,
-            yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
-                    if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
-        )
-
-
-_MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
-# A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: the
-# maps and scores of trained detectors and voice-activity models hold 0-2 % of their
-# probabilities between 0.1 and 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's four score maps 0-1.6 %,
-# a VAD 0 %). An output with most of them there is an image or a soft map whose values are
-# what is read (a style-transfer network's sigmoid image: 100 %; 98 % of its pixels kept their
-# side of 0.5 at 35.7 dB), and is judged by its SQNR instead.
-_UNDECIDED = (0.1, 0.9)
-_MOSTLY_UNDECIDED = 0.5
-
-
-def _energies(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Σx² and Σ(x−y)² over the elements both models computed finite."""
-    x64 = x.astype(np.float64).ravel()
-    y64 = y.astype(np.float64).ravel()
-    both = np.isfinite(x64) & np.isfinite(y64)
-    if not both.all():
-        x64, y64 = x64[both], y64[both]
-    diff = x64 - y64
-    return inner_product(x64, x64), inner_product(diff, diff)
-
-
-def _distributions(x: np.ndarray) -> bool:
-    """Whether every row of `x` along its last axis (of at least 2) is a probability
-    distribution: finite, non-negative, summing to 1 within the type's rounding."""
-    if x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size == 0:
-        return False
-    values = x.astype(np.float64, copy=False)
-    if not np.isfinite(values).all() or values.min() < 0:
-        return False
-    tolerance = 1e-2 if x.dtype.itemsize < 4 else 1e-4
-    return bool(np.abs(values.sum(axis=-1) - 1.0).max() <= tolerance)
 
 
 def numeric_outputs(model: onnx.ModelProto) -> list[str]:
@@ -370,7 +116,7 @@ def compare_models(
     # Numbers are compared; string and other non-numeric outputs are passed over.
     names = [o.name for o in float_session.get_outputs() if _numeric(o.type)]
     rules = reference.rules or {}
-    accumulators = {name: _Accumulator(rule=rules.get(name), measure=name not in rules,
+    accumulators = {name: OutputAccumulator(rule=rules.get(name), measure=name not in rules,
                                        parts=reference.parts.get(name, ()))
                     for name in names}
     samples, batch, replay = 0, -1, reference.holds_data
