@@ -30,6 +30,9 @@ def agreement_cell(output: Mapping[str, Any]) -> str:
     with the F1 of its yes decisions where it has one (`yes_f1`)."""
     agreement = output["top1_agreement"]
     cell = "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%"
+    sequences = output.get("sequence_agreement")
+    if sequences is not None:  # a per-position output: its sequences too
+        cell = f"{cell} ({shown_down(100 * sequences, 2)}% of sequences)"
     f1 = output.get("yes_f1")
     if f1 is None:
         return cell
@@ -71,6 +74,10 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
                        "float model")
+    sequences = [o["sequence_agreement"] for o in outputs
+                 if o.get("sequence_agreement") is not None]
+    if sequences:
+        figures.append(f"{shown_down(100 * min(sequences), 2)}% of the sequences read alike")
     yes_f1s = [o["yes_f1"] for o in outputs if o.get("yes_f1") is not None]
     if yes_f1s:
         figures.append(f"F1 {shown_down(min(yes_f1s), 3)} of the yes decisions of probabilities")

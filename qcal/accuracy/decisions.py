@@ -14,7 +14,9 @@ read how, and at which shapes:
   classifier): one argmax per position, since that is how such an output is decoded; and so is
   a linear layer's output of a higher rank (a MatMul or Gemm, or its bias added on its own,
   through reshapes): the same heads exported without their softmax, whose logits a CTC decoder
-  or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier);
+  or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier); at rank 3 each
+  sample's positions are also read together, as the sequence a decoder reads
+  (`sequences_read_alike`);
 * a Sigmoid's output, any shape, also transposed: every element is a yes/no at 0.5 (voice
   activity per frame, multi-label tags, a detector's objectness or class scores, which
   paddle2onnx's PicoDet transposes to anchors x classes); so is a mean of it (a chunk's speech
@@ -52,7 +54,7 @@ import onnx.numpy_helper
 from qcal.graph.structure import node_subgraphs
 
 __all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like",
-           "yes_decisions"]
+           "sequence_axis", "sequences_read_alike", "yes_decisions"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
@@ -106,14 +108,52 @@ class DecisionRule:
             fx, fy = x > 0.5, y > 0.5
             tie = np.abs(x.astype(np.float64) - 0.5) <= TIE_TOLERANCE * 0.5
             return int(np.count_nonzero((fx == fy) | tie)), int(fx.size), None
-        fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
-        wide = x.astype(np.float64)
-        chosen = np.take_along_axis(wide, fx[..., None], axis=-1)[..., 0]
-        other = np.take_along_axis(wide, fy[..., None], axis=-1)[..., 0]
-        largest = np.max(np.abs(wide), axis=-1)
-        tie = chosen - other <= TIE_TOLERANCE * largest
+        fx, fy, tie = _argmax_ties(x, y)
         agree = int(np.count_nonzero((fx == fy) | tie))
         return agree, int(fx.size), fx if fx.ndim == 1 else None
+
+
+def _argmax_ties(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The float and quantized argmax over the last axis, and where the float model's own
+    scores for the two lie within TIE_TOLERANCE (module docstring)."""
+    fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
+    wide = x.astype(np.float64)
+    chosen = np.take_along_axis(wide, fx[..., None], axis=-1)[..., 0]
+    other = np.take_along_axis(wide, fy[..., None], axis=-1)[..., 0]
+    largest = np.max(np.abs(wide), axis=-1)
+    return fx, fy, chosen - other <= TIE_TOLERANCE * largest
+
+
+def sequence_axis(shape: tuple[int, ...], samples: int, known: int | None) -> int | None:
+    """The axis of a per-position output of rank 3 (``[T, N, classes]`` as a CRNN writes it, or
+    ``[N, T, classes]``) that holds its batch of `samples`: the one of its first two of that
+    size; when both are (as many positions as samples), `known`, the axis an earlier batch
+    showed, else the first. None: another rank, or neither axis is the batch."""
+    if len(shape) != 3:
+        return None
+    axes = [axis for axis in (0, 1) if shape[axis] == samples]
+    if len(axes) == 2:
+        return known if known is not None else 0
+    return axes[0] if axes else None
+
+
+def sequences_read_alike(x: np.ndarray, y: np.ndarray, axis: int) -> tuple[int, int]:
+    """(samples whose sequence the quantized model reads as the float model does, samples) of
+    a per-position output, its batch along `axis`. A sample's reading is its positions'
+    argmax with repeats merged, as a CTC decoder or a tagger's segments read it: it is the
+    same when every position agrees (or is a near-tie of the float model), or when the merged
+    labels are equal (a boundary moved by a position changes no text and no segment)."""
+    fx, fy, tie = (np.moveaxis(a, axis, 0) for a in _argmax_ties(x, y))
+    alike = sum(1 for a, b, t in zip(fx, fy, tie)
+                if bool(np.all((a == b) | t)) or np.array_equal(_merged(a), _merged(b)))
+    return alike, int(fx.shape[0])
+
+
+def _merged(labels: np.ndarray) -> np.ndarray:
+    """`labels` with each run of repeats kept once."""
+    keep = np.ones(labels.shape, dtype=bool)
+    keep[1:] = labels[1:] != labels[:-1]
+    return labels[keep]
 
 
 def yes_decisions(x: np.ndarray, y: np.ndarray) -> tuple[int, int, int]:

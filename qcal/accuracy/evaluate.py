@@ -7,7 +7,9 @@ cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|, and, for outputs 
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
 decisions that are the same; for probabilities (a sigmoid's map, a concatenated output's
 probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
-|quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes. With labels
+|quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes; for a
+per-position output of rank 3, the share of samples whose sequence reads the same
+(`qcal.accuracy.decisions.sequences_read_alike`). With labels
 (one per sample), top-1 accuracy of both models on the per-sample classifier outputs. Only
 running sums are kept, never the outputs.
 
@@ -140,7 +142,7 @@ def compare_models(
                     raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
                 batch_labels = labels[samples : samples + n]
             for name, x, y in zip(names, x_outputs, y_outputs):
-                accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels)
+                accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels, n)
             if not replay:
                 reference.hold(batch, feed, n)
             samples += n

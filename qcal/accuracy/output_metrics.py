@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.accuracy.decisions import DecisionRule, yes_decisions
+from qcal.accuracy.decisions import (
+    DecisionRule,
+    sequence_axis,
+    sequences_read_alike,
+    yes_decisions,
+)
 from qcal.accuracy.output_parts import OutputPart, describe_parts, measured_groups, part_of
 from qcal.numerics.errors import DataError
 from qcal.numerics.sums import inner_product
@@ -51,6 +56,9 @@ class OutputMetrics:
     sqnr_part: str | None = None
     # F1 of the yes decisions of its probabilities (module docstring); None: none, or too few.
     yes_f1: float | None = None
+    # A per-position output's share of samples whose sequence reads the same
+    # (`qcal.accuracy.decisions.sequences_read_alike`); None: no sequences.
+    sequence_agreement: float | None = None
 
     @property
     def floor_sqnr(self) -> bool:
@@ -77,6 +85,7 @@ class OutputMetrics:
             "decisions": self.decisions,
             "sqnr_part": self.sqnr_part,
             "yes_f1": _round(self.yes_f1),
+            "sequence_agreement": _round(self.sequence_agreement),
         }
 
 
@@ -125,8 +134,17 @@ class OutputAccumulator:
     # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
     probabilities: int = 0
     undecided: int = 0
+    # A per-position output's samples read alike and read, its batch axis once a batch showed
+    # it, and whether a batch held positions not to be told apart by sample.
+    sequences_alike: int = 0
+    sequences: int = 0
+    sequence_axis: int | None = None
+    unsplit: bool = False
 
-    def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None) -> None:
+    def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None,
+            samples: int | None = None) -> None:
+        """One batch's outputs, float `x` and quantized `y`, of `samples` samples (None: not
+        known, so no sequences are read)."""
         self.batches += 1
         if x.shape != y.shape:
             self.other_shape += 1
@@ -177,6 +195,8 @@ class OutputAccumulator:
             agree, decisions, classes = self.rule.count(x, y)
             self.agree += agree
             self.rows += decisions
+            if not self.rule.threshold and x.ndim == 3:
+                self._count_sequences(x, y, samples)
             if labels is not None and classes is not None:
                 if labels.shape[0] != classes.shape[0]:
                     raise DataError(
@@ -186,6 +206,17 @@ class OutputAccumulator:
                 self.correct_float += int(np.sum(classes == labels))
                 self.correct_quant += int(np.sum(fy == labels))
                 self.labelled += int(labels.shape[0])
+
+    def _count_sequences(self, x: np.ndarray, y: np.ndarray, samples: int | None) -> None:
+        axis = None if samples is None else sequence_axis(x.shape, samples, self.sequence_axis)
+        if axis is None:
+            self.unsplit = True
+            return
+        if x.shape[0] != x.shape[1]:
+            self.sequence_axis = axis
+        alike, read = sequences_read_alike(x, y, axis)
+        self.sequences_alike += alike
+        self.sequences += read
 
     def _count_yes(self, x: np.ndarray, y: np.ndarray) -> None:
         self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
@@ -217,6 +248,10 @@ class OutputAccumulator:
         decisions = ("equal" if self.integer else None if agreement is None
                      else "threshold" if self.rule is not None and self.rule.threshold
                      else "argmax")
+        sequences = None
+        if decisions == "argmax" and self.rule is not None and self.sequences and not self.unsplit:
+            sequences = (self.sequences_alike / self.sequences
+                         * (1.0 - self.other_shape / self.batches))
         return OutputMetrics(
             name=name,
             sqnr_db=sqnr,
@@ -232,6 +267,7 @@ class OutputAccumulator:
                             and self.batches > self.other_shape),
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
+            sequence_agreement=sequences,
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
                     if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
         )
