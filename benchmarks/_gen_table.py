@@ -36,16 +36,39 @@ def exit_reason(variant: dict[str, Any]) -> str:
     return f"{code} {', '.join(failed)}" if failed and code != 0 else str(code)
 
 
-def summary_rows(results: dict[str, Any], threads: Sequence[str],
-                 format_metric: Any) -> list[list[str]]:
-    """One row per model of a run's `models` (see the module docstring); `format_metric` turns
-    a variant's metrics into the task figure's text."""
-    return [_row(name, result, threads, format_metric) for name, result in results.items()
+def latency_ratio(result: dict[str, Any], variant: str, threads: str) -> float | None:
+    """A variant's median latency over the float model's at a thread count (None: not timed)."""
+    mine = result["latency"].get(f"{variant}@{threads}")
+    ref = result["latency"].get(f"float@{threads}")
+    return mine["median_ms"] / ref["median_ms"] if mine and ref else None
+
+
+def format_metric(metric: dict[str, Any]) -> str | None:
+    """A variant's task figure as the tables show it."""
+    value = metric.get("task_vs_float")
+    if value is None:
+        return None
+    if metric.get("metric") == "cosine":
+        return f"{value:.5f}"
+    if metric.get("measure") == "box F1" or metric.get("metric") in ("score_f1", "box_f1"):
+        return f"{value:.3f}"
+    return f"{100 * value:.1f} %"
+
+
+def format_sqnr(metric: dict[str, Any]) -> str | None:
+    """Output 0's SQNR against the float model on the same samples: it separates variants
+    whose task metric is saturated (100 % agreement)."""
+    sqnr = (metric.get("outputs") or {}).get("sqnr_db")
+    return None if sqnr is None else f"{sqnr:.1f}"
+
+
+def summary_rows(results: dict[str, Any], threads: Sequence[str]) -> list[list[str]]:
+    """One row per model of a run's `models` (see the module docstring)."""
+    return [_row(name, result, threads) for name, result in results.items()
             if DEFAULT in result["variants"]]
 
 
-def _row(name: str, result: dict[str, Any], threads: Sequence[str],
-         format_metric: Any) -> list[str]:
+def _row(name: str, result: dict[str, Any], threads: Sequence[str]) -> list[str]:
     variants, metrics = result["variants"], result.get("metrics", {})
 
     def figure(variant: str, *, exit_code: bool) -> str:
@@ -58,16 +81,11 @@ def _row(name: str, result: dict[str, Any], threads: Sequence[str],
         return f"{text} ({exit_reason(v)})" if exit_code else text
 
     def sqnr(variant: str) -> str:
-        value = ((metrics.get(variant) or {}).get("outputs") or {}).get("sqnr_db")
-        return "-" if value is None else f"{value:.1f}"
+        return format_sqnr(metrics.get(variant) or {}) or "-"
 
     def ratios(variant: str) -> str:
-        found = []
-        for t in threads:
-            mine = result["latency"].get(f"{variant}@{t}")
-            ref = result["latency"].get(f"float@{t}")
-            found.append(f"{mine['median_ms'] / ref['median_ms']:.2f}" if mine and ref else "-")
-        return " / ".join(found)
+        found = [latency_ratio(result, variant, t) for t in threads]
+        return " / ".join("-" if r is None else f"{r:.2f}" for r in found)
 
     fraction = (result.get("coverage", {}).get(DEFAULT) or {}).get("fraction")
     measure = (metrics.get(DEFAULT) or {}).get("measure") or "-"
@@ -76,7 +94,7 @@ def _row(name: str, result: dict[str, Any], threads: Sequence[str],
             ratios(ORT), "-" if fraction is None else f"{100 * fraction:.1f} %"]
 
 
-def summary_markdown(run: dict[str, Any], format_metric: Any) -> str:
+def summary_markdown(run: dict[str, Any]) -> str:
     """The table of a run (its results JSON), with a line saying which run it is."""
     threads = [t.strip() for t in str(run["args"].get("threads", "1,2")).split(",")]
     per = " / ".join(threads)
@@ -84,7 +102,7 @@ def summary_markdown(run: dict[str, Any], format_metric: Any) -> str:
                "ort MinMax", "output SQNR dB qcal / ort", f"latency x float qcal ({per} thr)",
                f"ort ({per} thr)", "MACs quantized qcal"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
-    for row in summary_rows(run["models"], threads, format_metric):
+    for row in summary_rows(run["models"], threads):
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
     machine = run.get("machine", {})
     said = [f"{machine['cpus']} cores" if machine.get("cpus") else "", machine.get("cpu", ""),

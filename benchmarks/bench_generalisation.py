@@ -63,7 +63,7 @@ from _common import (
     work_dir,
     write_results,
 )
-from _gen_table import summary_markdown, write_readme
+from _gen_table import format_metric, format_sqnr, latency_ratio, summary_markdown, write_readme
 from detector_boxes import box_f1
 from eval_ppocr import compute_coverage, ctc_indices, evaluate
 from models import BENCH_DIR, CACHE_DIR, BenchmarkSetupError, get_models
@@ -528,11 +528,8 @@ def table_rows(name: str, result: dict[str, Any], threads: list[str]) -> list[li
             continue
         metric = result["metrics"].get(variant_name, {})
         cov = result["coverage"].get(variant_name, {})
-        ratios = []
-        for t in threads:
-            mine = result["latency"].get(f"{variant_name}@{t}")
-            ref = result["latency"].get(f"float@{t}")
-            ratios.append(f"{mine['median_ms'] / ref['median_ms']:.2f}x" if mine and ref else None)
+        ratios = [None if (r := latency_ratio(result, variant_name, t)) is None else f"{r:.2f}x"
+                  for t in threads]
         status = "ok"
         if not v["ok"]:
             status = f"failed: {v['error']}"[:80]
@@ -544,8 +541,8 @@ def table_rows(name: str, result: dict[str, Any], threads: list[str]) -> list[li
                 result["label"],
                 variant_name,
                 metric.get("measure") or _measure_name(result),
-                _format_metric(metric),
-                _format_sqnr(metric),
+                format_metric(metric),
+                format_sqnr(metric),
                 *ratios,
                 _format_coverage(cov),
                 "-" if v["exit_code"] is None else v["exit_code"],
@@ -563,24 +560,6 @@ def _measure_name(result: dict[str, Any]) -> str:
     return {"det": "box F1", "rec": "string agreement", "cls": "direction agreement"}.get(
         task.get("task"), "?"
     )
-
-
-def _format_metric(metric: dict[str, Any]) -> str | None:
-    value = metric.get("task_vs_float")
-    if value is None:
-        return None
-    if metric.get("metric") == "cosine":
-        return f"{value:.5f}"
-    if metric.get("measure") == "box F1" or metric.get("metric") in ("score_f1", "box_f1"):
-        return f"{value:.3f}"
-    return f"{100 * value:.1f} %"
-
-
-def _format_sqnr(metric: dict[str, Any]) -> str | None:
-    """Output 0's SQNR against the float model on the same samples: it separates variants
-    whose task metric is saturated (100 % agreement)."""
-    sqnr = (metric.get("outputs") or {}).get("sqnr_db")
-    return None if sqnr is None else f"{sqnr:.1f}"
 
 
 def _format_coverage(cov: dict[str, Any]) -> str | None:
@@ -638,7 +617,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def summary(run: dict[str, Any], readme: Path | None) -> None:
     """Print the summary table of a run and, with `readme`, write it there."""
-    table = summary_markdown(run, _format_metric)
+    table = summary_markdown(run)
     print("\nSummary, one row per model\n\n" + table)
     if readme is not None:
         write_readme(readme, table)

@@ -53,8 +53,8 @@ import onnx.numpy_helper
 
 from qcal.graph.structure import node_subgraphs
 
-__all__ = ["TIE_TOLERANCE", "DecisionRule", "decision_rules", "is_classifier_like",
-           "sequence_axis", "sequences_read_alike", "yes_decisions"]
+__all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "argmax_ties", "decision_rules",
+           "is_classifier_like", "sequence_axis", "sequences_read_alike", "yes_decisions"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
@@ -66,6 +66,9 @@ _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsquee
 _CLASS_MAP_OPS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", "ReduceMax",
                             "Relu"})
 TIE_TOLERANCE = 1e-5
+# The float model's argmax, the quantized model's, and where the two are a near-tie of the float
+# model's scores (`argmax_ties`).
+Argmax = tuple[np.ndarray, np.ndarray, np.ndarray]
 # Outputs their exporter names as values, not choices: a CLIP tower's projected `text_embeds`
 # come from a linear layer like logits do, a DETR head's sigmoid `pred_boxes` like yes/no
 # probabilities do, yet their argmax or threshold means nothing.
@@ -101,19 +104,21 @@ class DecisionRule:
                                and self.softmax_axis in (-1, len(shape) - 1))
         return is_classifier_like(shape, per_position=last and len(shape) > 2)
 
-    def count(self, x: np.ndarray, y: np.ndarray) -> tuple[int, int, np.ndarray | None]:
+    def count(self, x: np.ndarray, y: np.ndarray, argmax: Argmax | None = None,
+              ) -> tuple[int, int, np.ndarray | None]:
         """(decisions that agree, decisions, the float model's per-sample classes or None);
-        float `x`, quantized `y`. Near-ties of the float model agree (module docstring)."""
+        float `x`, quantized `y`, and their `argmax_ties` when already taken. Near-ties of
+        the float model agree (module docstring)."""
         if self.threshold:
             fx, fy = x > 0.5, y > 0.5
             tie = np.abs(x.astype(np.float64) - 0.5) <= TIE_TOLERANCE * 0.5
             return int(np.count_nonzero((fx == fy) | tie)), int(fx.size), None
-        fx, fy, tie = _argmax_ties(x, y)
+        fx, fy, tie = argmax if argmax is not None else argmax_ties(x, y)
         agree = int(np.count_nonzero((fx == fy) | tie))
         return agree, int(fx.size), fx if fx.ndim == 1 else None
 
 
-def _argmax_ties(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def argmax_ties(x: np.ndarray, y: np.ndarray) -> Argmax:
     """The float and quantized argmax over the last axis, and where the float model's own
     scores for the two lie within TIE_TOLERANCE (module docstring)."""
     fx, fy = np.argmax(x, axis=-1), np.argmax(y, axis=-1)
@@ -137,13 +142,13 @@ def sequence_axis(shape: tuple[int, ...], samples: int, known: int | None) -> in
     return axes[0] if axes else None
 
 
-def sequences_read_alike(x: np.ndarray, y: np.ndarray, axis: int) -> tuple[int, int]:
+def sequences_read_alike(argmax: Argmax, axis: int) -> tuple[int, int]:
     """(samples whose sequence the quantized model reads as the float model does, samples) of
-    a per-position output, its batch along `axis`. A sample's reading is its positions'
+    a per-position output, from its `argmax_ties`, its batch along `axis`. A sample's reading is its positions'
     argmax with repeats merged, as a CTC decoder or a tagger's segments read it: it is the
     same when every position agrees (or is a near-tie of the float model), or when the merged
     labels are equal (a boundary moved by a position changes no text and no segment)."""
-    fx, fy, tie = (np.moveaxis(a, axis, 0) for a in _argmax_ties(x, y))
+    fx, fy, tie = (np.moveaxis(a, axis, 0) for a in argmax)
     alike = sum(1 for a, b, t in zip(fx, fy, tie)
                 if bool(np.all((a == b) | t)) or np.array_equal(_merged(a), _merged(b)))
     return alike, int(fx.shape[0])

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qcal.accuracy.decisions import (
+    Argmax,
     DecisionRule,
+    argmax_ties,
     sequence_axis,
     sequences_read_alike,
     yes_decisions,
@@ -192,11 +194,13 @@ class OutputAccumulator:
                 low, high = _UNDECIDED
                 self.probabilities += int(x.size)
                 self.undecided += int(np.count_nonzero((x > low) & (x < high)))
-            agree, decisions, classes = self.rule.count(x, y)
+            # taken once for the positions and the sequences they make
+            argmax = None if self.rule.threshold else argmax_ties(x, y)
+            agree, decisions, classes = self.rule.count(x, y, argmax)
             self.agree += agree
             self.rows += decisions
-            if not self.rule.threshold and x.ndim == 3:
-                self._count_sequences(x, y, samples)
+            if argmax is not None and x.ndim == 3:
+                self._count_sequences(argmax, x.shape, samples)
             if labels is not None and classes is not None:
                 if labels.shape[0] != classes.shape[0]:
                     raise DataError(
@@ -207,14 +211,15 @@ class OutputAccumulator:
                 self.correct_quant += int(np.sum(fy == labels))
                 self.labelled += int(labels.shape[0])
 
-    def _count_sequences(self, x: np.ndarray, y: np.ndarray, samples: int | None) -> None:
-        axis = None if samples is None else sequence_axis(x.shape, samples, self.sequence_axis)
+    def _count_sequences(self, argmax: Argmax, shape: tuple[int, ...],
+                         samples: int | None) -> None:
+        axis = None if samples is None else sequence_axis(shape, samples, self.sequence_axis)
         if axis is None:
             self.unsplit = True
             return
-        if x.shape[0] != x.shape[1]:
+        if shape[0] != shape[1]:
             self.sequence_axis = axis
-        alike, read = sequences_read_alike(x, y, axis)
+        alike, read = sequences_read_alike(argmax, axis)
         self.sequences_alike += alike
         self.sequences += read
 
