@@ -17,8 +17,8 @@ from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import compare_models
 from qcal.accuracy.localise import localise_error
 from qcal.accuracy.restrict import restrict_plan
+from qcal.graph.integer_kernels import integer_output_writers
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
-from qcal.graph.placement import integer_output_writers
 
 _OPSET = [helper.make_opsetid("", 17)]
 

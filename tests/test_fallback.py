@@ -35,8 +35,8 @@ from qcal.calibration.data import sample_digest
 from qcal.calibration.runtime import create_session
 from qcal.cli import main
 from qcal.config import CalibrationConfig
+from qcal.graph.integer_kernels import integer_output_writers
 from qcal.graph.model import SelectionRules, plan_quantization, prepare_model
-from qcal.graph.placement import integer_output_writers
 from qcal.numerics.errors import AccuracyGateError, ConfigError, ModelError
 from qcal.pipeline import calibrate
 from qcal.report import report_schema

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import onnx
 
 from qcal.accuracy.macs import is_compute
+from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.model import QuantPlan
-from qcal.graph.placement import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS, SMALL_PRODUCT
+from qcal.graph.placement import SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,

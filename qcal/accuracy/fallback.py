@@ -33,8 +33,8 @@ from qcal.accuracy.sensitivity import (
     noise_ratio_db,
 )
 from qcal.accuracy.target import AccuracyTarget, worst_agreement, worst_yes_f1
+from qcal.graph.integer_kernels import integer_output_writers
 from qcal.graph.model import QuantPlan
-from qcal.graph.placement import integer_output_writers
 
 __all__ = [
     "Candidate",

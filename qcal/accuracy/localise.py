@@ -27,9 +27,9 @@ from onnx import numpy_helper
 from qcal.accuracy.evaluate import COMPARE_THREADS, numeric_outputs
 from qcal.accuracy.sensitivity import SensitivityResult, TensorSensitivity
 from qcal.calibration.runtime import Feed, create_session
+from qcal.graph.integer_kernels import FUSED_ACTIVATIONS
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator, model_names
-from qcal.graph.placement import FUSED_ACTIVATIONS
 from qcal.graph.shapes import static_shapes
 from qcal.graph.structure import (
     COMPUTE_OPS,

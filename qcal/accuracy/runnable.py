@@ -33,8 +33,8 @@ import onnx
 from qcal.accuracy.evaluate import COMPARE_THREADS
 from qcal.accuracy.restrict import restrict_plan
 from qcal.calibration.runtime import create_session
+from qcal.graph.integer_kernels import QUANTIZE_SEES_THROUGH, integer_output_writers
 from qcal.graph.model import NodeDecision, QuantPlan
-from qcal.graph.placement import QUANTIZE_SEES_THROUGH, integer_output_writers
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError, one_line
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx
 
-from qcal.graph.placement import ANCHOR_OPS
+from qcal.graph.integer_kernels import ANCHOR_OPS
 from qcal.graph.structure import UseIndex
 
 __all__ = ["output_side_tensors"]

@@ -67,30 +67,28 @@ from dataclasses import dataclass, field
 import onnx
 import onnx.defs
 
+from qcal.graph.integer_kernels import (
+    ANCHOR_OPS,
+    FUSED_ACTIVATIONS,
+    INTEGER_OUTPUT_ANCHORS,
+    QUANTIZE_SEES_THROUGH,
+    added_bias_of,
+)
 from qcal.graph.narrow_convs import slow_narrow_conv
 from qcal.graph.shapes import value_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
-    FLOAT_TYPES,
     UseIndex,
-    all_graphs,
     computed_from_constants,
     int_attribute,
 )
 
-__all__ = ["ANCHOR_OPS", "FUSED_ACTIVATIONS", "INTEGER_OUTPUT_ANCHORS", "PLACEMENTS",
-           "QUANTIZE_SEES_THROUGH", "SMALL_PRODUCT", "SMALL_PRODUCT_MACS", "Placement",
-           "added_bias_of", "integer_output_writers", "place"]
+__all__ = ["PLACEMENTS", "SMALL_PRODUCT", "SMALL_PRODUCT_MACS", "Placement", "place"]
 
 PLACEMENTS = ("auto", "all")
 SMALL_PRODUCT_MACS = 1 << 18  # the default --min-product-macs (module docstring)
 # How the reason of such a product begins (the coverage figure counts them).
 SMALL_PRODUCT = "placement auto: too small for an integer kernel to pay"
-ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-# Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
-INTEGER_OUTPUT_ANCHORS = frozenset({"Conv", "ConvTranspose"})
-# Activations onnxruntime folds into the QuantizeLinear after an integer kernel.
-FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 # Cheap operators onnxruntime runs on integers when their inputs and output are quantized.
 # Not MaxPool: onnxruntime's uint8 MaxPool is a plain loop, about 10x its float (NCHWc) kernel
 # (PP-OCR cls: 0.34 ms against 0.03 ms), far more than the Dequantize/Quantize pair it saves.
@@ -331,13 +329,6 @@ def _pools_into_quantized(
     return False
 
 
-# What onnxruntime looks through from a float Conv to the QuantizeLinear whose pattern makes it
-# quantize the Conv's weight: a fused Relu/Clip, and the operators it moves a QuantizeLinear
-# up through (its QDQ propagation).
-QUANTIZE_SEES_THROUGH = FUSED_ACTIVATIONS | {
-    "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"}
-
-
 # A Gemm or MatMul whose Relu/Clip onnxruntime fuses writes integers whoever reads the
 # activation's output. Left float, onnxruntime fuses a Gemm and its activation into a float
 # FusedGemm before its QDQ fusion sees them, and turns a MatMul into its integer
@@ -359,52 +350,6 @@ _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")
-
-
-def added_bias_of(
-    node: onnx.NodeProto, index: UseIndex, constant: Callable[[str], onnx.TensorProto | None]
-) -> str | None:
-    """The MatMul whose output this Add only adds a constant row to (a bias the exporter wrote
-    apart), or None. The MatMul then takes the row as an int32 bias (`qcal.graph.plan`), as a
-    Gemm does, and the Add stays float: quantized itself, it would cost an integer Add and a
-    requantization of the product, and hold the bias in 8 bits."""
-    if node.op_type != "Add" or node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
-        return None
-    for product, bias in (node.input, reversed(node.input)):
-        matmul = index.producer.get(product)
-        if matmul is None or matmul.op_type != "MatMul" or matmul.domain not in DEFAULT_DOMAINS:
-            continue
-        if (len(matmul.input) < 2 or product in index.graph_outputs
-                or len(index.uses.get(product, ())) != 1):
-            return None
-        weight, row = constant(matmul.input[1]), constant(bias)
-        if (weight is None or len(weight.dims) != 2 or row is None or not row.dims
-                or row.data_type not in FLOAT_TYPES or row.dims[-1] != weight.dims[1]
-                or any(d != 1 for d in row.dims[:-1]) or len(index.readers(bias)) != 1):
-            return None
-        return matmul.name
-    return None
-
-
-def integer_output_writers(graph: onnx.GraphProto) -> dict[str, str]:
-    """Tensor -> the Conv/ConvTranspose whose integer kernel writes it, in `graph` and its
-    bodies: the anchor's output, or that of the Relu/Clip that is its only reader (fused).
-    onnxruntime has an integer kernel for these only with a QuantizeLinear on that tensor."""
-    writers: dict[str, str] = {}
-    for scope in all_graphs(graph):
-        index = UseIndex.build(scope)
-        for node in scope.node:
-            if (node.op_type not in INTEGER_OUTPUT_ANCHORS or node.domain not in DEFAULT_DOMAINS
-                    or not node.output or not node.output[0]):
-                continue
-            output = node.output[0]
-            writers[output] = node.name
-            readers = index.readers(output)
-            if (len(readers) == 1 and readers[0].op_type in FUSED_ACTIVATIONS
-                    and readers[0].domain in DEFAULT_DOMAINS and readers[0].output
-                    and output not in index.graph_outputs):
-                writers[readers[0].output[0]] = node.name
-    return writers
 
 
 def _passes_quantized(node: onnx.NodeProto, read_by_anchors: set[str]) -> bool:

@@ -11,8 +11,9 @@ import onnx
 import onnx.defs
 
 from qcal.graph.files.large import tensor_array
+from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, added_bias_of
 from qcal.graph.parameters import parameter_tensors
-from qcal.graph.placement import FUSED_ACTIVATIONS, Placement, added_bias_of, place
+from qcal.graph.placement import Placement, place
 from qcal.graph.plan._rules import MUL_BY_CONSTANT, OP_RULES, OpRule
 from qcal.graph.plan._selection import _check_selection, _Selection
 from qcal.graph.plan._targets import (

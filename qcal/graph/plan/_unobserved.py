@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import onnx
 
-from qcal.graph.placement import INTEGER_OUTPUT_ANCHORS
+from qcal.graph.integer_kernels import INTEGER_OUTPUT_ANCHORS
 from qcal.graph.plan._types import ActivationTarget, NodeDecision, QuantPlan
 from qcal.graph.plan._walk import _CONTROL_FLOW_OPS, _walk_nodes
 from qcal.graph.structure import DEFAULT_DOMAINS, attribute_graphs

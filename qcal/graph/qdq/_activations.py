@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from qcal.graph.placement import ANCHOR_OPS, FUSED_ACTIVATIONS
+from qcal.graph.integer_kernels import ANCHOR_OPS, FUSED_ACTIVATIONS
 from qcal.graph.qdq._base import _Writer
 from qcal.graph.qdq._codes import _same_qparams
 from qcal.graph.structure import (
