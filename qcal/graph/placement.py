@@ -44,6 +44,10 @@ softmax, GELU, recurrent state). So under "auto":
   output reaches an anchor through such operators (or through a float MaxPool whose output an
   anchor reads: onnxruntime moves that QuantizeLinear up through it). Then it saves a
   Dequantize/Quantize pair instead of adding one;
+* a MaxPool stays float; where it reads a float tensor and only quantized nodes read its
+  output, its input is quantized too, with parameters of its own (`_guarded_pools`): else
+  onnxruntime moves its output's QuantizeLinear up through it and runs it on uint8, in a loop
+  10-50x its float kernel;
 * an Add that only adds a constant row to an anchor MatMul's output is that MatMul's bias
   (`added_bias_of`), never a serving node: quantized, it would cost an integer Add and a
   requantization, and hold the bias in 8 bits;
@@ -119,6 +123,8 @@ class Placement:
 
     nodes: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)
+    # tensor -> the float node that reads it quantized all the same (`_guarded_pools`)
+    guards: dict[str, str] = field(default_factory=dict)
 
 
 def place(
@@ -201,7 +207,53 @@ def place(
             "its bias" if anchor is not None and anchor in quantized
             else "placement auto: not between quantized anchors")
     placement.tensors.update(tensors)
+    for pool, value in _guarded_pools(nodes, index, quantized_inputs, quantized,
+                                      tensors).items():
+        placement.guards[value] = pool
+        placement.nodes[pool] = _GUARDED_POOL
     return placement
+
+
+_GUARDED_POOL = (
+    "placement auto: onnxruntime's uint8 MaxPool is a plain channels-first loop, 10-50x its "
+    "float kernel; its input is quantized too, with parameters of its own, so that onnxruntime "
+    "does not move the QuantizeLinear of its output up through it and run it on uint8")
+
+
+def _guarded_pools(
+    nodes: list[onnx.NodeProto],
+    index: UseIndex,
+    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
+    quantized: set[str],
+    float_outputs: Mapping[str, str],
+) -> dict[str, str]:
+    """Float MaxPool -> its input to quantize, where onnxruntime would otherwise run it on uint8.
+
+    onnxruntime's QDQ propagation moves a QuantizeLinear up through a MaxPool whose output only
+    it reads, when what the MaxPool reads comes from no DequantizeLinear and
+    has no other reader; the pool then runs on the codes. Between a float op and an integer
+    Conv (an audio-quality model's stem Conv and swish, float, then a MaxPool of 32 x 400 x 160:
+    5.7 ms on uint8 against 0.2 ms in float) that made the model 1.6-1.7x float; with a Quantize
+    and Dequantize of its own before the pool, 0.81x. Where the writer of its input is
+    quantized, that input is dequantized already, with other parameters (`_pools_into_quantized`
+    quantizes a narrow Conv there: both then run channels-last in integers)."""
+    guarded = {}
+    for node in nodes:
+        if (node.op_type != "MaxPool" or node.name in quantized or not node.input
+                or len([o for o in node.output if o]) != 1):
+            continue
+        value, pooled = node.input[0], node.output[0]
+        writer = index.producer.get(value)
+        readers = index.readers(pooled)
+        if (value in index.graph_outputs or pooled in index.graph_outputs
+                or len(index.readers(value)) != 1 or not readers
+                or not all(r.name in quantized and pooled in quantized_inputs(r)
+                           for r in readers)
+                or writer is not None and writer.name in quantized
+                and value not in float_outputs):
+            continue
+        guarded[node.name] = value
+    return guarded
 
 
 def _place_among(
