@@ -25,6 +25,29 @@ def sqnr_cell(output: Mapping[str, Any]) -> str:
     return "exact" if output["max_abs_error"] == 0 else "-"
 
 
+def _floor_sqnr(output: Mapping[str, Any]) -> float | None:
+    """The SQNR the floor holds an output to (`OutputMetrics.floor_sqnr_db`), from the report."""
+    values = [v for v in (output["sqnr_db"], output.get("variation_sqnr_db")) if v is not None]
+    return min(values) if values else None
+
+
+def _measured_on(held: list[Mapping[str, Any]], worst: float) -> str:
+    """Where the worst SQNR of the floor was measured, and against what: the part of a
+    concatenated output (a detector's class scores), or an output's variation between samples
+    (`OutputMetrics.variation_sqnr_db`)."""
+    share = f"{100 * 10 ** (-worst / 10):.2g} %"
+    for output in held:
+        if _floor_sqnr(output) != worst:
+            continue
+        if output["sqnr_db"] != worst:
+            return (f" on {output['name']}, against its variation between samples (error "
+                    f"energy {share} of the variation's)")
+        if output.get("sqnr_part"):
+            return f" on {output['name']}{output['sqnr_part']} (error energy {share} of the signal's)"
+        break
+    return f" (error energy {share} of the signal's)"
+
+
 def agreement_cell(output: Mapping[str, Any]) -> str:
     """An output's share of agreeing decisions as the tables show it (rounded down), or "-",
     with the F1 of its yes decisions where it has one (`yes_f1`)."""
@@ -68,8 +91,9 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                        "with the float model (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
-    held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"))]
-    sqnrs = [o["sqnr_db"] for o in held]
+    held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"),
+                                                      o.get("variation_sqnr_db"))]
+    sqnrs = [_floor_sqnr(o) for o in held]
     figures = []
     if agreements:
         figures.append(f"{shown_down(100 * min(agreements), 2)}% of the decisions agree with the "
@@ -83,12 +107,8 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
         figures.append(f"F1 {shown_down(min(yes_f1s), 3)} of the yes decisions of probabilities")
     if sqnrs:
         worst = min((s for s in sqnrs if s is not None), default=None)
-        # the part of a concatenated output it is measured on (a detector's class scores)
-        part = next((f" on {o['name']}{o['sqnr_part']}" for o in held
-                     if o["sqnr_db"] == worst and o.get("sqnr_part")), "")
         figures.append("outputs identical to the float model's" if worst is None else
-                       f"worst SQNR {shown_down(worst, 1)} dB{part} (error energy "
-                       f"{100 * 10 ** (-worst / 10):.2g} % of the signal's)")
+                       f"worst SQNR {shown_down(worst, 1)} dB{_measured_on(held, worst)}")
     said = "; ".join(figures)
     floor = next((g for g in report["gates"] if g["option"] == "accuracy-floor"), None)
     config = report["config"]
@@ -107,7 +127,7 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
             "below-floor",
             f"quality: below the accuracy floor ({100 - DEFAULT_FLOOR_AGREEMENT_DROP:g} % of "
             f"decisions, F1 {DEFAULT_FLOOR_YES_F1:g} of yes decisions, {DEFAULT_FLOOR_SQNR_DB:g} "
-            "dB on values and sigmoids)",
+            "dB on values, sigmoids and per-sample scores)",
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")

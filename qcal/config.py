@@ -221,7 +221,7 @@ class CalibrationConfig:
             )
         return AccuracyTarget(min_sqnr_db=DEFAULT_FLOOR_SQNR_DB,
                               max_agreement_drop=DEFAULT_FLOOR_AGREEMENT_DROP / 100.0,
-                              min_yes_f1=DEFAULT_FLOOR_YES_F1, sqnr_on_classifiers=False)
+                              min_yes_f1=DEFAULT_FLOOR_YES_F1, floor_sqnr=True)
 
     def gates(self) -> Gates:
         """The gates of this run; missing the fallback's target (the floor or the user's) is one."""

@@ -20,14 +20,16 @@ from qcal.config import CalibrationConfig
 from qcal.pipeline import calibrate
 
 
-def _scale_model(factor: float, op: str = "MatMul") -> onnx.ModelProto:
-    """y = x * factor, as a linear layer (classifier-like scores) or an elementwise Mul."""
+def _scale_model(factor: float, op: str = "MatMul", rank: int = 2) -> onnx.ModelProto:
+    """y = x * factor, as a linear layer (classifier-like scores) or an elementwise Mul; with
+    `rank` 3, over positions ([N, T, 5])."""
     k = (np.eye(5, dtype=np.float32) * np.float32(factor)) if op == "MatMul" else np.float32(factor)
+    shape: list[str | int] = ["N", 5] if rank == 2 else ["N", "T", 5]
     graph = helper.make_graph(
         [helper.make_node(op, ["x", "k"], ["y"], name="scale")],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
         initializer=[onnx.numpy_helper.from_array(np.asarray(k), "k")],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
@@ -535,11 +537,17 @@ def test_a_sparse_sigmoid_map_is_held_to_the_sqnr_floor_as_well() -> None:
     assert out.decisions == "threshold" and out.top1_agreement == 1.0  # every decision holds
     assert out.sqnr_db is not None and out.sqnr_db < 10  # the probabilities do not
     floor = CalibrationConfig().accuracy_target()
-    assert floor.sqnr_on_classifiers is False
+    assert floor.floor_sqnr is True
     assert not floor.is_met(comparison)
-    # an argmax's scores are judged by their decisions alone, as before
+    # per-position scores are judged by their decisions alone (a decoder reads their argmax)
+    positions = compare_models(_scale_model(1.0, rank=3), _scale_model(0.5, rank=3),
+                               [({"x": x}, 50)])
+    out = positions.outputs[0]
+    assert out.decisions == "argmax" and out.variation_sqnr_db is None and floor.is_met(positions)
+    # per-sample scores by their SQNR too: one row per sample may be a regression head's
     logits = compare_models(_scale_model(1.0), _scale_model(0.5), [({"x": x[:, 0]}, 50)])
-    assert logits.outputs[0].decisions == "argmax" and floor.is_met(logits)
+    assert logits.outputs[0].decisions == "argmax" and logits.outputs[0].top1_agreement == 1.0
+    assert not floor.is_met(logits)
 
 
 @pytest.mark.parametrize(("op", "value", "scores"), [("Div", 2.5, True), ("Mul", 0.4, True),

@@ -735,7 +735,7 @@ def test_below_the_floor_the_blocks_find_the_error_and_the_fallback_restores_it(
     assert fallback["message"].endswith("(ranked by their measured effect on the outputs, "
                                         "in blocks)")
     # it names the floor's figures that apply: this model has no probabilities to hold
-    assert fallback["message"].startswith("SQNR of outputs without decisions or sigmoid maps "
+    assert fallback["message"].startswith("SQNR of values, sigmoid maps and per-sample scores "
                                           ">= 14 dB and agreement >= 99 % of decisions reached")
     # the blocks' ranking reached the floor: the error jumps were never localised
     assert report["sensitivity"] is None and "localise" not in report["timings_seconds"]
@@ -892,7 +892,7 @@ def test_the_summary_says_the_measured_quality_and_what_to_do_below_the_floor(
     agreement = json.loads(rep.read_text())["evaluation"]["outputs"][0]["top1_agreement"]
     said = " ".join(below.stdout.split())  # rich wraps lines
     assert "quality: below the accuracy floor (99 % of decisions, F1 0.97 of yes decisions, 14 dB " \
-           "on values and sigmoids): " \
+           "on values, sigmoids and per-sample scores): " \
            f"{_down(100 * agreement)}% of the decisions agree" in said
     assert "--min-coverage lower than 70" in said and "--no-fallback accepts" in said
     within = CliRunner().invoke(main, ["calibrate", str(SAMPLE_MODELS / "digits_cnn.onnx"),

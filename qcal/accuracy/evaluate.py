@@ -3,7 +3,9 @@
 Per output, with x the float output and y the quantized one, accumulated over all samples:
 SQNR = 10·log10(Σx² / Σ(x−y)²) dB (None when the outputs are identical; for an output that
 concatenates parts of different kinds or sizes, the worst part's: `qcal.accuracy.output_parts`),
-cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|, and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
+cosine = Σxy / √(Σx²·Σy²), max abs error = max|x−y|; for an output of one row per sample
+([N], [N, k]), its SQNR against its rows' variation, 10·log10(Σ(x−x̄)² / Σ(x−y)²) with x̄ the
+mean row (`OutputAccumulator.variation_energy`); and, for outputs that hold decisions (`qcal.accuracy.decisions`: a
 classifier's scores, a softmax per position, a sigmoid's yes/no), top-1 agreement = share of the
 decisions that are the same; for probabilities (a sigmoid's map, a concatenated output's
 probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
@@ -69,13 +71,14 @@ class Comparison:
         """The lowest output SQNR; -inf when an output is broken (see `OutputMetrics.broken`)."""
         return -math.inf if self.broken_outputs else self.worst_finite_sqnr_db()
 
-    def worst_finite_sqnr_db(self, *, classifiers: bool = True) -> float | None:
+    def worst_finite_sqnr_db(self, *, floor: bool = False) -> float | None:
         """The lowest SQNR over the elements both models computed finite (None: identical
-        outputs); without `classifiers`, over the outputs the floor's SQNR applies to
-        (`OutputMetrics.floor_sqnr`)."""
-        values = [o.sqnr_db for o in self.outputs if o.sqnr_db is not None
-                  and (classifiers or o.floor_sqnr)]
-        return min(values) if values else None
+        outputs); with `floor`, the floor's: over the outputs it applies to
+        (`OutputMetrics.floor_sqnr`), each at the figure it holds (`floor_sqnr_db`)."""
+        values = [o.floor_sqnr_db if floor else o.sqnr_db for o in self.outputs
+                  if not floor or o.floor_sqnr]
+        found = [v for v in values if v is not None]
+        return min(found) if found else None
 
     @property
     def broken_outputs(self) -> tuple[str, ...]:

@@ -191,7 +191,7 @@ def _figures(comparison: Comparison) -> str:
     f1 = worst_yes_f1(comparison)
     if f1 is not None:
         said.append(f"F1 {shown_down(f1, 3)} of the yes decisions")
-    sqnr = comparison.worst_finite_sqnr_db(classifiers=False)
+    sqnr = comparison.worst_finite_sqnr_db(floor=True)
     if sqnr is not None:
         said.append(f"worst SQNR {shown_down(sqnr, 1)} dB")
     return ", ".join(said) or "outputs identical"

@@ -26,13 +26,21 @@ __all__ = ["MIN_YES_DECISIONS", "OutputAccumulator", "OutputMetrics", "floor_sqn
 # Fewer yes decisions are too few for an F1: one cell would move it by over 2 %, most of the
 # floor's 3 % (a detector's yes decisions on a handful of held-out images).
 MIN_YES_DECISIONS = 50
+# Fewer samples say too little of how an output varies between them (`variation_sqnr_db`).
+MIN_ROWS = 4
 
 
-def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None) -> bool:
-    """Whether the floor's SQNR applies to an output: one without decisions, or a sigmoid's map,
+def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
+                       variation_sqnr_db: float | None = None) -> bool:
+    """Whether the floor's SQNR applies to an output: one without decisions; a sigmoid's map,
     whose per-element agreement a sparse map's confident background fills (a pitch detector's
-    note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73)."""
-    return top1_agreement is None or decisions == "threshold"
+    note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73); and one row
+    of scores per sample whose variation was measured: a regression head's values read as a
+    classifier's by their shape and their linear layer (speech-quality ratings, signal,
+    background and overall, whose argmax stays on the first) agree by their argmax however
+    scrambled they are. Per-position scores are read by their decoder, argmax by argmax."""
+    return (top1_agreement is None or decisions == "threshold"
+            or variation_sqnr_db is not None)
 
 
 @dataclass(frozen=True)
@@ -61,11 +69,22 @@ class OutputMetrics:
     # A per-position output's share of samples whose sequence reads the same
     # (`qcal.accuracy.decisions.sequences_read_alike`); None: no sequences.
     sequence_agreement: float | None = None
+    # An output of one row of values per sample ([N], [N, k]): its SQNR against how those rows
+    # vary between samples (`OutputAccumulator.variation_energy`); None: no such output, fewer
+    # than MIN_ROWS samples, rows that do not vary, or outputs identical.
+    variation_sqnr_db: float | None = None
 
     @property
     def floor_sqnr(self) -> bool:
         """Whether the floor's SQNR applies (`floor_sqnr_applies`)."""
-        return floor_sqnr_applies(self.top1_agreement, self.decisions)
+        return floor_sqnr_applies(self.top1_agreement, self.decisions, self.variation_sqnr_db)
+
+    @property
+    def floor_sqnr_db(self) -> float | None:
+        """The SQNR the floor holds: the lower of the output's SQNR and its SQNR against its
+        variation between samples (None: identical outputs, or no SQNR)."""
+        values = [v for v in (self.sqnr_db, self.variation_sqnr_db) if v is not None]
+        return min(values) if values else None
 
     @property
     def broken(self) -> bool:
@@ -88,6 +107,7 @@ class OutputMetrics:
             "sqnr_part": self.sqnr_part,
             "yes_f1": _round(self.yes_f1),
             "sequence_agreement": _round(self.sequence_agreement),
+            "variation_sqnr_db": _round(self.variation_sqnr_db),
         }
 
 
@@ -142,6 +162,12 @@ class OutputAccumulator:
     sequences: int = 0
     sequence_axis: int | None = None
     unsplit: bool = False
+    # An output of one row per sample: the sum of its float rows and their count, for the
+    # energy of their variation around their mean; `rows_apart` once a batch was not such
+    # rows (another width, non-finite values, samples not known).
+    row_sum: np.ndarray | None = None
+    row_count: int = 0
+    rows_apart: bool = False
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None,
             samples: int | None = None) -> None:
@@ -158,7 +184,9 @@ class OutputAccumulator:
         x64 = x.astype(np.float64, copy=False).ravel()
         y64 = y.astype(np.float64, copy=False).ravel()
         finite_x, finite_y = np.isfinite(x64), np.isfinite(y64)
-        if not (finite_x.all() and finite_y.all()):
+        all_finite = bool(finite_x.all() and finite_y.all())
+        self._add_rows(x64, x.shape, samples if all_finite and not self.integer else None)
+        if not all_finite:
             self.nonfinite_float += int(finite_x.size - np.count_nonzero(finite_x))
             self.nonfinite_quantized += int(finite_y.size - np.count_nonzero(finite_y))
             self.nonfinite_introduced += int(np.count_nonzero(finite_x & ~finite_y))
@@ -211,6 +239,34 @@ class OutputAccumulator:
                 self.correct_quant += int(np.sum(fy == labels))
                 self.labelled += int(labels.shape[0])
 
+    def _add_rows(self, x64: np.ndarray, shape: tuple[int, ...], samples: int | None) -> None:
+        """Sum the float rows of an output of one row per sample: `[N]` or `[N, k]` with N the
+        batch's `samples` (a scalar for a batch of one)."""
+        if self.rows_apart:
+            return
+        if samples is None or not (len(shape) in (1, 2) and shape[0] == samples
+                                   or len(shape) == 0 and samples == 1):
+            self.rows_apart, self.row_sum = True, None
+            return
+        rows = x64.reshape(samples, -1)
+        if self.row_sum is None:
+            self.row_sum = np.zeros(rows.shape[1])
+        elif self.row_sum.shape[0] != rows.shape[1]:
+            self.rows_apart, self.row_sum = True, None
+            return
+        self.row_sum += rows.sum(axis=0)
+        self.row_count += samples
+
+    @property
+    def variation_energy(self) -> float | None:
+        """Σ(x − x̄)² over the rows, x̄ the mean row: the energy of what tells the samples
+        apart, which the error must stay small against. A regression head's scores sit on
+        an offset (speech-quality ratings near 3 of 5): against their whole energy an error
+        that scrambles their ranking still reads 22 dB. None: not rows of samples, or too few."""
+        if self.row_sum is None or self.rows_apart or self.row_count < MIN_ROWS:
+            return None
+        return self.signal - inner_product(self.row_sum, self.row_sum) / self.row_count
+
     def _count_sequences(self, argmax: Argmax, shape: tuple[int, ...],
                          samples: int | None) -> None:
         axis = None if samples is None else sequence_axis(shape, samples, self.sequence_axis)
@@ -228,6 +284,12 @@ class OutputAccumulator:
 
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
+        variation = self.variation_energy
+        # rows that do not vary (beyond float64's rounding of the sums) have nothing to tell
+        # apart: their SQNR alone says how far they are
+        variation_sqnr = (10.0 * math.log10(variation / self.noise)
+                          if variation is not None and self.noise > 0.0
+                          and variation > 1e-9 * self.signal else None)
         worst_part = None
         groups = (measured_groups(self.part_signal, [p.probabilities for p in self.parts])
                   if self.part_signal else [])
@@ -273,6 +335,7 @@ class OutputAccumulator:
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
             sequence_agreement=sequences,
+            variation_sqnr_db=None if self.integer else variation_sqnr,
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
                     if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
         )

@@ -26,7 +26,8 @@ class AccuracyTarget:
     min_sqnr_db: float | None = None
     max_agreement_drop: float | None = None
     min_yes_f1: float | None = None
-    sqnr_on_classifiers: bool = True  # False: the SQNR target skips argmax outputs (not sigmoid maps)
+    # True: the floor's SQNR (`Comparison.worst_finite_sqnr_db(floor=True)`), else every output's
+    floor_sqnr: bool = False
 
     def is_met(self, comparison: Comparison) -> bool:
         return self.shortfall(comparison) <= 0.0
@@ -38,7 +39,7 @@ class AccuracyTarget:
             return math.inf
         gaps = [0.0]
         if self.min_sqnr_db is not None:
-            sqnr = comparison.worst_finite_sqnr_db(classifiers=self.sqnr_on_classifiers)
+            sqnr = comparison.worst_finite_sqnr_db(floor=self.floor_sqnr)
             if sqnr is not None:  # None: identical outputs
                 gaps.append((self.min_sqnr_db - sqnr) / 10.0)
         if self.max_agreement_drop is not None:
@@ -57,9 +58,8 @@ class AccuracyTarget:
         checked against it) has any, or without one."""
         parts = []
         if self.min_sqnr_db is not None:
-            which = ("output" if self.sqnr_on_classifiers
-                     else "SQNR of outputs without decisions or sigmoid maps")
-            parts.append(f"{which} >= {self.min_sqnr_db:g} dB" if not self.sqnr_on_classifiers
+            parts.append(f"SQNR of values, sigmoid maps and per-sample scores >= "
+                         f"{self.min_sqnr_db:g} dB" if self.floor_sqnr
                          else f"output SQNR >= {self.min_sqnr_db:g} dB")
         if self.max_agreement_drop is not None:
             parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")

@@ -1,0 +1,150 @@
+"""An output of one row per sample is also measured against how its rows vary between samples
+(`variation_sqnr_db`), and the floor holds per-sample scores to it: a regression head's ratings
+sit on an offset that flatters their SQNR, and their argmax (always the same rating) agrees
+however scrambled they are."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from qcal._verdict import quality_verdict
+from qcal.accuracy.evaluate import compare_models
+from qcal.config import CalibrationConfig
+
+
+def _head(slope: float, *, offset: tuple[float, ...] = (3.0, 2.0, 2.2),
+          shape: list[str | int] | None = None) -> onnx.ModelProto:
+    """y = x @ (W * slope) + offset: three ratings from a linear layer, varying with x."""
+    w = np.linspace(-0.3, 0.3, 4 * len(offset), dtype=np.float32).reshape(4, len(offset))
+    w = w * np.float32(slope)
+    shape = shape or ["N", 4]
+    out_shape = [*shape[:-1], len(offset)]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="linear"),
+         helper.make_node("Add", ["h", "b"], ["y"], name="bias")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+        initializer=[onnx.numpy_helper.from_array(w, "w"),
+                     onnx.numpy_helper.from_array(np.asarray(offset, np.float32), "b")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _expected(x: np.ndarray, slope: float) -> tuple[float, float]:
+    """Independently: (SQNR, SQNR against the rows' variation) of `_head(slope)` vs `_head(1)`."""
+    w = np.linspace(-0.3, 0.3, 12, dtype=np.float32).reshape(4, 3)
+    b = np.array([3.0, 2.0, 2.2], np.float32).astype(np.float64)
+    f = x.astype(np.float64) @ w.astype(np.float64) + b
+    q = x.astype(np.float64) @ (w * np.float32(slope)).astype(np.float64) + b
+    noise = np.sum((f - q) ** 2)
+    variation = np.sum((f - f.mean(axis=0)) ** 2)
+    return 10 * math.log10(np.sum(f * f) / noise), 10 * math.log10(variation / noise)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_the_variation_sqnr_is_the_error_against_the_rows_around_their_mean(batch: int) -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    batches = [({"x": x[i:i + batch]}, batch) for i in range(0, 16, batch)]
+    out = compare_models(_head(1.0), _head(0.5), batches).outputs[0]
+    sqnr, variation = _expected(x, 0.5)
+    assert out.sqnr_db == pytest.approx(sqnr, abs=1e-3)
+    assert out.variation_sqnr_db == pytest.approx(variation, abs=1e-3)
+    assert out.sqnr_db > 14 > out.variation_sqnr_db  # the offset flatters it past the floor
+    assert out.floor_sqnr_db == out.variation_sqnr_db
+    # the ratings' argmax is the first everywhere: the decisions agree, saying nothing
+    assert out.decisions == "argmax" and out.top1_agreement == 1.0
+
+
+def test_the_floor_holds_per_sample_scores_to_their_variation() -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    floor = CalibrationConfig().accuracy_target()
+    scrambled = compare_models(_head(1.0), _head(0.5), [({"x": x}, 16)])
+    assert not floor.is_met(scrambled)
+    assert floor.describe().startswith("SQNR of values, sigmoid maps and per-sample scores >= 14")
+    close = compare_models(_head(1.0), _head(0.97), [({"x": x}, 16)])
+    assert close.outputs[0].variation_sqnr_db > 14 and floor.is_met(close)
+    # a user's --target-sqnr holds each output's SQNR as documented
+    target = CalibrationConfig(target_sqnr=20.0).accuracy_target()
+    assert target.is_met(scrambled)
+
+
+def test_the_verdict_names_the_variation_it_measured_against() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    out = compare_models(_head(1.0), _head(0.8), [({"x": x}, 16)]).outputs[0]
+    report = {"evaluation": {"outputs": [out.to_json()]}, "gates": [],
+              "config": {"fallback": True, "weight_only": None, "target_sqnr": None,
+                         "max_agreement_drop": None, "min_coverage": 70.0}}
+    verdict = quality_verdict(report)
+    assert verdict is not None
+    shown = math.floor(out.variation_sqnr_db * 10 + 1e-9) / 10
+    assert f"worst SQNR {shown:.1f} dB on y, against its variation between samples" in verdict.text
+
+
+@pytest.mark.parametrize("case", ["positions", "few", "constant", "integer"])
+def test_no_variation_figure_where_there_are_no_rows_to_vary(case: str) -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    if case == "positions":  # [N, T, 3]: positions, not one row per sample
+        model_f, model_q = (_head(s, shape=["N", "T", 4]) for s in (1.0, 0.5))
+        batches = [({"x": x.reshape(4, 4, 4)}, 4)]
+    elif case == "few":  # fewer than MIN_ROWS samples
+        model_f, model_q = _head(1.0), _head(0.5)
+        batches = [({"x": x[:3]}, 3)]
+    elif case == "constant":  # rows that do not vary between samples
+        model_f, model_q = _head(1.0), _head(0.5)
+        batches = [({"x": np.zeros_like(x) + 1.0}, 16)]
+    else:  # labels: agreement by equality, no SQNR
+        model_f, model_q = _argmax_model(), _argmax_model()
+        batches = [({"x": x}, 16)]
+    out = compare_models(model_f, model_q, batches).outputs[0]
+    assert out.variation_sqnr_db is None
+    assert out.floor_sqnr_db == out.sqnr_db
+
+
+def _argmax_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("ArgMax", ["x"], ["y"], name="argmax", axis=1, keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, ["N"])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_score_per_sample_and_a_scalar_per_run_are_rows_too() -> None:
+    """[N] (one rating per sample) and a scalar output of a batch of one."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    for keepdims, batch in ((1, 4), (0, 1)):  # [N, 1] -> [N]... and a scalar for one sample
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="linear"),
+                 helper.make_node("Add", ["h", "b"], ["r"], name="bias"),
+                 helper.make_node("ReduceSum", ["r"], ["y"], name="sum", keepdims=0)
+                 if not keepdims else
+                 helper.make_node("Squeeze", ["r", "axis"], ["y"], name="squeeze")]
+
+        def model(slope: float, nodes: list[onnx.NodeProto] = nodes) -> onnx.ModelProto:
+            w = np.array([[0.2], [-0.1], [0.3], [0.1]], np.float32) * slope
+            graph = helper.make_graph(
+                nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                initializer=[onnx.numpy_helper.from_array(w, "w"),
+                             onnx.numpy_helper.from_array(np.array([4.0], np.float32), "b"),
+                             onnx.numpy_helper.from_array(np.array([1], np.int64), "axis")])
+            return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                     ir_version=8)
+
+        batches = [({"x": x[i:i + batch]}, batch) for i in range(0, 16, batch)]
+        out = compare_models(model(1.0), model(0.5), batches).outputs[0]
+        f = x.astype(np.float64) @ np.array([0.2, -0.1, 0.3, 0.1]) + 4.0
+        q = x.astype(np.float64) @ (np.array([0.2, -0.1, 0.3, 0.1]) * 0.5) + 4.0
+        expected = 10 * math.log10(np.sum((f - f.mean()) ** 2) / np.sum((f - q) ** 2))
+        assert out.variation_sqnr_db == pytest.approx(expected, abs=1e-3)
