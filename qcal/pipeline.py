@@ -100,7 +100,7 @@ from qcal.report import build_report, dump_report
 
 __all__ = [
     "CalibrationResult", "Progress", "calibrate", "default_output_paths", "load_labels",
-    "plan_model",
+    "plan_model", "report_beside",
 ]
 
 
@@ -120,6 +120,13 @@ def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Pat
     """`<stem>.qdq.onnx` and `<stem>.qcal.json` in the current directory (never beside the input)."""
     base = cwd or Path.cwd()
     return base / f"{model_path.stem}.qdq.onnx", base / f"{model_path.stem}.qcal.json"
+
+
+def report_beside(output: Path) -> Path:
+    """The report of a model written to `output`, beside it (`out/m.int8.onnx` ->
+    `out/m.int8.qcal.json`, `m.qdq.onnx` -> `m.qcal.json`): each report sits with its model."""
+    stem = output.name.removesuffix(".onnx").removesuffix(".qdq")
+    return output.with_name(f"{stem}.qcal.json")
 
 
 def calibrate(

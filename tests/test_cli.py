@@ -121,6 +121,25 @@ def test_default_output_paths_are_in_the_current_directory(tmp_path: Path, monke
     assert not (SAMPLES / "transformer_block.qdq.onnx").exists()
 
 
+@pytest.mark.parametrize(("output", "report"), [("out/m.int8.onnx", "out/m.int8.qcal.json"),
+                                                ("out/m.qdq.onnx", "out/m.qcal.json")])
+def test_the_report_goes_beside_the_model_output_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, report: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    result = run("calibrate", "--min-product-macs", "0", TRANSFORMER, "--method", "minmax",
+                 "-o", output)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / output).is_file() and (tmp_path / report).is_file()
+    assert json.loads((tmp_path / report).read_text())["output_model"]["path"].endswith(output)
+    assert not (tmp_path / "transformer_block.qcal.json").exists()
+    # a second model of the same input, written elsewhere, gets a report of its own
+    again = run("calibrate", "--min-product-macs", "0", TRANSFORMER, "--method", "minmax",
+                "-o", "other.onnx")
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "other.qcal.json").is_file()
+
+
 def _npz_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "samples"
     folder.mkdir()

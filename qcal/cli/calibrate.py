@@ -22,7 +22,8 @@ from qcal.numerics.errors import ConfigError, OutputError
 @main.command()
 @click.argument("model", type=_existing)
 @click.option("-o", "--output", type=_path, help="QDQ model to write [default: ./<stem>.qdq.onnx]")
-@click.option("--report", type=_path, help="JSON report to write [default: ./<stem>.qcal.json]")
+@click.option("--report", type=_path,
+              help="JSON report to write [default: beside -o's model, else ./<stem>.qcal.json]")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 @click.option("--data", type=_path, help=".npz file (.npy for a one-input model), folder of such samples, or test_data_set folder(s).")
 @click.option("--eval-data", type=_path, help="Data to compare float and quantized outputs on.")
@@ -140,7 +141,7 @@ def calibrate(**params: Any) -> None:
     """Calibrate MODEL on real data and write a QDQ model and a JSON report."""
     from qcal.accuracy.gates import raise_for_failed
     from qcal.pipeline import calibrate as run_calibration
-    from qcal.pipeline import default_output_paths
+    from qcal.pipeline import default_output_paths, report_beside
 
     ctx = click.get_current_context()
     extras = RunExtras.take(params)
@@ -164,7 +165,9 @@ def calibrate(**params: Any) -> None:
     model: Path = params["model"]
     default_output, default_report = default_output_paths(model)
     output = Path(outputs["output"]) if outputs.get("output") else default_output
-    report = Path(outputs["report"]) if outputs.get("report") else default_report
+    # beside the model asked for, else beside the default one
+    report = (Path(outputs["report"]) if outputs.get("report")
+              else report_beside(output) if outputs.get("output") else default_report)
     if params.get("config") is not None:  # the config file is an input too, --force or not
         from qcal.graph.files.atomic import check_output_path
 
