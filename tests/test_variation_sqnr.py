@@ -148,3 +148,37 @@ def test_a_score_per_sample_and_a_scalar_per_run_are_rows_too() -> None:
         q = x.astype(np.float64) @ (np.array([0.2, -0.1, 0.3, 0.1]) * 0.5) + 4.0
         expected = 10 * math.log10(np.sum((f - f.mean()) ** 2) / np.sum((f - q) ** 2))
         assert out.variation_sqnr_db == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize(("agree", "count"), [(16, 16), (319, 320), (49, 50), (9900, 10000)])
+def test_the_agreement_bound_is_the_wilson_score_bound(agree: int, count: int) -> None:
+    from qcal._verdict import agreement_lower_bound
+
+    z = 1.6448536  # one-sided 95 %
+    p = agree / count
+    # the bound's other algebraic form: (2np + z² − z·√(z² + 4np(1 − p))) / (2(n + z²))
+    expected = ((2 * count * p + z * z - z * math.sqrt(z * z + 4 * count * p * (1 - p)))
+                / (2 * (count + z * z)))
+    assert agreement_lower_bound(p, count) == pytest.approx(expected, rel=1e-9)
+    assert agreement_lower_bound(p, count) < p
+
+
+def test_the_verdict_says_how_little_a_few_decisions_show() -> None:
+    """All of 16 held-out samples agreeing shows at 95 % confidence only that 85.5 % do."""
+    rng = np.random.default_rng(8)
+    few = rng.standard_normal((16, 4)).astype(np.float32)
+    many = rng.standard_normal((400, 4)).astype(np.float32)
+    said = {}
+    for name, x in (("few", few), ("many", many)):
+        out = compare_models(_head(1.0, offset=(0.0, 0.0, 0.0)), _head(1.0, offset=(0.0, 0.0, 0.0)),
+                             [({"x": x}, len(x))]).outputs[0]
+        assert out.decisions == "argmax" and out.decision_count == len(x)
+        report = {"evaluation": {"outputs": [out.to_json()]}, "gates": [],
+                  "config": {"fallback": True, "weight_only": None, "target_sqnr": None,
+                             "max_agreement_drop": None, "min_coverage": 70.0}}
+        verdict = quality_verdict(report)
+        assert verdict is not None
+        said[name] = verdict.text
+    assert "of 16 decisions, which show at 95 % confidence only that at least 85.5 % agree" \
+        in said["few"]
+    assert "confidence" not in said["many"]  # 400 of 400 show 99.3 %, 268 of 268 99.0 %

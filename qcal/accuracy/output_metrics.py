@@ -73,6 +73,8 @@ class OutputMetrics:
     # vary between samples (`OutputAccumulator.variation_energy`); None: no such output, fewer
     # than MIN_ROWS samples, rows that do not vary, or outputs identical.
     variation_sqnr_db: float | None = None
+    # How many decisions `top1_agreement` counts (None: no decisions).
+    decision_count: int | None = None
 
     @property
     def floor_sqnr(self) -> bool:
@@ -108,6 +110,7 @@ class OutputMetrics:
             "yes_f1": _round(self.yes_f1),
             "sequence_agreement": _round(self.sequence_agreement),
             "variation_sqnr_db": _round(self.variation_sqnr_db),
+            "decision_count": self.decision_count,
         }
 
 
@@ -336,6 +339,8 @@ class OutputAccumulator:
             sqnr_part=None if self.integer else worst_part,
             sequence_agreement=sequences,
             variation_sqnr_db=None if self.integer else variation_sqnr,
+            decision_count=(None if agreement is None
+                            else self.elements if self.integer else self.rows),
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
                     if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
         )
