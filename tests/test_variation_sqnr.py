@@ -182,3 +182,28 @@ def test_the_verdict_says_how_little_a_few_decisions_show() -> None:
     assert "of 16 decisions, which show at 95 % confidence only that at least 85.5 % agree" \
         in said["few"]
     assert "confidence" not in said["many"]  # 400 of 400 show 99.3 %, 268 of 268 99.0 %
+
+
+@pytest.mark.parametrize("op", ["Softmax", "Sigmoid"])
+def test_probabilities_are_held_by_their_level_not_their_variation(op: str) -> None:
+    """A confident classifier's probabilities sit near 1 for every held-out sample of its one
+    class (a spam filter's held-out mail all ham): their level is what is read, and an error
+    small against it is no error, however little they vary between samples."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((16, 4)) * 0.5).astype(np.float32)
+    offset = (5.0, 0.0, 0.0) if op == "Softmax" else (5.0, -5.0, 5.0)  # every sigmoid decided
+
+    def model(slope: float) -> onnx.ModelProto:
+        head = _head(slope, offset=offset)
+        head.graph.node[-1].output[0] = "scores"
+        head.graph.node.append(helper.make_node(op, ["scores"], ["y"], name="probabilities"))
+        return head
+
+    out = compare_models(model(1.0), model(1.3), [({"x": x}, 16)]).outputs[0]
+    assert out.decisions is not None and out.variation_sqnr_db is None
+    assert CalibrationConfig().accuracy_target().is_met(
+        compare_models(model(1.0), model(1.3), [({"x": x}, 16)]))
+    # the same scores before the probabilities vary too little for that error
+    scores = compare_models(_head(1.0, offset=offset), _head(1.3, offset=offset),
+                            [({"x": x}, 16)]).outputs[0]
+    assert scores.variation_sqnr_db is not None and scores.variation_sqnr_db < 14

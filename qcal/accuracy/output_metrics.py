@@ -35,10 +35,11 @@ def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
     """Whether the floor's SQNR applies to an output: one without decisions; a sigmoid's map,
     whose per-element agreement a sparse map's confident background fills (a pitch detector's
     note maps, 2 % of them on, agreed at 99 % with 7.7 dB and a note F1 of 0.73); and one row
-    of scores per sample whose variation was measured: a regression head's values read as a
-    classifier's by their shape and their linear layer (speech-quality ratings, signal,
-    background and overall, whose argmax stays on the first) agree by their argmax however
-    scrambled they are. Per-position scores are read by their decoder, argmax by argmax."""
+    of a linear layer's scores per sample, whose variation was measured: a regression head's
+    values read as a classifier's by their shape and their linear layer (speech-quality
+    ratings, signal, background and overall, whose argmax stays on the first) agree by their
+    argmax however scrambled they are. Per-position scores are read by their decoder, argmax
+    by argmax."""
     return (top1_agreement is None or decisions == "threshold"
             or variation_sqnr_db is not None)
 
@@ -270,6 +271,13 @@ class OutputAccumulator:
             return None
         return self.signal - inner_product(self.row_sum, self.row_sum) / self.row_count
 
+    def _values(self) -> bool:
+        """Whether the output holds values whose offset says nothing (`variation_energy`):
+        none of its decisions read, or a linear layer's scores. Not probabilities: a softmax's
+        or a sigmoid's, which a confident model holds near 1 on every sample of a class (a
+        spam filter's held-out mail all ham), and whose level is what is read."""
+        return self.rule is None or (not self.rule.threshold and self.rule.softmax_axis is None)
+
     def _count_sequences(self, argmax: Argmax, shape: tuple[int, ...],
                          samples: int | None) -> None:
         axis = None if samples is None else sequence_axis(shape, samples, self.sequence_axis)
@@ -287,7 +295,7 @@ class OutputAccumulator:
 
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
-        variation = self.variation_energy
+        variation = self.variation_energy if self._values() else None
         # rows that do not vary (beyond float64's rounding of the sums) have nothing to tell
         # apart: their SQNR alone says how far they are
         variation_sqnr = (10.0 * math.log10(variation / self.noise)
