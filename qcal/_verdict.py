@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qcal.accuracy.evaluate import floor_sqnr_applies
+from qcal.accuracy.evaluate import floor_sqnr_applies, floor_sqnr_value
 from qcal.accuracy.gates import GateResult, shown_down
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
@@ -28,9 +28,8 @@ def sqnr_cell(output: Mapping[str, Any]) -> str:
 
 
 def _floor_sqnr(output: Mapping[str, Any]) -> float | None:
-    """The SQNR the floor holds an output to (`OutputMetrics.floor_sqnr_db`), from the report."""
-    values = [v for v in (output["sqnr_db"], output.get("variation_sqnr_db")) if v is not None]
-    return min(values) if values else None
+    """The SQNR the floor holds a report's output to (`floor_sqnr_value`)."""
+    return floor_sqnr_value(output["sqnr_db"], output.get("variation_sqnr_db"))
 
 
 # The share of decisions that must agree under the default floor, and the z of a one-sided 95 %

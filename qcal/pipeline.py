@@ -118,8 +118,8 @@ class CalibrationResult:
 
 def default_output_paths(model_path: Path, cwd: Path | None = None) -> tuple[Path, Path]:
     """`<stem>.qdq.onnx` and `<stem>.qcal.json` in the current directory (never beside the input)."""
-    base = cwd or Path.cwd()
-    return base / f"{model_path.stem}.qdq.onnx", base / f"{model_path.stem}.qcal.json"
+    output = (cwd or Path.cwd()) / f"{model_path.stem}.qdq.onnx"
+    return output, report_beside(output)
 
 
 def report_beside(output: Path) -> Path:

@@ -38,6 +38,7 @@ from qcal.accuracy.output_metrics import (
     OutputAccumulator,
     OutputMetrics,
     floor_sqnr_applies,
+    floor_sqnr_value,
 )
 from qcal.accuracy.output_parts import output_parts
 from qcal.accuracy.reference import FloatReference
@@ -46,6 +47,7 @@ from qcal.numerics.errors import DataError, ModelError, one_line
 
 __all__ = [
     "MIN_YES_DECISIONS", "Comparison", "OutputMetrics", "compare_models", "floor_sqnr_applies",
+    "floor_sqnr_value",
     "numeric_outputs",
 ]
 

@@ -20,7 +20,8 @@ from qcal.accuracy.output_parts import OutputPart, describe_parts, measured_grou
 from qcal.numerics.errors import DataError
 from qcal.numerics.sums import inner_product
 
-__all__ = ["MIN_YES_DECISIONS", "OutputAccumulator", "OutputMetrics", "floor_sqnr_applies"]
+__all__ = ["MIN_YES_DECISIONS", "OutputAccumulator", "OutputMetrics", "floor_sqnr_applies",
+           "floor_sqnr_value"]
 
 
 # Fewer yes decisions are too few for an F1: one cell would move it by over 2 %, most of the
@@ -42,6 +43,13 @@ def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
     by argmax."""
     return (top1_agreement is None or decisions == "threshold"
             or variation_sqnr_db is not None)
+
+
+def floor_sqnr_value(sqnr_db: float | None, variation_sqnr_db: float | None) -> float | None:
+    """The SQNR the floor holds an output to: the lower of its SQNR and its SQNR against its
+    variation between samples (None: identical outputs, or no SQNR)."""
+    values = [v for v in (sqnr_db, variation_sqnr_db) if v is not None]
+    return min(values) if values else None
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,8 @@ class OutputMetrics:
 
     @property
     def floor_sqnr_db(self) -> float | None:
-        """The SQNR the floor holds: the lower of the output's SQNR and its SQNR against its
-        variation between samples (None: identical outputs, or no SQNR)."""
-        values = [v for v in (self.sqnr_db, self.variation_sqnr_db) if v is not None]
-        return min(values) if values else None
+        """The SQNR the floor holds (`floor_sqnr_value`)."""
+        return floor_sqnr_value(self.sqnr_db, self.variation_sqnr_db)
 
     @property
     def broken(self) -> bool:
@@ -346,7 +352,7 @@ class OutputAccumulator:
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
             sequence_agreement=sequences,
-            variation_sqnr_db=None if self.integer else variation_sqnr,
+            variation_sqnr_db=variation_sqnr,  # no rows of an integer output are summed
             decision_count=(None if agreement is None
                             else self.elements if self.integer else self.rows),
             yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])

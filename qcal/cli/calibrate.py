@@ -163,11 +163,8 @@ def calibrate(**params: Any) -> None:
         raise ConfigError("--equalize, --smooth-quant: they change the model, so they go with "
                           "no statistics collected beforehand (--stats, --checkpoint, --ray)")
     model: Path = params["model"]
-    default_output, default_report = default_output_paths(model)
-    output = Path(outputs["output"]) if outputs.get("output") else default_output
-    # beside the model asked for, else beside the default one
-    report = (Path(outputs["report"]) if outputs.get("report")
-              else report_beside(output) if outputs.get("output") else default_report)
+    output = Path(outputs["output"]) if outputs.get("output") else default_output_paths(model)[0]
+    report = Path(outputs["report"]) if outputs.get("report") else report_beside(output)
     if params.get("config") is not None:  # the config file is an input too, --force or not
         from qcal.graph.files.atomic import check_output_path
 

@@ -123,7 +123,7 @@ class Placement:
 
     nodes: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)
-    # tensor -> the float node that reads it quantized all the same (`_guarded_pools`)
+    # float node -> the input it reads quantized all the same (`_guarded_pools`)
     guards: dict[str, str] = field(default_factory=dict)
 
 
@@ -207,10 +207,8 @@ def place(
             "its bias" if anchor is not None and anchor in quantized
             else "placement auto: not between quantized anchors")
     placement.tensors.update(tensors)
-    for pool, value in _guarded_pools(nodes, index, quantized_inputs, quantized,
-                                      tensors).items():
-        placement.guards[value] = pool
-        placement.nodes[pool] = _GUARDED_POOL
+    placement.guards = _guarded_pools(nodes, index, quantized_inputs, quantized, tensors)
+    placement.nodes.update(dict.fromkeys(placement.guards, _GUARDED_POOL))
     return placement
 
 

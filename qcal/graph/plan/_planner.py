@@ -184,9 +184,8 @@ class _Planner(_Selection):
             reason = targets if isinstance(targets, str) else targets.empty_reason()
             found.decisions.append(NodeDecision(node.name, node.op_type, False, reason))
             # a float node that reads one input quantized all the same (a MaxPool kept so)
-            for tensor, reader in self._placed.guards.items():
-                if reader == node.name:
-                    found.readers.setdefault(tensor, set()).add(node.name)
+            if (guarded := self._placed.guards.get(node.name)) is not None:
+                found.readers.setdefault(guarded, set()).add(node.name)
             return
         assert rule is not None
         for tensor in targets.inputs:
