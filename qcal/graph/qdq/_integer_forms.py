@@ -48,11 +48,17 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
-from qcal.graph.qdq._codes import _BYTE_TYPES, _INTEGER_TYPES, integer_tensor
+from qcal.graph.qdq._codes import _INTEGER_TYPES
+from qcal.graph.qdq._form_parts import (
+    between_pair,
+    code_initializer,
+    constant_code,
+    float_initializer,
+    requantize,
+)
 from qcal.graph.shapes import known_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
@@ -122,7 +128,7 @@ def _spell(
 ) -> tuple[list[onnx.NodeProto], str] | None:
     """The nodes that replace `node` and the scale the QuantizeLinear after it read before it
     was edited in place (to quantize their output), or None."""
-    pair = _between_pair(node, index)
+    pair = between_pair(node, index)
     if pair is None:
         return None
     dequantize, quantize, x_scale, x_zero, y_scale, y_zero, dtype = pair
@@ -133,23 +139,23 @@ def _spell(
         clips = y_zero == low and (high - y_zero) * y_scale <= _ONE  # its range in [0, 1]
         if not (alpha > 0 and np.isfinite(beta) and clips):
             return None
-        shift = _constant(names, graph, node.name, beta / alpha, dtype)
+        shift = constant_code(names, graph, node.name, beta / alpha, dtype)
         gate = names.allocate(f"{node.name}_shifted")
         add = helper.make_node("Add", [x, shift.output[0]], [gate],
                                name=names.allocate(f"{node.name}_Add"))
-        _requantize(quantize, gate, y_scale / alpha, names, graph)
+        requantize(quantize, gate, y_scale / alpha, names, graph)
         return [shift, add], replaced
     # HardSwish: x * clip(x + 3, 0, 6) / 6
     top = min(6.0, 3.0 + (high - x_zero) * x_scale)
     if top <= 0:
         return None  # x never above -3: the output is 0 (left as written)
-    three = _constant(names, graph, node.name, 3.0, dtype)
+    three = constant_code(names, graph, node.name, 3.0, dtype)
     shifted = names.allocate(f"{node.name}_shifted")
     add = helper.make_node("Add", [x, three.output[0]], [shifted],
                            name=names.allocate(f"{node.name}_Add"))
-    gate_scale = _initializer(names, graph, f"{node.name}_gate_scale",
+    gate_scale = float_initializer(names, graph, f"{node.name}_gate_scale",
                               np.asarray(top / (high - low), np.float32))
-    gate_zero = _code(names, graph, f"{node.name}_gate_zero_point", low, dtype)
+    gate_zero = code_initializer(names, graph, f"{node.name}_gate_zero_point", low, dtype)
     gate_codes = names.allocate(f"{node.name}_gate_quantized")
     gate = names.allocate(f"{node.name}_gate")
     quantize_gate = helper.make_node(
@@ -160,7 +166,7 @@ def _spell(
         name=names.allocate(f"{node.name}_gate_DequantizeLinear"))
     product = names.allocate(f"{node.name}_product")
     mul = helper.make_node("Mul", [x, gate], [product], name=names.allocate(f"{node.name}_Mul"))
-    _requantize(quantize, product, y_scale * 6.0, names, graph)
+    requantize(quantize, product, y_scale * 6.0, names, graph)
     return [three, add, quantize_gate, dequantize_gate, mul], replaced
 
 
@@ -172,7 +178,7 @@ def _pad_codes(
     output's codes; and the nodes it leaves unread (the QuantizeLinear, and the
     DequantizeLinear when nothing else reads it). onnxruntime keeps a float Pad between its
     pair, and runs this one on the integers, channels-last between integer Convs."""
-    pair = _between_pair(node, index, parameters=True)
+    pair = between_pair(node, index, parameters=True)
     if pair is None:
         return None
     dequantize, quantize, x_scale, x_zero, y_scale, y_zero, _ = pair
@@ -199,7 +205,7 @@ def _pool_as_convolution(
     count its padding, the Conv's output quantized on the output's grid and multiplied by the
     constant map k / (taps inside the input) per position. None where the form does not apply
     (ceil_mode, dilations, unknown channels, or for a map, unknown sizes)."""
-    pair = _between_pair(node, index)
+    pair = between_pair(node, index)
     if pair is None:
         return None
     dequantize, quantize, _, _, _, _, dtype = pair
@@ -218,11 +224,11 @@ def _pool_as_convolution(
         return None
     channels = output_dims[1]
     taps = int(np.prod(kernel))
-    ones = _code(names, graph, f"{node.name}_weight_quantized",
+    ones = code_initializer(names, graph, f"{node.name}_weight_quantized",
                  np.ones((channels, 1, *kernel)), TensorProto.INT8)
-    scale = _initializer(names, graph, f"{node.name}_weight_scale",
+    scale = float_initializer(names, graph, f"{node.name}_weight_scale",
                          np.asarray(1.0 / taps, np.float32))
-    zero = _code(names, graph, f"{node.name}_weight_zero_point", 0, TensorProto.INT8)
+    zero = code_initializer(names, graph, f"{node.name}_weight_zero_point", 0, TensorProto.INT8)
     weight = helper.make_node(
         "DequantizeLinear", [ones, scale, zero], [names.allocate(f"{node.name}_weight")],
         name=names.allocate(f"{node.name}_weight_DequantizeLinear"))
@@ -244,10 +250,10 @@ def _pool_as_convolution(
     steps = 2.0 ** np.floor(np.log2(high / float(ratios.max())))
     if steps < 1:  # a ratio over the largest code (a corner of one tap in a huge kernel)
         return None
-    codes = _code(names, graph, f"{node.name}_divisors_quantized", np.rint(ratios * steps),
+    codes = code_initializer(names, graph, f"{node.name}_divisors_quantized", np.rint(ratios * steps),
                   dtype)
-    map_zero = _code(names, graph, f"{node.name}_divisors_zero_point", 0, dtype)
-    map_scale = _initializer(names, graph, f"{node.name}_divisors_scale",
+    map_zero = code_initializer(names, graph, f"{node.name}_divisors_zero_point", 0, dtype)
+    map_scale = float_initializer(names, graph, f"{node.name}_divisors_scale",
                              np.asarray(1.0 / steps, np.float32))
     divisors = helper.make_node(
         "DequantizeLinear", [codes, map_scale, map_zero],
@@ -294,75 +300,3 @@ def _dims(graph: onnx.GraphProto, value: str, spatial: int) -> list[int] | None:
     if dims is None or len(dims) != 2 + spatial:
         return None
     return [d or 0 for d in dims]
-
-
-def _between_pair(
-    node: onnx.NodeProto, index: UseIndex, *, parameters: bool = False
-) -> tuple[onnx.NodeProto, onnx.NodeProto, float, int, float, int, int] | None:
-    """(DequantizeLinear of the input, QuantizeLinear of the output, their scales and zero
-    points, the 8-bit type) when `node` reads a per-tensor DequantizeLinear and its output
-    goes to one per-tensor QuantizeLinear alone, all with float32 scales. With `parameters`,
-    inputs after the first (a Pad's pads) are allowed: they are not data."""
-    if (not parameters and len(node.input) != 1) or len(node.output) != 1:
-        return None
-    output = node.output[0]
-    dequantize = index.producer.get(node.input[0])
-    readers = index.readers(output)
-    if (dequantize is None or dequantize.op_type != "DequantizeLinear"
-            or output in index.graph_outputs or len(readers) != 1
-            or len(index.uses.get(output, ())) != 1 or readers[0].op_type != "QuantizeLinear"):
-        return None
-    quantize = readers[0]
-    x_params = _scalar_params(dequantize, index)
-    y_params = _scalar_params(quantize, index)
-    if x_params is None or y_params is None or x_params[2] != y_params[2]:
-        return None
-    return dequantize, quantize, x_params[0], x_params[1], y_params[0], y_params[1], x_params[2]
-
-
-def _scalar_params(node: onnx.NodeProto, index: UseIndex) -> tuple[float, int, int] | None:
-    """(scale, zero point, its 8-bit type) of a Q/DQ node with per-tensor float32 constants."""
-    if node.domain not in DEFAULT_DOMAINS or len(node.input) != 3:
-        return None
-    scale, zero = index.constant(node.input[1]), index.constant(node.input[2])
-    if (scale is None or zero is None or scale.data_type != TensorProto.FLOAT
-            or zero.data_type not in _BYTE_TYPES):
-        return None
-    scales, zeros = tensor_array(scale), tensor_array(zero)
-    if scales.size != 1 or zeros.size != 1:
-        return None
-    return float(scales.reshape(())), int(zeros.reshape(())), zero.data_type
-
-
-def _requantize(quantize: onnx.NodeProto, value: str, scale: float, names: NameAllocator,
-                graph: onnx.GraphProto) -> None:
-    """Make the output's QuantizeLinear quantize `value` with `scale` (its zero point kept)."""
-    quantize.input[0] = value
-    quantize.input[1] = _initializer(names, graph, f"{value}_scale", np.asarray(scale, np.float32))
-
-
-def _constant(names: NameAllocator, graph: onnx.GraphProto, node: str, value: float,
-              dtype: int) -> onnx.NodeProto:
-    """The DequantizeLinear of `value` as one 8-bit code (the extreme code of its sign)."""
-    _, low, high = _INTEGER_TYPES[dtype]
-    code, zero = (high, low) if value > 0 else (low, high) if value < 0 else (low, low)
-    scale = abs(value) / (high - low) if value else 1.0
-    codes = _code(names, graph, f"{node}_constant_quantized", code, dtype)
-    zero_point = _code(names, graph, f"{node}_constant_zero_point", zero, dtype)
-    scale_name = _initializer(names, graph, f"{node}_constant_scale", np.asarray(scale, np.float32))
-    return helper.make_node(
-        "DequantizeLinear", [codes, scale_name, zero_point], [names.allocate(f"{node}_constant")],
-        name=names.allocate(f"{node}_constant_DequantizeLinear"))
-
-
-def _code(names: NameAllocator, graph: onnx.GraphProto, base: str, value: int | np.ndarray,
-          dtype: int) -> str:
-    name = names.allocate(base)
-    graph.initializer.append(integer_tensor(name, np.asarray(value), dtype))
-    return name
-
-
-def _initializer(names: NameAllocator, graph: onnx.GraphProto, base: str, value: np.ndarray) -> str:
-    name = names.allocate(base)
-    graph.initializer.append(numpy_helper.from_array(value, name))
-    return name
