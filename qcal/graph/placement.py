@@ -36,8 +36,8 @@ softmax, GELU, recurrent state). So under "auto":
   (through a Relu/Clip) into a MaxPool whose output is quantized: onnxruntime would run that
   MaxPool on uint8 in its slow channels-first loop (`_pools_into_quantized`);
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
-  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish, HardSigmoid and Pad,
-  which the Q/DQ writer spells in integer operators) is quantized only when it sits
+  Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish, HardSigmoid, PRelu
+  and Pad, which the Q/DQ writer spells in integer operators) is quantized only when it sits
   *between* anchors: every float input
   it computes with comes from a quantized anchor or such an operator, or is an anchor's input
   (quantized anyway: a residual Add beside the Conv that reads a MaxPool's output), and its
@@ -105,6 +105,9 @@ _SERVING_OPS = frozenset({
     # (`OpRule.integer_form`); float between integer Convs they also break the channels-last
     # layout onnxruntime gives integer chains (MobileNetV3-like models: 5-17 % of their time)
     "HardSwish", "HardSigmoid",
+    # onnxruntime's float kernel is slow (half a MediaPipe palm detector's time); written as
+    # integer Clips, Mul and Add (`OpRule.integer_form`)
+    "PRelu",
     # no integer kernel when a Q/DQ pair surrounds it; the writer pads the codes themselves
     # (a MediaPipe face detector pads channels before 11 residual Adds: float, they and their
     # Adds split every block into islands)

@@ -183,6 +183,11 @@ OP_RULES: Mapping[str, OpRule] = {
         "input X and the output; under placement auto written as an integer Add (x + 3, "
         "clipped to [0, 6] by its quantization) and an integer Mul by x, the / 6 in the "
         "output's scale", integer_form=True),
+    "PRelu": OpRule(
+        "input X and the output (never the slope); under placement auto written as integer "
+        "Clips of X's codes at its zero point (its positive and negative parts), an integer Mul "
+        "of the negative part by the slope (8-bit codes) onto the output's grid, and an "
+        "integer Add", integer_form=True),
     "Softmax": _data_rule("input X"),
     "Clip": _data_rule("input X (never min/max)"),
     "Resize": _data_rule("input X (never roi/scales/sizes)"),

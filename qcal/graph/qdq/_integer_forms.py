@@ -1,4 +1,4 @@
-"""HardSwish, HardSigmoid and Pad spelled in operators onnxruntime runs on integers, and
+"""HardSwish, HardSigmoid, PRelu and Pad spelled in operators onnxruntime runs on integers, and
 AveragePool in one it runs faster.
 
 onnxruntime has no integer kernel for either: between a DequantizeLinear and a QuantizeLinear
@@ -17,6 +17,9 @@ DequantizeLinear ``x`` and its output's QuantizeLinear (parameters ``s``, ``z``)
   the formula does), then a Mul by x whose QuantizeLinear has scale ``6 s`` and zero point
   ``z``, which writes the output's codes: QLinearAdd and QLinearMul. The gate ``x + 3`` is held
   in 8 bits on its own range, the one rounding this form adds.
+
+* PRelu: Clips of its input's codes and a depthwise 1 x 1 Conv of the slopes, added
+  (`_prelu_form`).
 
 * Pad: onnxruntime keeps a float Pad between its pair; with the same parameters on both sides
   (the plan gives its output its input's) it becomes a Pad of the input's codes, by the zero
@@ -58,12 +61,14 @@ from qcal.graph.qdq._form_parts import (
     constant_code,
     float_initializer,
     requantize,
+    stated_dims,
 )
-from qcal.graph.shapes import known_dims
+from qcal.graph.qdq._prelu_form import prelu_codes
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
     all_graphs,
+    default_opset,
     drop_unread_initializers,
     drop_value_info,
     float_attribute,
@@ -99,6 +104,14 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
                     spellings[id(node)] = pooled
                     replaced.add(node.output[0])
                 continue
+            if node.op_type == "PRelu":
+                slopes = prelu_codes(node, index, names, graph, default_opset(model) or 0)
+                if slopes is not None:
+                    spelled_nodes, gone = slopes
+                    spellings[id(node)] = spelled_nodes
+                    spellings.update((id(n), []) for n in gone)
+                    replaced.add(node.output[0])
+                continue
             if node.op_type == "Pad":
                 padded = _pad_codes(node, index)
                 if padded is not None:
@@ -119,7 +132,7 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
             graph.node.extend(kept)
             drop_unread_initializers(graph, scales)
             drop_value_info(graph, replaced)
-            done += len(spellings)
+            done += len(replaced)
     return done
 
 
@@ -294,9 +307,7 @@ def _uncounted_padding_map(kernel: list[int], strides: list[int], pads: list[int
 def _dims(graph: onnx.GraphProto, value: str, spatial: int) -> list[int] | None:
     """The dimensions of `value` (batch, channels, spatial...) as the graph states them (0 for
     one it does not), or None without a shape of that rank."""
-    info = next((v for v in (*graph.value_info, *graph.input, *graph.output) if v.name == value),
-                None)
-    dims = None if info is None else known_dims(info)
+    dims = stated_dims(graph, value)
     if dims is None or len(dims) != 2 + spatial:
         return None
     return [d or 0 for d in dims]
