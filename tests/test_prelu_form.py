@@ -143,3 +143,45 @@ def test_a_prelu_between_convs_is_quantized_in_its_integer_form(tmp_path: Path) 
     ours, theirs = session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0]
     sqnr = 10 * np.log10(np.sum(theirs ** 2) / np.sum((theirs - ours) ** 2))
     assert sqnr > 25
+
+
+def test_a_form_onnxruntime_cannot_run_keeps_its_node_float(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a written form break onnxruntime (here a slope Conv whose weight has one
+    dimension too few), the failure names a node the writer named after the PRelu, or the
+    node onnxruntime fused from it: that PRelu is kept float, with onnxruntime's words, and
+    the run goes on instead of stopping at a model it cannot run."""
+    import qcal.graph.qdq._prelu_form as prelu_form
+
+    right = prelu_form._channel_slopes
+
+    def one_dimension_short(slope: np.ndarray, dims: list[int | None] | None) -> np.ndarray | None:
+        found = right(slope, dims)
+        return None if found is None else found.reshape(found.shape[0], 1)
+
+    monkeypatch.setattr(prelu_form, "_channel_slopes", one_dimension_short)
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
+        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "s1": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    decision = next(n for n in result.report["nodes"] if n["name"] == "prelu1")
+    assert not decision["quantized"]
+    assert "kept float: onnxruntime cannot run it quantized" in decision["reason"]
+    assert "PRelu" in {n.op_type for n in result.model.graph.node}
+    ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -263,8 +263,10 @@ def _culprit(
     float_model: onnx.ModelProto, model: onnx.ModelProto, message: str, plan: QuantPlan
 ) -> str | None:
     """The node `message` blames, when Q/DQ touches it: a node of the model reading or writing a
-    quantized tensor (or quantized itself), named directly or through one of its Q/DQ nodes."""
+    quantized tensor (or quantized itself), named directly, through one of its Q/DQ nodes, or
+    through a node named after it (onnxruntime's fusions, the writer's integer forms)."""
     nodes = {n.name: n for g in all_graphs(model.graph) for n in g.node}
+    planned = sorted((d.node for d in plan.nodes if d.quantized), key=len, reverse=True)
     for pattern in _NODE_NAMES:
         for name in pattern.findall(message):
             node = nodes.get(name)
@@ -274,6 +276,11 @@ def _culprit(
                     return owner
             elif node is not None and _tensors_of(plan, float_model, name):
                 return str(name)
+            else:  # a node onnxruntime fused ("<name>_token_7") or one the writer spelled a
+                # quantized node in ("<name>_slope_Conv"): named after that node
+                owner = next((p for p in planned if name.startswith(f"{p}_")), None)
+                if owner is not None:
+                    return owner
     return None
 
 
