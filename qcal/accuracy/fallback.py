@@ -106,11 +106,15 @@ class FallbackStep:
     def to_json(self) -> dict[str, object]:
         return {
             "kept_float": self.kept,
-            "worst_sqnr_db": _round(self.comparison.worst_sqnr_db),
+            # over the elements both models computed finite: JSON holds no -inf, and the
+            # outputs the step broke are named instead
+            "worst_sqnr_db": _round(self.comparison.worst_finite_sqnr_db()),
             "worst_top1_agreement": _round(worst_agreement(self.comparison)),
             "worst_yes_f1": _round(worst_yes_f1(self.comparison)),
             "macs_quantized_fraction": _round(self.coverage.fraction),
             "target_met": self.met,
+            **({"broken_outputs": list(self.comparison.broken_outputs)}
+               if self.comparison.broken_outputs else {}),
         }
 
 
