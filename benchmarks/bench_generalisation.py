@@ -84,6 +84,7 @@ GEN_MODELS = (
     "paddle_cnn",
     "paddle_lstm",
     "torch_vad",
+    "torch_prelu",
     "pretrained_layout",
     "pretrained_textdet",
     "pretrained_filetype",

@@ -50,7 +50,7 @@ OPSET = 17
 THREADS = 1  # faster than 2 on this 2-core machine when anything else runs; bitwise-stable
 
 ALL_MODELS = ("torch_cnn_bn", "torch_dwsep", "torch_gru_stream", "torch_encoder", "torch_vit",
-              "torch_vad")
+              "torch_vad", "torch_prelu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +151,37 @@ def _torch_models() -> dict[str, Any]:
         def forward(self, image: torch.Tensor) -> torch.Tensor:
             x = self.blocks(self.stem(image))
             return self.head(x.mean((2, 3)))
+
+    class PreluNet(nn.Module):
+        """A face-recognition backbone's shape (MobileFaceNet, MTCNN, MediaPipe's detectors):
+        Conv+BatchNorm+PReLU (one slope per channel), depthwise-separable residual blocks with
+        PReLU, a strided stem, a linear embedding and a classifier over it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+
+            def unit(cin: int, cout: int, k: int = 3, stride: int = 1, groups: int = 1) -> list[nn.Module]:
+                return [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False),
+                        nn.BatchNorm2d(cout), nn.PReLU(cout)]
+
+            class Residual(nn.Module):
+                def __init__(self, ch: int) -> None:
+                    super().__init__()
+                    self.body = nn.Sequential(*unit(ch, 2 * ch, 1), *unit(2 * ch, 2 * ch, groups=2 * ch),
+                                              nn.Conv2d(2 * ch, ch, 1, bias=False), nn.BatchNorm2d(ch))
+
+                def forward(self, x: torch.Tensor) -> torch.Tensor:
+                    return x + self.body(x)
+
+            self.features = nn.Sequential(
+                *unit(1, 32, stride=2), *unit(32, 32, groups=32), Residual(32),
+                *unit(32, 64, stride=2), Residual(64), Residual(64),
+                *unit(64, 128, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            self.embed = nn.Sequential(nn.Linear(128, 64), nn.BatchNorm1d(64))
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, image: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(self.features(image)))
 
     class GruStream(nn.Module):
         """Streaming frame classifier: one chunk of frames and the GRU state in, per-frame logits
@@ -267,7 +298,7 @@ def _torch_models() -> dict[str, Any]:
                 x = blk(x)
             return self.head(self.norm(x)[:, 0])
 
-    return {"CnnBn": CnnBn, "DwSep": DwSep, "GruStream": GruStream, "Encoder": Encoder, "TinyViT": TinyViT,
+    return {"CnnBn": CnnBn, "DwSep": DwSep, "PreluNet": PreluNet, "GruStream": GruStream, "Encoder": Encoder, "TinyViT": TinyViT,
             "VadStream": VadStream}
 
 
@@ -502,6 +533,9 @@ def build(name: str, split: dict) -> dict:
         spec["notes"] = ("opset 18: the dynamo exporter's down-conversion to 17 fails on ReduceMean "
                          "(axes input -> attribute)")
         return spec
+    if name == "torch_prelu":
+        return build_image_classifier(name, "PreluNet", 48, 6, 3e-3, "prelu cnn", "torchscript",
+                                      split)
     if name == "torch_gru_stream":
         return build_gru(split, "torchscript")
     if name == "torch_vad":
