@@ -61,24 +61,26 @@ def prelu_codes(
         helper.make_node("DequantizeLinear", [positive, x_scale_name, x_zero_name],
                          [positive_values],
                          name=names.allocate(f"{node.name}_positive_DequantizeLinear"))]
-    quantize.input[0] = positive_values  # no negative part (x >= 0, slopes 0): relu(x) alone
     if x_zero != low and slopes.any():
         spelled += _negative_part(node.name, codes, zero, x_scale_name, x_zero_name, slopes,
-                                  quantize, names, graph)
+                                  positive_values, quantize, names, graph)
+    else:  # no negative part (x >= 0, or every slope 0): relu(x) alone
+        quantize.input[0] = positive_values
     gone = [dequantize] if len(index.uses.get(dequantize.output[0], ())) == 1 else []
     return spelled, gone
 
 
 def _negative_part(name: str, codes: str, zero: str, x_scale: str, x_zero: str,
-                   slopes: np.ndarray, quantize: onnx.NodeProto, names: NameAllocator,
-                   graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+                   slopes: np.ndarray, positive: str, quantize: onnx.NodeProto,
+                   names: NameAllocator, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """``slope min(x, 0)`` as a depthwise 1 x 1 Conv of the codes clipped at the zero point, on
-    the output's grid, added to what `quantize` quantizes (edited in place). Each channel's
-    weight is its slope held as the code 127 (or -127) at a scale of |slope| / 127: exact."""
+    the output's grid, added to the `positive` part into `quantize` (edited in place). Each
+    channel's weight is its slope held as the code 127 (or -127) at a scale of |slope| / 127:
+    exact."""
     channels, spatial = slopes.shape[0], slopes.ndim - 1
-    weight_scales = np.abs(slopes).reshape(channels).astype(np.float32)
+    magnitudes = np.abs(slopes).reshape(channels)
+    weight_scales = np.where(magnitudes > 0, magnitudes / 127, 1).astype(np.float32)
     weight_codes = np.sign(slopes).reshape(channels, 1, *[1] * spatial) * 127
-    weight_scales = np.where(weight_scales > 0, weight_scales / 127, 1).astype(np.float32)
     negative = names.allocate(f"{name}_negative_quantized")
     negative_values = names.allocate(f"{name}_negative")
     weight = names.allocate(f"{name}_slope_weight")
@@ -106,7 +108,7 @@ def _negative_part(name: str, codes: str, zero: str, x_scale: str, x_zero: str,
                          name=names.allocate(f"{name}_product_QuantizeLinear")),
         helper.make_node("DequantizeLinear", [product_codes, y_scale, y_zero], [product_values],
                          name=names.allocate(f"{name}_product_DequantizeLinear")),
-        helper.make_node("Add", [quantize.input[0], product_values], [total],
+        helper.make_node("Add", [positive, product_values], [total],
                          name=names.allocate(f"{name}_Add"))]
     quantize.input[0] = total
     return nodes
