@@ -34,7 +34,7 @@ softmax, GELU, recurrent state). So under "auto":
   and its output runs straight into a quantized node: onnxruntime then quantizes its weight
   itself (per tensor) and runs that kernel anyway; or a narrow Conv of one group writes
   (through a Relu/Clip) into a MaxPool whose output is quantized: onnxruntime would run that
-  MaxPool on uint8 in its slow channels-first loop (`_pools_into_quantized`);
+  MaxPool on uint8 in its slow channels-first loop (`pools_into_quantized`);
 * a cheap operator that onnxruntime runs on integers (data movement, average pooling, Concat,
   Add, Mul, Relu, LeakyRelu, Sigmoid, a Div by a constant, and HardSwish, HardSigmoid, PRelu
   and Pad, which the Q/DQ writer spells in integer operators) is quantized only when it sits
@@ -45,7 +45,7 @@ softmax, GELU, recurrent state). So under "auto":
   anchor reads: onnxruntime moves that QuantizeLinear up through it). Then it saves a
   Dequantize/Quantize pair instead of adding one;
 * a MaxPool stays float; where it reads a float tensor and only quantized nodes read its
-  output, its input is quantized too, with parameters of its own (`_guarded_pools`): else
+  output, its input is quantized too, with parameters of its own (`guarded_pools`): else
   onnxruntime moves its output's QuantizeLinear up through it and runs it on uint8, in a loop
   10-50x its float kernel;
 * an Add that only adds a constant row to an anchor MatMul's output is that MatMul's bias
@@ -78,13 +78,18 @@ from qcal.graph.integer_kernels import (
     QUANTIZE_SEES_THROUGH,
     added_bias_of,
 )
+from qcal.graph.max_pools import (
+    GUARDED_POOL,
+    guarded_pools,
+    passes_quantized,
+    pools_into_quantized,
+)
 from qcal.graph.narrow_convs import slow_narrow_conv
 from qcal.graph.shapes import value_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
     computed_from_constants,
-    int_attribute,
 )
 
 __all__ = ["PLACEMENTS", "SMALL_PRODUCT", "SMALL_PRODUCT_MACS", "Placement", "place"]
@@ -126,7 +131,7 @@ class Placement:
 
     nodes: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, str] = field(default_factory=dict)
-    # float node -> the input it reads quantized all the same (`_guarded_pools`)
+    # float node -> the input it reads quantized all the same (`guarded_pools`)
     guards: dict[str, str] = field(default_factory=dict)
 
 
@@ -194,7 +199,7 @@ def place(
     by_name = {n.name: n for n in nodes}
     sandwiched = {name for name in slow if _between_quantized(
         by_name[name], index, quantized_inputs, quantized, tensors)}
-    pooled = {name for name in slow if _pools_into_quantized(
+    pooled = {name for name in slow if pools_into_quantized(
         by_name[name], index, quantized_inputs, quantized)}
     if sandwiched or pooled:
         slow = {name: why for name, why in slow.items()
@@ -210,51 +215,9 @@ def place(
             "its bias" if anchor is not None and anchor in quantized
             else "placement auto: not between quantized anchors")
     placement.tensors.update(tensors)
-    placement.guards = _guarded_pools(nodes, index, quantized_inputs, quantized, tensors)
-    placement.nodes.update(dict.fromkeys(placement.guards, _GUARDED_POOL))
+    placement.guards = guarded_pools(nodes, index, quantized_inputs, quantized, tensors)
+    placement.nodes.update(dict.fromkeys(placement.guards, GUARDED_POOL))
     return placement
-
-
-_GUARDED_POOL = (
-    "placement auto: onnxruntime's uint8 MaxPool is a plain channels-first loop, 10-50x its "
-    "float kernel; its input is quantized too, with parameters of its own, so that onnxruntime "
-    "does not move the QuantizeLinear of its output up through it and run it on uint8")
-
-
-def _guarded_pools(
-    nodes: list[onnx.NodeProto],
-    index: UseIndex,
-    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
-    quantized: set[str],
-    float_outputs: Mapping[str, str],
-) -> dict[str, str]:
-    """Float MaxPool -> its input to quantize, where onnxruntime would otherwise run it on uint8.
-
-    onnxruntime's QDQ propagation moves a QuantizeLinear up through a MaxPool whose output only
-    it reads, when what the MaxPool reads comes from no DequantizeLinear and
-    has no other reader; the pool then runs on the codes. Between a float op and an integer
-    Conv (an audio-quality model's stem Conv and swish, float, then a MaxPool of 32 x 400 x 160:
-    5.7 ms on uint8 against 0.2 ms in float) that made the model 1.6-1.7x float; with a Quantize
-    and Dequantize of its own before the pool, 0.81x. Where the writer of its input is
-    quantized, that input is dequantized already, with other parameters (`_pools_into_quantized`
-    quantizes a narrow Conv there: both then run channels-last in integers)."""
-    guarded = {}
-    for node in nodes:
-        if (node.op_type != "MaxPool" or node.name in quantized or not node.input
-                or len([o for o in node.output if o]) != 1):
-            continue
-        value, pooled = node.input[0], node.output[0]
-        writer = index.producer.get(value)
-        readers = index.readers(pooled)
-        if (value in index.graph_outputs or pooled in index.graph_outputs
-                or len(index.readers(value)) != 1 or not readers
-                or not all(r.name in quantized and pooled in quantized_inputs(r)
-                           for r in readers)
-                or writer is not None and writer.name in quantized
-                and value not in float_outputs):
-            continue
-        guarded[node.name] = value
-    return guarded
 
 
 def _place_among(
@@ -292,7 +255,7 @@ def _place_among(
     for node in reversed(nodes):
         if node.name in forward and any(
             reader.name in anchors or reader.name in serving
-            or _passes_quantized(reader, read_by_anchors)
+            or passes_quantized(reader, read_by_anchors)
             for value in node.output if value
             for reader in index.readers(value)
         ):
@@ -344,44 +307,6 @@ def _between_quantized(
     return False
 
 
-def _pools_into_quantized(
-    node: onnx.NodeProto,
-    index: UseIndex,
-    quantized_inputs: Callable[[onnx.NodeProto], list[str]],
-    quantized: set[str],
-) -> bool:
-    """Whether narrow Conv `node` (one group) writes, one reader at a time through a Relu/Clip,
-    into a MaxPool whose output only quantized nodes read, and read quantized.
-
-    onnxruntime then moves the QuantizeLinear of the MaxPool's output up through it (its QDQ
-    propagation) and runs the MaxPool on uint8 in channels-first layout, a plain loop 20-30x
-    its float kernel (64 channels of 111 x 111 pixels, 3x3, stride 2: 3.5 ms against 0.12 ms).
-    With the Conv quantized too, both run channels-last in integers: SqueezeNet 1.1 (3-channel
-    3x3 stem, then a MaxPool) ran 1.23x float with the stem float and 0.61x with it quantized,
-    ShuffleNetV2 the same way. Not a 3-D Conv, whose narrow integer kernel costs more than that
-    loop (a video network's 3x3x3 stem 5.8 ms against 1.5 ms in float, its MaxPool 1.3 ms
-    against 0.2: the model 2.4x float with the stem quantized, 0.84x with it float)."""
-    weight = index.constant(node.input[1])  # a narrow Conv's, constant (`slow_narrow_conv`)
-    if int_attribute(node, "group", 1) != 1 or not node.output or weight is None or \
-            len(weight.dims) > 4:
-        return False
-    value = node.output[0]
-    while value and value not in index.graph_outputs:
-        readers = index.readers(value)
-        if len(readers) != 1 or len([o for o in readers[0].output if o]) != 1:
-            return False
-        reader = readers[0]
-        if reader.op_type == "MaxPool" and reader.domain in DEFAULT_DOMAINS:
-            pooled = reader.output[0]
-            readers = index.readers(pooled)
-            return (pooled not in index.graph_outputs and bool(readers) and all(
-                r.name in quantized and pooled in quantized_inputs(r) for r in readers))
-        if reader.op_type not in FUSED_ACTIVATIONS:
-            return False
-        value = reader.output[0]
-    return False
-
-
 # A Gemm or MatMul whose Relu/Clip onnxruntime fuses writes integers whoever reads the
 # activation's output. Left float, onnxruntime fuses a Gemm and its activation into a float
 # FusedGemm before its QDQ fusion sees them, and turns a MatMul into its integer
@@ -403,13 +328,6 @@ _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 _PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")
-
-
-def _passes_quantized(node: onnx.NodeProto, read_by_anchors: set[str]) -> bool:
-    """Whether `node` is a float MaxPool whose output an anchor reads quantized: onnxruntime
-    moves that QuantizeLinear up through it, so what writes its input serves the anchor."""
-    return (node.op_type == "MaxPool" and node.domain in DEFAULT_DOMAINS
-            and bool(node.output) and node.output[0] in read_by_anchors)
 
 
 def _quantized_source(
