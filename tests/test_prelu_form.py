@@ -185,3 +185,34 @@ def test_a_form_onnxruntime_cannot_run_keeps_its_node_float(
     assert "kept float: onnxruntime cannot run it quantized" in decision["reason"]
     assert "PRelu" in {n.op_type for n in result.model.graph.node}
     ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_prelu_with_a_float_reader_keeps_its_integer_form(tmp_path: Path) -> None:
+    """A float node beside the integer Conv reading the PRelu's output (here an Exp) reads its
+    DequantizeLinear, as for any integer kernel's output: the QuantizeLinear stays the PRelu's
+    only reader, so the form still applies and onnxruntime runs no PRelu."""
+    rng = np.random.default_rng(6)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
+        helper.make_node("Exp", ["p1"], ["e"], name="exp"),
+        helper.make_node("ReduceMean", ["e"], ["z"], name="mean", keepdims=0),
+    ]
+    inits = {
+        "w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
+        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "s1": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y", "z"], inits),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
+    result = calibrate(tmp_path / "m.onnx", CalibrationConfig(
+        data=tmp_path / "calib.npz", fallback=False, allow_slower=True))
+    assert "PRelu" not in {n.op_type for n in result.model.graph.node}
+    exp = next(n for n in result.model.graph.node if n.name == "exp")
+    writer = next(n for n in result.model.graph.node if exp.input[0] in n.output)
+    assert writer.op_type == "DequantizeLinear"

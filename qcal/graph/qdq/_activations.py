@@ -43,6 +43,7 @@ _INTEGER_KERNEL_INPUTS: dict[str, tuple[int, ...] | None] = {
     "Sigmoid": (0,),
     "HardSigmoid": (0,),  # as the integer Add the writer spells it with (`_integer_forms`)
     "HardSwish": (0,),  # as integer Add and Mul, likewise
+    "PRelu": (0,),  # as integer Clips, a depthwise Conv and an Add (`_prelu_form`)
     "LeakyRelu": (0,),
     "Softmax": (0,),
 }
