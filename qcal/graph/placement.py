@@ -43,7 +43,8 @@ softmax, GELU, recurrent state). So under "auto":
   (quantized anyway: a residual Add beside the Conv that reads a MaxPool's output), and its
   output reaches an anchor through such operators (or through a float MaxPool whose output an
   anchor reads: onnxruntime moves that QuantizeLinear up through it). Then it saves a
-  Dequantize/Quantize pair instead of adding one;
+  Dequantize/Quantize pair instead of adding one. So is a MaxPool of the codes an integer
+  node writes that no anchor reads (`pools_codes`);
 * a MaxPool stays float; where it reads a float tensor and only quantized nodes read its
   output, its input is quantized too, with parameters of its own (`guarded_pools`): else
   onnxruntime moves its output's QuantizeLinear up through it and runs it on uint8, in a loop
@@ -82,6 +83,7 @@ from qcal.graph.max_pools import (
     GUARDED_POOL,
     guarded_pools,
     passes_quantized,
+    pools_codes,
     pools_into_quantized,
 )
 from qcal.graph.narrow_convs import slow_narrow_conv
@@ -244,7 +246,9 @@ def _place_among(
     # quantized anyway for an anchor (a residual Add beside the Conv reading a MaxPool's output).
     forward: set[str] = set()
     for node in nodes:
-        if node.name in in_group or node.name in biases or node.op_type not in _SERVING_OPS:
+        if node.name in in_group or node.name in biases or (
+                node.op_type not in _SERVING_OPS
+                and not pools_codes(node, index, in_group | forward, anchors)):
             continue
         inputs = quantized_inputs(node)
         if inputs and all(_quantized_source(t, index, in_group | forward, read_by_anchors)

@@ -1,0 +1,78 @@
+"""A MaxPool of the codes an integer layer writes serves the integer chain: in a MediaPipe
+downsampling block (MaxPool -> Pad of channels -> Add of the strided branch -> PRelu) the pool
+and the nodes after it are quantized, and onnxruntime runs the pool on the codes,
+channels-last, with no float island between the integer layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from _onnx_testing import build_model, float_input
+from onnx import helper
+
+from qcal.config import CalibrationConfig
+from qcal.pipeline import calibrate
+
+
+def _downsampling_block(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv -> PRelu, then a stride-2 depthwise + pointwise branch added to the MaxPool of the
+    block's input padded with 8 zero channels, a PRelu, and a Conv head with global pooling."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+        helper.make_node("PRelu", ["c0", "s0"], ["p0"], name="prelu0"),
+        helper.make_node("Conv", ["p0", "wd", "bd"], ["d"], name="depthwise", group=16,
+                         pads=[0, 0, 1, 1], kernel_shape=[3, 3], strides=[2, 2]),
+        helper.make_node("Conv", ["d", "wp", "bp"], ["branch"], name="pointwise"),
+        helper.make_node("MaxPool", ["p0"], ["pooled"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Pad", ["pooled", "pads"], ["widened"], name="pad"),
+        helper.make_node("Add", ["widened", "branch"], ["sum"], name="add"),
+        helper.make_node("PRelu", ["sum", "s1"], ["p1"], name="prelu1"),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="head"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
+    ]
+    inits = {
+        "w0": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
+        "b0": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "s0": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
+        "wd": rng.standard_normal((16, 1, 3, 3)).astype(np.float32) * 0.5,
+        "bd": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "wp": rng.standard_normal((24, 16, 1, 1)).astype(np.float32) * 0.3,
+        "bp": rng.standard_normal(24).astype(np.float32) * 0.1,
+        "pads": np.array([0, 0, 0, 0, 0, 8, 0, 0], np.int64),
+        "s1": rng.uniform(0, 0.5, (24, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((4, 24, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    return build_model(nodes, [float_input("x", ["N", 8, 32, 32])], ["y"], inits)
+
+
+def test_the_nodes_after_a_pool_of_codes_are_quantized_and_run_on_integers(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(11)
+    model = _downsampling_block(rng)
+    onnx.save(model, tmp_path / "m.onnx")
+    x = rng.standard_normal((32, 8, 32, 32)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert all(decisions[name]["quantized"] for name in ("pool", "pad", "add", "prelu1"))
+    onnx.checker.check_model(result.model, full_check=True)
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(result.model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    ran = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    assert "NhwcMaxPool" in ran and "MaxPool" not in ran
+    assert "PRelu" not in ran and "Add" not in ran  # no float island after the pool
+    assert ran.count("Transpose") <= 2  # channels-last from the first integer Conv to the head
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours, theirs = session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0]
+    assert 10 * np.log10(np.sum(theirs ** 2) / np.sum((theirs - ours) ** 2)) > 25
