@@ -46,6 +46,27 @@ def _prelu_between_pair(slope: np.ndarray, x_zero: int, *, stated: bool = True) 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
 
+def _conv_prelu_conv(rng: np.random.Generator, *extra: onnx.NodeProto,
+                     outputs: tuple[str, ...] = ("y",)) -> onnx.ModelProto:
+    """Conv -> PRelu (16 slopes in [0, 0.5)) -> 1x1 Conv -> global pooling on 8 x 16 x 16
+    inputs, with `extra` nodes after them."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
+        *extra,
+    ]
+    inits = {
+        "w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
+        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
+        "s1": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.3,
+        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
+    }
+    return build_model(nodes, [float_input("x", ["N", 8, 16, 16])], list(outputs), inits)
+
+
 def _run(model: onnx.ModelProto, codes: np.ndarray, folder: Path | None = None) -> np.ndarray:
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -100,9 +121,8 @@ def test_a_prelu_the_form_does_not_fit_stays_as_written(case: str) -> None:
 
 def test_a_prelu_between_convs_is_quantized_in_its_integer_form(tmp_path: Path) -> None:
     """A plain run on Conv -> PRelu -> Conv -> PRelu -> Conv -> pooling (a MediaPipe block's
-    shape): both
-    PRelus are quantized and spelled out, onnxruntime runs no PRelu, and the model's output
-    stays near the float model's."""
+    shape): both PRelus are quantized and spelled out, onnxruntime runs no PRelu, and the
+    model's output stays near the float model's."""
     rng = np.random.default_rng(3)
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
@@ -162,21 +182,7 @@ def test_a_form_onnxruntime_cannot_run_keeps_its_node_float(
 
     monkeypatch.setattr(prelu_form, "_channel_slopes", one_dimension_short)
     rng = np.random.default_rng(4)
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
-        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2"),
-        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
-    ]
-    inits = {
-        "w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
-        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
-        "s1": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
-        "w2": rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.3,
-        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
-    }
-    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits),
-              tmp_path / "m.onnx")
+    onnx.save(_conv_prelu_conv(rng), tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
     result = calibrate(tmp_path / "m.onnx",
                        CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
@@ -192,23 +198,9 @@ def test_a_prelu_with_a_float_reader_keeps_its_integer_form(tmp_path: Path) -> N
     DequantizeLinear, as for any integer kernel's output: the QuantizeLinear stays the PRelu's
     only reader, so the form still applies and onnxruntime runs no PRelu."""
     rng = np.random.default_rng(6)
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
-        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="conv2"),
-        helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
-        helper.make_node("Exp", ["p1"], ["e"], name="exp"),
-        helper.make_node("ReduceMean", ["e"], ["z"], name="mean", keepdims=0),
-    ]
-    inits = {
-        "w1": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.3,
-        "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
-        "s1": rng.uniform(0, 0.5, (16, 1, 1)).astype(np.float32),
-        "w2": rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.3,
-        "b2": rng.standard_normal(4).astype(np.float32) * 0.1,
-    }
-    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y", "z"], inits),
-              tmp_path / "m.onnx")
+    beside = [helper.make_node("Exp", ["p1"], ["e"], name="exp"),
+              helper.make_node("ReduceMean", ["e"], ["z"], name="mean", keepdims=0)]
+    onnx.save(_conv_prelu_conv(rng, *beside, outputs=("y", "z")), tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
     result = calibrate(tmp_path / "m.onnx", CalibrationConfig(
         data=tmp_path / "calib.npz", fallback=False, allow_slower=True))
