@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +90,15 @@ def prepared_model_drift(
 
 def time_against_users_model(
     users: onnx.ModelProto | None, prepared: onnx.ModelProto, loaded: LoadedModel,
-    quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray], config: CalibrationConfig,
+    quant_model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+    config: CalibrationConfig,
 ) -> SideBySide:
     """The quantized model timed against the float model the user gave, not the one qcal
     prepared from it: "slower than float" is about the user's model (a model whose Einsum qcal
     writes as MatMuls ran 0.52x the user's and 1.15x the prepared one, and failed the gate).
     The prepared one stands in where onnxruntime cannot run the user's as it is."""
     def timed(float_model: onnx.ModelProto) -> SideBySide:
-        return time_side_by_side(float_model, quant_model, feed, providers=config.providers,
+        return time_side_by_side(float_model, quant_model, feeds, providers=config.providers,
                                  threads=(1, 2), for_gate=config.fail_if_slower is not None)
 
     if users is not None:

@@ -341,7 +341,7 @@ def calibrate(
                 users, prepared, order.leading, config)
         with timings.stage("latency"):
             speed = time_against_users_model(users, prepared, loaded, quant_model,
-                                             first_feed, config)
+                                             order.leading, config)
         del users
         timings.seconds.update(speed.figures)
     del first_feed

@@ -181,7 +181,7 @@ def test_a_model_of_small_weights_in_files_is_timed_on_repacked_weights(
     light = load_model(model).model
     assert large.has_external_data(light)
     feed = {i.name: np.load(data)[i.name][:1] for i in light.graph.input}
-    latency.time_here(light, light, feed, providers=("CPUExecutionProvider",), threads=(1,))
+    latency.time_here(light, light, [feed], providers=("CPUExecutionProvider",), threads=(1,))
     assert (True, True) in sessions
 
 

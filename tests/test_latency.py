@@ -59,7 +59,7 @@ def test_a_model_timed_against_itself_is_not_slower() -> None:
     sessions of a model slower than the other in both rounds: README, Gates)."""
     model = onnx.load(DIGITS)
     feed = {"image": np.load(ROOT / "sample_models" / "digits_cnn.calib.npz")["image"][:1]}
-    timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
+    timed = time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
                               threads=(1,))
     assert timed.clearly_slower == () and len(timed.figures) == 2, timed
 
@@ -89,12 +89,49 @@ def test_a_model_of_tens_of_milliseconds_is_found_slower(monkeypatch: pytest.Mon
         monkeypatch.setattr(latency, "create_session",
                             lambda *a, made=sessions, **k: next(made))
         begin = time.perf_counter()
-        timed = latency.measure_latency(onnx.ModelProto(), onnx.ModelProto(), {},
+        timed = latency.measure_latency(onnx.ModelProto(), onnx.ModelProto(), [{}],
                                         providers=("CPUExecutionProvider",), budget=0.25)
         took = time.perf_counter() - begin
         assert timed.clearly_slower is slower, timed
         assert timed.blocks >= (10 if slower else 1), timed
         assert took < (5.0 if slower else 1.0), took
+
+
+class _ValueSleeper(_Sleeper):
+    """A session whose run takes its sample's own time (a float kernel whose time depends on
+    the values: the sample's "delay" input, in seconds)."""
+
+    def run(self, outputs: Any, feed: dict[str, np.ndarray]) -> None:
+        time.sleep(float(feed["delay"]) if self.seconds < 0 else self.seconds)
+
+
+@pytest.mark.timing_verdict
+def test_the_pairs_of_blocks_take_turns_on_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float model of 4 ms on one sample and 12 ms on three others, a quantized one of 8 ms
+    on all: timed on the first sample alone it is slower, on the four in turn it is not (its
+    median 8 ms against 12)."""
+    samples = [{"delay": np.float64(d)} for d in (0.004, 0.012, 0.012, 0.012)]
+    verdicts = []
+    for feeds in (samples[:1], samples):
+        sessions = iter([_ValueSleeper(-1.0), _ValueSleeper(0.008)])
+        monkeypatch.setattr(latency, "create_session", lambda *a, made=sessions, **k: next(made))
+        timed = latency.measure_latency(onnx.ModelProto(), onnx.ModelProto(), feeds,
+                                        providers=("CPUExecutionProvider",), budget=0.3)
+        verdicts.append((timed.clearly_slower, timed.ratio))
+    (alone, alone_ratio), (in_turn, in_turn_ratio) = verdicts
+    assert alone and alone_ratio == pytest.approx(2.0, rel=0.3)
+    assert not in_turn and in_turn_ratio == pytest.approx(8 / 12, rel=0.3)
+
+
+def test_the_timing_process_reads_every_sample() -> None:
+    """Three samples of different values go to the timing process and back as one answer."""
+    model = onnx.load(DIGITS)
+    rng = np.random.default_rng(0)
+    feeds = [{"image": rng.standard_normal((1, 1, 8, 8)).astype(np.float32)} for _ in range(3)]
+    timed = time_side_by_side(model, model, feeds, providers=("CPUExecutionProvider",),
+                              threads=(1,))
+    assert timed.figures["latency_float_1_thread"] > 0
+    assert timed.figures["latency_quantized_1_thread"] > 0
 
 
 def test_figures_keep_the_ratio_of_a_model_of_microseconds(monkeypatch: pytest.MonkeyPatch
@@ -104,7 +141,7 @@ def test_figures_keep_the_ratio_of_a_model_of_microseconds(monkeypatch: pytest.M
     monkeypatch.setattr(latency, "measure_latency",
                         lambda *args, **kwargs: Latency(6.4e-6, 6.9e-6, 50, 10, 6))
     model = onnx.load(DIGITS)
-    timed = latency.time_here(model, model, {}, providers=("CPUExecutionProvider",),
+    timed = latency.time_here(model, model, [{}], providers=("CPUExecutionProvider",),
                               threads=(1, 2))
     for unit in ("1_thread", "2_threads"):
         ratio = timed.figures[f"latency_quantized_{unit}"] / timed.figures[f"latency_float_{unit}"]
@@ -219,7 +256,7 @@ def test_the_timing_runs_apart_and_a_crash_there_is_said_not_fatal() -> None:
     2 threads with every optimization), qcal says so instead of vanishing with the process."""
     model = onnx.load(DIGITS)
     feed = {"image": np.zeros((1, 1, 8, 8), np.float32)}
-    timed = time_side_by_side(model, model, feed, providers=("CPUExecutionProvider",),
+    timed = time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
                               threads=(1, 2))
     assert set(timed.figures) == {f"latency_{m}_{u}" for m in ("float", "quantized")
                                   for u in ("1_thread", "2_threads")}
@@ -270,7 +307,7 @@ def test_the_timing_process_runs_both_models_on_its_one_pool() -> None:
     model = onnx.load(DIGITS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(latency, "_run_child", child)
-        timed = time_side_by_side(model, model, {"image": np.zeros((1, 1, 8, 8), np.float32)},
+        timed = time_side_by_side(model, model, [{"image": np.zeros((1, 1, 8, 8), np.float32)}],
                                   providers=("CPUExecutionProvider",), threads=(1, 2))
     assert [c["threads"] for c in calls] == [1, 2]
     assert all(c["budget"] == pytest.approx(latency._BUDGET_SECONDS / 2) for c in calls)

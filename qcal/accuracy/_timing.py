@@ -1,9 +1,9 @@
 """The process `qcal.accuracy.latency.time_side_by_side` times the two models in.
 
 ``python -m qcal.accuracy._timing FOLDER SETTINGS``: FOLDER holds ``float.onnx``,
-``quantized.onnx`` and ``feed.npz`` (the inputs as ``arr_0``, ``arr_1``, ... in the order
-SETTINGS names them); SETTINGS is JSON (providers, threads: one count, budget, for_gate,
-tolerance, inputs). The process has one pool of that many onnxruntime threads, which both
+``quantized.onnx`` and ``feed.npz`` (the samples' inputs as ``arr_0``, ``arr_1``, ..., sample
+by sample, each in the order SETTINGS names them); SETTINGS is JSON (providers, threads: one
+count, budget, for_gate, tolerance, inputs, samples). The process has one pool of that many onnxruntime threads, which both
 models' sessions share (`qcal.accuracy.latency.measure_latency`). The answer goes to
 ``answer.json`` in FOLDER: the figures, the worst ratio and the thread counts found slower, or
 the error that stopped the timing.
@@ -27,12 +27,14 @@ def main(argv: list[str]) -> int:
     folder, settings = Path(argv[0]), json.loads(argv[1])
     # the tolerance of the process that asked (its tests set their own)
     latency._TOLERANCE = float(settings["tolerance"])
+    names, samples = settings["inputs"], int(settings["samples"])
     with np.load(folder / "feed.npz", allow_pickle=False) as arrays:
-        feed = {name: arrays[f"arr_{i}"] for i, name in enumerate(settings["inputs"])}
+        feeds = [{name: arrays[f"arr_{j * len(names) + i}"] for i, name in enumerate(names)}
+                 for j in range(samples)]
     try:
         share_one_pool(int(settings["threads"]))
         result = latency.time_here(
-            _load(folder / "float.onnx"), _load(folder / "quantized.onnx"), feed,
+            _load(folder / "float.onnx"), _load(folder / "quantized.onnx"), feeds,
             providers=tuple(settings["providers"]), threads=(int(settings["threads"]),),
             budget=float(settings["budget"]), for_gate=bool(settings["for_gate"]))
     except Exception as err:  # noqa: BLE001  onnxruntime raises untyped exceptions

@@ -1,10 +1,10 @@
-"""Is the quantized model faster? Both models timed side by side on one sample, at one and at two
-threads.
+"""Is the quantized model faster? Both models timed side by side on a few samples, at one and at
+two threads.
 
 Integer kernels pay on large convolutions and matmuls; on a model of a fraction of a
 millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times what it wrote
-instead of assuming: the float and the quantized model run on the same sample, interleaved (so
-both see the same machine load) on one pool of onnxruntime threads that spin as a deployment's
+instead of assuming: the float and the quantized model run on the same samples, interleaved (so
+both see the same machine load; each pair of blocks on the next of up to `_SAMPLES`) on one pool of onnxruntime threads that spin as a deployment's
 do, at one and at two intra-op threads, for about a second in all
 (a second each for the `--fail-if-slower` gate; up to three times that for a model that looks
 slower but not beyond the noise yet, and as long as ten pairs of runs take for a model of tens
@@ -25,14 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from qcal.calibration.runtime import create_session
+from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.files.save import needs_external_data, stage_model
 from qcal.numerics.errors import ModelError
 
@@ -40,6 +40,10 @@ __all__ = ["Latency", "SideBySide", "looks_slower", "measure_latency", "time_her
            "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
+# Samples the pairs of blocks take turns on: a float kernel's time can depend on the values
+# (MediaPipe's hand-recrop model, its float PRelus: 0.76-1.32 ms over eight photos, its
+# quantized model 0.90-0.93 ms), and timed on one sample the verdict was that sample's.
+_SAMPLES = 4
 # A model as fast as float is timed for this many pairs (its figure); one that looks slower for
 # the whole budget (a burst of load on the machine then slows a few of many blocks rather than
 # most of a few), up to the most.
@@ -141,12 +145,12 @@ class SideBySide:
 
 
 def measure_latency(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed],
     *, providers: tuple[str, ...], threads: int = 1, budget: float = _BUDGET_SECONDS,
     quantized_first: bool = False, fill: bool = False,
 ) -> Latency:
     """Both models at `threads` intra-op threads, in alternating blocks, for at most about
-    `budget` seconds.
+    `budget` seconds, each pair of blocks on the next of `feeds` (one sample each).
 
     Each block runs one model once untimed and then up to `_BLOCK` times timed (as many as fit
     in `_BLOCK_SECONDS`), the two models taking turns at going first; a block's median is
@@ -175,16 +179,19 @@ def measure_latency(
     names = [[o.name for o in s.get_outputs()] for s in sessions]
     longest_run = 0.0
     for session, outputs in zip(sessions, names):  # warm-up: allocations, first-run costs
-        session.run(outputs, dict(feed))
-        begin = time.perf_counter()
-        session.run(outputs, dict(feed))
-        longest_run = max(longest_run, time.perf_counter() - begin)
+        for feed in feeds:
+            session.run(outputs, dict(feed))
+            begin = time.perf_counter()
+            session.run(outputs, dict(feed))
+            longest_run = max(longest_run, time.perf_counter() - begin)
     block_runs = max(1, min(_BLOCK, int(_BLOCK_SECONDS / max(longest_run, 1e-9))))
     times: list[list[float]] = [[], []]
     medians: list[list[float]] = [[], []]  # of each block
     started = time.perf_counter()
     deadline, judge_at = budget, _MIN_PAIRS
     while True:
+        # both blocks of a pair run one sample, the next pair the next (`_SAMPLES`)
+        feed = feeds[len(medians[0]) % len(feeds)]
         for i in (0, 1) if len(medians[0]) % 2 == 0 else (1, 0):
             if block_runs > 1:  # a block of one long run starts as cold for either model
                 sessions[i].run(names[i], dict(feed))
@@ -225,7 +232,7 @@ def _budget(thread_counts: int, for_gate: bool) -> float:
 
 
 def time_side_by_side(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed],
     *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
 ) -> SideBySide:
     """Both models at each thread count (`time_here`), timed in a process of their own, one per
@@ -235,15 +242,17 @@ def time_side_by_side(
     Keypoint R-CNN quantized on every node crashed it at 2 threads) ends that process, not qcal's.
     qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
     budget = _budget(len(threads), for_gate)
+    feeds = list(feeds[:_SAMPLES])
     parts = []
     with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
-        _write_models(Path(folder), float_model, quant_model, feed)
+        _write_models(Path(folder), float_model, quant_model, feeds)
         for count in threads:  # a process per thread count: one pool each (`measure_latency`)
             answer = Path(folder) / TIMING_ANSWER
             answer.unlink(missing_ok=True)
             done = _run_child(Path(folder), {
                 "providers": list(providers), "threads": count, "budget": budget,
-                "for_gate": for_gate, "tolerance": _TOLERANCE, "inputs": list(feed)})
+                "for_gate": for_gate, "tolerance": _TOLERANCE, "inputs": list(feeds[0]),
+                "samples": len(feeds)})
             parts.append(_read_child(done, answer.read_text() if answer.exists() else ""))
     return SideBySide.joined(parts)
 
@@ -256,8 +265,8 @@ _STOPS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 def _write_models(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
-                  feed: Mapping[str, np.ndarray]) -> None:
-    """The files the timing processes read: both models and the feed."""
+                  feeds: Sequence[Feed]) -> None:
+    """The files the timing processes read: both models and the samples."""
     for model, name in ((float_model, "float.onnx"), (quant_model, "quantized.onnx")):
         # Weights kept in files (`qcal.graph.files.large`) stay there: the file refers to them
         # by their absolute paths, and the child's sessions map them as this process's would.
@@ -266,10 +275,10 @@ def _write_models(folder: Path, float_model: onnx.ModelProto, quant_model: onnx.
                 staged.commit()
         else:  # a scratch file: no atomic write, no sync to disk
             (folder / name).write_bytes(model.SerializeToString())
-    names = list(feed)
-    arrays = [np.asarray(feed[n]) for n in names]
+    names = list(feeds[0])
+    arrays = [np.asarray(feed[n]) for feed in feeds for n in names]
     # numbers and strings (never objects: the child loads them without pickle); arr_0, arr_1,
-    # ...: input names may be any string
+    # ...: input names may be any string (sample by sample, each input in `names`' order)
     np.savez(folder / "feed.npz", *(a.astype(str) if a.dtype == object else a for a in arrays))
 
 
@@ -312,7 +321,7 @@ def _read_child(done: subprocess.CompletedProcess[str], answer_text: str) -> Sid
 
 
 def time_here(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Mapping[str, np.ndarray],
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed],
     *, providers: tuple[str, ...], threads: tuple[int, ...], for_gate: bool = False,
     budget: float | None = None,
 ) -> SideBySide:
@@ -326,10 +335,10 @@ def time_here(
         # order: under load, where the operating system puts a session's threads can make one
         # of two sessions of the same model 10 % slower than the other throughout a round
         # (1 round of 60 at 2 threads).
-        rounds = [measure_latency(float_model, quant_model, feed, providers=providers,
+        rounds = [measure_latency(float_model, quant_model, feeds, providers=providers,
                                   threads=count, budget=budget / 2, fill=for_gate)]
         if rounds[0].clearly_slower:
-            rounds.append(measure_latency(float_model, quant_model, feed, providers=providers,
+            rounds.append(measure_latency(float_model, quant_model, feeds, providers=providers,
                                           threads=count, budget=budget / 2, fill=for_gate,
                                           quantized_first=True))
         unit = "thread" if count == 1 else "threads"
