@@ -119,16 +119,15 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
                        "no output of this model is a numeric tensor, so none was compared "
                        "with the float model (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
-    agreements = [o["top1_agreement"] for o in outputs if o["top1_agreement"] is not None]
+    deciding = [o for o in outputs if o["top1_agreement"] is not None]
     held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"),
                                                       o.get("variation_sqnr_db"))]
     sqnrs = [_floor_sqnr(o) for o in held]
     figures = []
-    if agreements:
-        worst_agreement = min(agreements)
-        figures.append(f"{shown_down(100 * worst_agreement, 2)}% of the decisions agree with the "
-                       "float model" + _how_sure(next(o for o in outputs
-                                                      if o["top1_agreement"] == worst_agreement)))
+    if deciding:
+        worst = min(deciding, key=lambda o: o["top1_agreement"])
+        figures.append(f"{shown_down(100 * worst['top1_agreement'], 2)}% of the decisions agree "
+                       "with the float model" + _how_sure(worst))
     sequences = [o["sequence_agreement"] for o in outputs
                  if o.get("sequence_agreement") is not None]
     if sequences:

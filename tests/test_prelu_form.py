@@ -6,6 +6,7 @@ same pair."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -176,7 +177,7 @@ def test_a_form_onnxruntime_cannot_run_keeps_its_node_float(
 
     right = prelu_form._channel_slopes
 
-    def one_dimension_short(slope: np.ndarray, dims: list[int | None] | None) -> np.ndarray | None:
+    def one_dimension_short(slope: np.ndarray, dims: Any) -> np.ndarray | None:
         found = right(slope, dims)
         return None if found is None else found.reshape(found.shape[0], 1)
 

@@ -3,10 +3,11 @@
 ``python -m qcal.accuracy._timing FOLDER SETTINGS``: FOLDER holds ``float.onnx``,
 ``quantized.onnx`` and ``feed.npz`` (the samples' inputs as ``arr_0``, ``arr_1``, ..., sample
 by sample, each in the order SETTINGS names them); SETTINGS is JSON (providers, threads: one
-count, budget, for_gate, tolerance, inputs, samples). The process has one pool of that many onnxruntime threads, which both
-models' sessions share (`qcal.accuracy.latency.measure_latency`). The answer goes to
-``answer.json`` in FOLDER: the figures, the worst ratio and the thread counts found slower, or
-the error that stopped the timing.
+count, budget, for_gate, tolerance, inputs, samples). The process has one pool of that many
+onnxruntime threads, which both models' sessions share
+(`qcal.accuracy.latency.measure_latency`). The answer goes to ``answer.json`` in FOLDER: the
+figures, the worst ratio and the thread counts found slower, or the error that stopped the
+timing.
 """
 
 from __future__ import annotations

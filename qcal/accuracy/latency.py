@@ -4,8 +4,9 @@ two threads.
 Integer kernels pay on large convolutions and matmuls; on a model of a fraction of a
 millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times what it wrote
 instead of assuming: the float and the quantized model run on the same samples, interleaved (so
-both see the same machine load; each pair of blocks on the next of up to `_SAMPLES`) on one pool of onnxruntime threads that spin as a deployment's
-do, at one and at two intra-op threads, for about a second in all
+both see the same machine load; each pair of blocks on the next of up to `_SAMPLES`) on one
+pool of onnxruntime threads that spin as a deployment's do, at one and at two intra-op
+threads, for about a second in all
 (a second each for the `--fail-if-slower` gate; up to three times that for a model that looks
 slower but not beyond the noise yet, and as long as ten pairs of runs take for a model of tens
 of milliseconds that looks slower), and the medians are compared. The figures are machine
@@ -181,9 +182,9 @@ def measure_latency(
     for session, outputs in zip(sessions, names):  # warm-up: allocations, first-run costs
         for feed in feeds:
             session.run(outputs, dict(feed))
-            begin = time.perf_counter()
-            session.run(outputs, dict(feed))
-            longest_run = max(longest_run, time.perf_counter() - begin)
+        begin = time.perf_counter()  # a run's length, to size the blocks
+        session.run(outputs, dict(feeds[0]))
+        longest_run = max(longest_run, time.perf_counter() - begin)
     block_runs = max(1, min(_BLOCK, int(_BLOCK_SECONDS / max(longest_run, 1e-9))))
     times: list[list[float]] = [[], []]
     medians: list[list[float]] = [[], []]  # of each block

@@ -10,10 +10,10 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.qdq._codes import _BYTE_TYPES, _INTEGER_TYPES, integer_tensor
-from qcal.graph.shapes import known_dims
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
 
-__all__ = ["between_pair", "code_initializer", "constant_code", "float_initializer", "requantize", "scalar_params"]
+__all__ = ["between_pair", "code_initializer", "constant_code", "float_initializer", "requantize",
+           "scalar_params"]
 
 
 def between_pair(
@@ -87,11 +87,3 @@ def float_initializer(names: NameAllocator, graph: onnx.GraphProto, base: str,
     name = names.allocate(base)
     graph.initializer.append(numpy_helper.from_array(value, name))
     return name
-
-
-def stated_dims(graph: onnx.GraphProto, value: str) -> list[int | None] | None:
-    """The dimensions of `value` as the graph states them (None for one it does not)."""
-    info = next((v for v in (*graph.value_info, *graph.input, *graph.output) if v.name == value),
-                None)
-    dims = None if info is None else known_dims(info)
-    return None if dims is None else list(dims)

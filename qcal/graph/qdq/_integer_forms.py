@@ -47,6 +47,7 @@ asks for these forms only with uint8 activations (`SelectionRules.integer_forms`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,9 @@ from qcal.graph.qdq._form_parts import (
     constant_code,
     float_initializer,
     requantize,
-    stated_dims,
 )
 from qcal.graph.qdq._prelu_form import prelu_codes
+from qcal.graph.shapes import value_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
@@ -90,8 +91,9 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
         return 0
     names = NameAllocator.from_model(model)
     done = 0
+    opset = default_opset(model) or 0
     for graph in all_graphs(model.graph):
-        index = UseIndex.build(graph)
+        index, dims = UseIndex.build(graph), value_dims(graph)
         spellings: dict[int, list[onnx.NodeProto]] = {}  # id of a node -> its replacement
         scales: set[str] = set()  # the output scales the QuantizeLinears no longer read
         replaced: set[str] = set()  # the outputs of the nodes spelled out
@@ -99,13 +101,13 @@ def write_integer_forms(model: onnx.ModelProto, nodes: frozenset[str]) -> int:
             if node.name not in nodes or node.domain not in DEFAULT_DOMAINS:
                 continue
             if node.op_type == "AveragePool":
-                pooled = _pool_as_convolution(node, index, names, graph)
+                pooled = _pool_as_convolution(node, index, names, graph, dims)
                 if pooled is not None:
                     spellings[id(node)] = pooled
                     replaced.add(node.output[0])
                 continue
             if node.op_type == "PRelu":
-                slopes = prelu_codes(node, index, names, graph, default_opset(model) or 0)
+                slopes = prelu_codes(node, index, names, graph, opset, dims)
                 if slopes is not None:
                     spelled_nodes, gone = slopes
                     spellings[id(node)] = spelled_nodes
@@ -211,7 +213,8 @@ def _pad_codes(
 
 
 def _pool_as_convolution(
-    node: onnx.NodeProto, index: UseIndex, names: NameAllocator, graph: onnx.GraphProto
+    node: onnx.NodeProto, index: UseIndex, names: NameAllocator, graph: onnx.GraphProto,
+    dims: Mapping[str, tuple[int | None, ...] | None],
 ) -> list[onnx.NodeProto] | None:
     """An AveragePool between its pair as the DequantizeLinear of a weight of ones (scale
     1 / k) and a depthwise Conv reading the input's DequantizeLinear; where the pool does not
@@ -232,15 +235,15 @@ def _pool_as_convolution(
         return None
     if auto_pad == "VALID":
         pads = [0] * 2 * spatial
-    output_dims = _dims(graph, node.output[0], spatial)
+    output_dims = _dims(dims, node.output[0], spatial)
     if output_dims is None or output_dims[1] <= 0:
         return None
     channels = output_dims[1]
     taps = int(np.prod(kernel))
     ones = code_initializer(names, graph, f"{node.name}_weight_quantized",
-                 np.ones((channels, 1, *kernel)), TensorProto.INT8)
+                            np.ones((channels, 1, *kernel)), TensorProto.INT8)
     scale = float_initializer(names, graph, f"{node.name}_weight_scale",
-                         np.asarray(1.0 / taps, np.float32))
+                              np.asarray(1.0 / taps, np.float32))
     zero = code_initializer(names, graph, f"{node.name}_weight_zero_point", 0, TensorProto.INT8)
     weight = helper.make_node(
         "DequantizeLinear", [ones, scale, zero], [names.allocate(f"{node.name}_weight")],
@@ -253,7 +256,7 @@ def _pool_as_convolution(
         return [weight, conv]
     # The divisor is the count of taps inside the input: a map of k / count per position.
     source = index.producer.get(dequantize.input[0])  # the pool's input, quantized
-    input_dims = (_dims(graph, source.input[0], spatial)
+    input_dims = (_dims(dims, source.input[0], spatial)
                   if source is not None and source.op_type == "QuantizeLinear" else None)
     if input_dims is None or any(d <= 0 for d in output_dims[2:] + input_dims[2:]):
         return None
@@ -304,10 +307,11 @@ def _uncounted_padding_map(kernel: list[int], strides: list[int], pads: list[int
     return ratios
 
 
-def _dims(graph: onnx.GraphProto, value: str, spatial: int) -> list[int] | None:
-    """The dimensions of `value` (batch, channels, spatial...) as the graph states them (0 for
-    one it does not), or None without a shape of that rank."""
-    dims = stated_dims(graph, value)
-    if dims is None or len(dims) != 2 + spatial:
+def _dims(dims: Mapping[str, tuple[int | None, ...] | None], value: str,
+          spatial: int) -> list[int] | None:
+    """The dimensions of `value` (batch, channels, spatial...) as the graph states them
+    (`value_dims`; 0 for one it does not), or None without a shape of that rank."""
+    stated = dims.get(value)
+    if stated is None or len(stated) != 2 + spatial:
         return None
-    return [d or 0 for d in dims]
+    return [d or 0 for d in stated]

@@ -16,6 +16,8 @@ slopes instead of the Conv: 0.82 ms, and each slope rounded).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -27,7 +29,6 @@ from qcal.graph.qdq._form_parts import (
     between_pair,
     code_initializer,
     float_initializer,
-    stated_dims,
 )
 from qcal.graph.structure import UseIndex
 
@@ -36,7 +37,7 @@ __all__ = ["prelu_codes"]
 
 def prelu_codes(
     node: onnx.NodeProto, index: UseIndex, names: NameAllocator, graph: onnx.GraphProto,
-    opset: int,
+    opset: int, dims: Mapping[str, tuple[int | None, ...] | None],
 ) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]] | None:
     """A PRelu between its pair as ``relu(x) + slope min(x, 0)`` on the codes (module
     docstring), and the input's DequantizeLinear when nothing else reads it; None where the
@@ -46,7 +47,7 @@ def prelu_codes(
     slope = index.constant(node.input[1]) if len(node.input) == 2 else None
     if pair is None or slope is None or slope.data_type != TensorProto.FLOAT or opset < 13:
         return None
-    slopes = _channel_slopes(tensor_array(slope), stated_dims(graph, node.output[0]))
+    slopes = _channel_slopes(tensor_array(slope), dims.get(node.output[0]))
     if slopes is None:
         return None
     dequantize, quantize, _, x_zero, _, _, dtype = pair
@@ -114,7 +115,7 @@ def _negative_part(name: str, codes: str, zero: str, x_scale: str, x_zero: str,
     return nodes
 
 
-def _channel_slopes(slope: np.ndarray, dims: list[int | None] | None) -> np.ndarray | None:
+def _channel_slopes(slope: np.ndarray, dims: Sequence[int | None] | None) -> np.ndarray | None:
     """The slopes as a depthwise weight's shape (channels, 1, ...) for a tensor of `dims`
     (batch, channels, spatial...): None unless they are finite and one per channel (broadcast
     along axis 1) or one for all, with the channels known."""
