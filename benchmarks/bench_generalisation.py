@@ -85,6 +85,7 @@ GEN_MODELS = (
     "paddle_lstm",
     "torch_vad",
     "torch_prelu",
+    "torch_minilm",
     "pretrained_layout",
     "pretrained_textdet",
     "pretrained_filetype",

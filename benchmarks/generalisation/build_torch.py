@@ -2,7 +2,8 @@
 
 Each model is trained briefly on scikit-learn's bundled ``load_digits`` (1797 8x8 images, shipped
 inside the scikit-learn wheel, so nothing is downloaded), exported to ONNX, and written with its
-data to ``<out>/<name>/``:
+data to ``<out>/<name>/``; torch_minilm is pretrained instead, a sentence embedder on English
+sentences (``_torch_minilm.py``):
 
 - ``model.onnx``   opset 17, dynamic batch dimension
 - ``calib.npz``    64 samples (key = model input name, axis 0 = sample, float32)
@@ -44,13 +45,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _export_common as common
+import _torch_minilm as minilm
 
 DEFAULT_OUT, SEED, N_CALIB, N_EVAL = common.DEFAULT_OUT, common.SEED, common.N_CALIB, common.N_EVAL
 OPSET = 17
 THREADS = 1  # faster than 2 on this 2-core machine when anything else runs; bitwise-stable
 
 ALL_MODELS = ("torch_cnn_bn", "torch_dwsep", "torch_gru_stream", "torch_encoder", "torch_vit",
-              "torch_vad", "torch_prelu")
+              "torch_vad", "torch_prelu", "torch_minilm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,6 +546,8 @@ def build(name: str, split: dict) -> dict:
         return build_encoder(split, "dynamo")
     if name == "torch_vit":
         return build_vit(split, "dynamo")
+    if name == "torch_minilm":  # pretrained; the digits split is not used
+        return minilm.build_minilm("torchscript")
     raise ValueError(name)
 
 
@@ -632,10 +636,11 @@ def write_model(spec: dict, out: Path) -> dict:
     if (d / "torch_outputs.npz").exists():  # the name of earlier builds
         (d / "torch_outputs.npz").unlink()
     task = common.write_model({
-        **spec, "reference": torch_outputs(spec), "versions": versions(),
+        **spec, "reference": torch_outputs(spec),
+        "versions": {**versions(), **spec.get("versions_extra", {})},
         "exporter": f"torch.onnx.export(dynamo={used == 'dynamo'})",
-        "task_extra": {"exporter_kind": used, "exporter_requested": requested,
-                       "exporter_fallback_reason": fallback},
+        "task_extra": {**spec.get("task_extra", {}), "exporter_kind": used,
+                       "exporter_requested": requested, "exporter_fallback_reason": fallback},
     }, out)
     return {"task": task, "summary": common.onnx_summary(model_path)}
 
