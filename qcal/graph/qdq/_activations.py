@@ -115,7 +115,8 @@ class _ActivationWriter(_Writer):
             or tensor in rewrite.index.graph_outputs
         ):
             return []
-        if self._integer_data_op(producer, tensor):
+        if self._integer_data_op(producer, tensor) or (
+                quantized and self._moves_kernel_codes(rewrite, producer, tensor)):
             return self._other_float_reads(rewrite, tensor, quantized, bodies)
         fused = self._fused_into(rewrite, producer)
         if fused is not None:
@@ -124,23 +125,46 @@ class _ActivationWriter(_Writer):
                 # Relu/Clip by itself, and a pair here would block that.
                 return []
             producer = fused  # the Relu/Clip's output is its anchor's integer output
-        if producer.op_type not in _INTEGER_KERNEL_INPUTS:
+        if not self._integer_kernel(producer):
             return []
-        slots = _INTEGER_KERNEL_INPUTS[producer.op_type]
-        for slot, value in enumerate(self._planned_inputs.get(producer.name, producer.input)):
-            read = (value, producer.name)
+        return self._other_float_reads(rewrite, tensor, quantized, bodies)
+
+    def _integer_kernel(self, node: onnx.NodeProto) -> bool:
+        """Whether `node` reads quantized every input its integer kernel takes (and a Conv or
+        Gemm its bias): onnxruntime then runs it as that kernel."""
+        if node.op_type not in _INTEGER_KERNEL_INPUTS:
+            return False
+        slots = _INTEGER_KERNEL_INPUTS[node.op_type]
+        for slot, value in enumerate(self._planned_inputs.get(node.name, node.input)):
+            read = (value, node.name)
             if not value:
                 continue
             if slots is None or slot in slots:
                 if read not in self._quantized_reads and read not in self._quantized_weights:
-                    return []
-            elif (
-                slot == 2
-                and producer.op_type in ("Conv", "Gemm")
-                and read not in self._quantized_biases
-            ):
-                return []  # a float bias keeps the node float
-        return self._other_float_reads(rewrite, tensor, quantized, bodies)
+                    return False
+            elif slot == 2 and node.op_type in ("Conv", "Gemm") and \
+                    read not in self._quantized_biases:
+                return False  # a float bias keeps the node float
+        return True
+
+    def _moves_kernel_codes(self, rewrite: _Rewrite, producer: onnx.NodeProto,
+                            tensor: str) -> bool:
+        """Whether `producer` is a data-movement operator left float (a MaxPool) that alone
+        reads an integer kernel's output (through its fused Relu/Clip): onnxruntime moves the
+        QuantizeLinear of `tensor` up through it to that kernel, and runs both on the codes,
+        only when that QuantizeLinear is its only reader. So float readers (a UNet's skip
+        Concat beside the next Conv) read the DequantizeLinear; reading the float pool, they
+        left the Conv before it in float on dequantized weights."""
+        if (producer.op_type not in _INTEGER_DATA_OPS or producer.op_type == "Pad"
+                or not producer.input or tensor != producer.output[0]):
+            return False
+        source = producer.input[0]
+        writer = rewrite.index.producer.get(source)
+        if (writer is None or writer.domain not in DEFAULT_DOMAINS
+                or source in rewrite.index.graph_outputs
+                or len(rewrite.index.uses.get(source, ())) != 1):
+            return False
+        return self._integer_kernel(self._fused_into(rewrite, writer) or writer)
 
     def _fused_into(self, rewrite: _Rewrite, node: onnx.NodeProto) -> onnx.NodeProto | None:
         """The anchor a Relu/Clip `node` is fused into, if any: its input is left float
