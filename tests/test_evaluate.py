@@ -334,6 +334,33 @@ def test_an_add_ending_an_output_holds_scores_only_when_it_adds_heads(
     assert ("y" in decision_rules(_two_dim_output(kind))) is decisions
 
 
+def _dense_head(width: int, outputs: int) -> onnx.ModelProto:
+    """x [N, width] -> Gemm -> Relu -> Gemm -> y [N, outputs]."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Gemm", ["x", "w1"], ["h"], name="encode"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2"], ["y"], name="decode")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", outputs])],
+        initializer=[onnx.numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32),
+                                                  name)
+                     for name, shape in (("w1", (width, 16)), ("w2", (16, outputs)))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("width", "outputs", "decisions"),
+                         [(784, 784, False), (784, 10, True), (8, 8, True), (784, 783, True)])
+def test_a_linear_output_of_its_inputs_dimensions_is_a_reconstruction(
+        width: int, outputs: int, decisions: bool) -> None:
+    """An autoencoder's [N, 784] pixels were read as argmax decisions over 784 "classes" (87 %
+    agreed at 31 dB: exit 7). A classifier's scores stay decisions, and so do 8 scores of 8
+    features, a coincidence of small numbers."""
+    from qcal.accuracy.decisions import decision_rules
+
+    assert ("y" in decision_rules(_dense_head(width, outputs))) is decisions
+
+
 def _qa_head(squeezed: bool) -> onnx.ModelProto:
     """[N, T, 4] hidden states -> a linear head of 2 scores per position, split into start and
     end logits [N, T] (squeezed, as a question-answering head is exported) or kept [N, T, 1]."""

@@ -26,6 +26,10 @@ read how, and at which shapes:
   float model leaves most of its values undecided: an image through a sigmoid holds values,
   which the evaluation measures (`qcal.accuracy.evaluate`).
 
+A linear layer's or softmax's output stating the dimensions of a float model input after the
+batch's, at least 64 values a sample, is that input reconstructed (an autoencoder's pixels):
+values, whose argmax means nothing.
+
 Hidden states are a normalization's or a residual Add's output, not a linear layer's; an
 exporter that names them (`last_hidden_state`) is taken at its word below. Reshapes, casts and a
 scaling by a positive constant (a temperature) in between change no decision. An output named as
@@ -43,6 +47,7 @@ near-ties between thread counts and kernels, and untrained networks are full of 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -175,6 +180,9 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     positive = _positive_scalars(model)
     constants = ({t.name for t in model.graph.initializer}
                  | {n.output[0] for n in model.graph.node if n.op_type == "Constant"})
+    initialized = {t.name for t in model.graph.initializer}
+    reconstructed = {_trailing_dims(i) for i in model.graph.input if i.name not in initialized
+                     and i.type.tensor_type.elem_type in _FLOAT_TYPES} - {None}
     found = {}
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
@@ -193,12 +201,36 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
         elif not pooled and _class_maps(node, producer, constants) and not _reads_pooled(
                 node, producer):
             continue  # a Conv over a feature map, reshaped: a regression head's coordinates
+        elif _trailing_dims(output) in reconstructed:
+            continue  # an autoencoder's reconstruction of its input: values, not scores
         elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer,
                                                                              constants)):
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped),
                 linear=not pooled and _linear(node, producer, constants))
     return found
+
+
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+
+
+# Values per sample from which an output of its input's dimensions is taken for a
+# reconstruction: a classifier of as many classes as its input has features is a coincidence of
+# small numbers (4 features, 4 classes), an autoencoder's output is its input's size.
+_RECONSTRUCTED_VALUES = 64
+
+
+def _trailing_dims(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    """The dimensions a value states after its first (the batch's), when it states them all;
+    else None. A linear layer's output of a float input's dimensions (an autoencoder's
+    ``[N, 784]`` pixels of its ``[N, 784]`` input) reconstructs that input: its argmax means
+    nothing (read as one decision per row, 87 % agreed at 31 dB)."""
+    dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else []
+    trailing = tuple(d.dim_value for d in list(dims)[1:])
+    if not trailing or min(trailing) < 1 or math.prod(trailing) < _RECONSTRUCTED_VALUES:
+        return None
+    return trailing
 
 
 def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[str],
