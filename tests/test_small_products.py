@@ -143,3 +143,30 @@ def test_products_inside_an_if_branch_are_held_to_the_same_minimum(tmp_path: Pat
                                                              min_product_macs=0),
                       enforce_gates=False)
     assert _decisions(again)["else_mm"]["quantized"]
+
+
+def test_the_coverage_floor_names_compute_without_an_integer_kernel(tmp_path: Path) -> None:
+    """A decoder whose work is a ConvTranspose (no integer kernel on the CPU provider) after a
+    small Conv: the coverage floor's reason named only the small products' share before."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("ConvTranspose", ["r", "wt"], ["up"], name="up", strides=[2, 2],
+                         kernel_shape=[4, 4], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["up"], ["y"], name="relu_up"),
+    ]
+    inits = {"w0": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.2,
+             "wt": rng.standard_normal((16, 64, 4, 4)).astype(np.float32) * 0.1}
+    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+                                       str(tmp_path / "calib.npz"), "-o",
+                                       str(tmp_path / "q.onnx"), "-q"])
+    assert result.exit_code == 7, result.output
+    said = " ".join(result.output.split())
+    # per input position, 16 x 64 channels x 16 taps; the Conv's, 8 x 16 channels x 9 taps
+    share = 16 * 64 * 16 / (16 * 64 * 16 + 8 * 16 * 9)
+    assert (f"1 of 2 compute nodes ({share:.1%} of the MACs) left float as onnxruntime has no "
+            "integer kernel for their form") in said, said

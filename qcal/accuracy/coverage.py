@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import onnx
 
 from qcal.accuracy.macs import is_compute
+from qcal.accuracy.runnable import NO_INTEGER_FORM
 from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.model import QuantPlan
 from qcal.graph.placement import SMALL_PRODUCT
@@ -64,9 +65,10 @@ class Coverage:
             those of the main graph: the figure is no measure of the model (the coverage
             floor is not checked on it).
         nodes_in_bodies: compute nodes inside If/Loop/Scan bodies, which the figure leaves out.
-        small_products: what placement left float as too small for an integer kernel to pay
-            (`qcal.graph.placement.SMALL_PRODUCT`), in words, or None: the coverage floor's
-            reason when it fails (each node's own reason says it in the report).
+        float_reasons: what was left float as too small for an integer kernel to pay
+            (`qcal.graph.placement.SMALL_PRODUCT`) or for want of an integer kernel for its
+            form (`qcal.accuracy.runnable.NO_INTEGER_FORM`), in words, or None: the coverage
+            floor's reason when it fails (each node's own reason says it in the report).
     """
 
     basis: str
@@ -78,7 +80,7 @@ class Coverage:
     anything_quantized: bool = True
     mostly_in_bodies: bool = False
     nodes_in_bodies: int = 0
-    small_products: str | None = None
+    float_reasons: str | None = None
 
     @property
     def fraction(self) -> float:
@@ -174,17 +176,33 @@ class CoverageMeter:
                             mostly_in_bodies, len(in_bodies))
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
         # the main graph's: the figure leaves the bodies' out
-        small = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
-                 and d.node in macs and d.reason.startswith(SMALL_PRODUCT)]
-        said = None
-        if small:
-            share = sum(macs.get(name) or 0 for name in small) / total if total else 0.0
-            said = (f"{len(small)} of {len(macs)} compute nodes ({share:.1%} of the MACs) left "
-                    "float as too small for an integer kernel to pay at the calibration data's "
-                    "shapes")
+        said = [f"{len(nodes)} of {len(macs)} compute nodes ({share:.1%} of the MACs) {why}"
+                for nodes, share, why in (self._left_float(plan, quantized, prefix, why)
+                                          for prefix, why in _FLOAT_WHY) if nodes]
         return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                         anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
-                        nodes_in_bodies=len(in_bodies), small_products=said)
+                        nodes_in_bodies=len(in_bodies),
+                        float_reasons="; ".join(said) or None)
+
+    def _left_float(self, plan: QuantPlan, quantized: set[str], prefix: str, why: str,
+                    ) -> tuple[list[str], float, str]:
+        """The main graph's compute nodes left float for a reason starting with `prefix`, and
+        their share of the MACs."""
+        nodes = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
+                 and d.node in self._macs and d.reason.startswith(prefix)]
+        total = self._total
+        share = sum(self._macs.get(name) or 0 for name in nodes) / total if total else 0.0
+        return nodes, share, why
+
+
+# What the coverage gate names of the compute left float: the reasons no option of the run's
+# choosing (a selection, an exclusion, the fallback) but the model's sizes and forms give.
+_FLOAT_WHY = (
+    (SMALL_PRODUCT, ("left float as too small for an integer kernel to pay at the calibration "
+                     "data's shapes")),
+    (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (a "
+                       "ConvTranspose, a Conv writing a graph output)")),
+)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:

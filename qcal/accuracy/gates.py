@@ -143,7 +143,7 @@ def check_gates(
             coverage.mostly_in_bodies:
         value = 100.0 * coverage.fraction
         if value < gates.coverage_floor:  # checked always: only a miss is a result
-            why = f" ({coverage.small_products})" if coverage.small_products else ""
+            why = f" ({coverage.float_reasons})" if coverage.float_reasons else ""
             results.append(GateResult(
                 "coverage-floor", f"share of Conv/MatMul/Gemm compute running in integers (%)"
                 f"{why}", gates.coverage_floor, value, False))

@@ -38,7 +38,8 @@ from qcal.graph.model import NodeDecision, QuantPlan
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs
 from qcal.numerics.errors import ModelError, one_line
 
-__all__ = ["Runnable", "make_runnable", "noted_as_integer", "quantized_by_onnxruntime"]
+__all__ = ["NO_INTEGER_FORM", "Runnable", "make_runnable", "noted_as_integer",
+           "quantized_by_onnxruntime"]
 
 _MAX_REPAIRS = 8  # nodes kept float one at a time; more means the cause is not one node
 _MAX_READ_BACKS = 3  # each keeps every node found float at once: more rounds find nothing new
@@ -53,8 +54,9 @@ _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 _FLOAT_COMPUTE_OPS = frozenset(
     {"Conv", "FusedConv", "ConvTranspose", "Gemm", "FusedGemm", "MatMul", "FusedMatMul"}
 )
-_FLOAT_REASON = ("kept float: onnxruntime runs it in float on dequantized weights (no integer "
-                 "kernel for this form), so Q/DQ would only add work")
+NO_INTEGER_FORM = "kept float: onnxruntime runs it in float on dequantized weights"
+_FLOAT_REASON = (f"{NO_INTEGER_FORM} (no integer kernel for this form), so Q/DQ would only add "
+                 "work")
 
 
 @dataclass(frozen=True)
