@@ -657,8 +657,12 @@ def test_a_conv_whose_output_is_kept_float_goes_float_whole(tmp_path: Path) -> N
     prepared, plan, acts, weights = (captured[k] for k in ("model", "plan", "acts", "weights"))
     assert {"w2", "r2"} <= {t.tensor for t in (*plan.weights, *plan.activations)}
 
+    # conv3 writes the graph output through a pair of its own: quantized too, and float with
+    # what it reads
+    assert "w3" in {w.tensor for w in plan.weights}
     restricted = restrict_plan(plan, {"r2": "test"}, integer_output_writers(prepared.graph))
-    assert {w.tensor for w in restricted.weights} == {w.tensor for w in plan.weights} - {"w2"}
+    assert {w.tensor for w in restricted.weights} == {w.tensor for w in plan.weights} - {"w2",
+                                                                                         "w3"}
     assert "w1" in {w.tensor for w in restricted.weights}
     r1 = next(a for a in restricted.activations if a.tensor == "r1")
     assert "conv2" not in r1.consumers

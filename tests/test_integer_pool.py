@@ -92,7 +92,7 @@ def test_an_average_pool_runs_as_an_integer_depthwise_conv(
     assert pool.op_type == "Conv"
     assert next(a.i for a in pool.attribute if a.name == "group") == 16
     ops = optimized_ops(quantized, tmp_path)
-    assert "QLinearAveragePool" not in ops and ops["QLinearConv"] == 3, ops
+    assert "QLinearAveragePool" not in ops and ops["QLinearConv"] == 4, ops  # with the head
     if attributes in UNCOUNTED:  # and the map of divisors, an integer Mul
         assert ops["QLinearMul"] == 1 and "Mul" not in ops, ops
     # The form computes what the pool does: the same written model with an AveragePool in

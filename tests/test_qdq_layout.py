@@ -89,15 +89,15 @@ def test_every_compute_node_runs_in_integers(tmp_path: Path) -> None:
     x = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
     quantized = _calibrate(model, tmp_path, x)
     ops = optimized_ops(quantized, tmp_path)
-    # Only the HardSigmoid (no integer kernel) stays float, with one pair around it, and the
-    # last Conv, which writes the model's output in float from integer inputs. The Div by 6 is
-    # gone: folded into the scale of the DequantizeLinear that the next Mul reads; so is the
-    # Mul by the scalar 1.3 after it.
-    assert ops["QLinearConv"] == 2 and ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 2
-    assert not {"FusedConv", "Add", "Mul", "Clip", "Relu", "Div"} & set(ops), ops
-    assert ops["HardSigmoid"] == 1 and ops["Conv"] == 1
-    # Q: input, HardSigmoid; DQ: HardSigmoid, and the last Conv's three inputs.
-    assert ops["QuantizeLinear"] == 2 and ops["DequantizeLinear"] == 4, ops
+    # Only the HardSigmoid (no integer kernel) stays float, with one pair around it; the last
+    # Conv writes the model's output through a pair of its own. The Div by 6 is gone: folded
+    # into the scale of the DequantizeLinear that the next Mul reads; so is the Mul by the
+    # scalar 1.3 after it.
+    assert ops["QLinearConv"] == 3 and ops["QLinearAdd"] == 2 and ops["QLinearMul"] == 2
+    assert not {"Conv", "FusedConv", "Add", "Mul", "Clip", "Relu", "Div"} & set(ops), ops
+    assert ops["HardSigmoid"] == 1
+    # Q: input, HardSigmoid; DQ: HardSigmoid, the output.
+    assert ops["QuantizeLinear"] == 2 and ops["DequantizeLinear"] == 2, ops
     # The max pool runs on the integers: equal parameters on both sides, no pair around it.
     assert ops["MaxPool"] + ops["NhwcMaxPool"] == 1
     reference = _outputs(model, x[:4])
@@ -156,9 +156,9 @@ def test_shared_outputs_take_the_source_parameters(tmp_path: Path) -> None:
         assert records[name]["range"]["same_as"] == "c"
     ops = optimized_ops(result.model, tmp_path)
     # Reshape, Transpose and MaxPool run on the integers, between two integer convolutions
-    # (the second writes the model's float output from integer inputs).
-    assert ops["QLinearConv"] == 1 and ops["QuantizeLinear"] == 1, ops
-    assert {"Reshape", "Transpose"} <= set(ops) and ops["DequantizeLinear"] == 2, ops
+    # (the second writes the model's output through a DequantizeLinear).
+    assert ops["QLinearConv"] == 2 and ops["QuantizeLinear"] == 1, ops
+    assert {"Reshape", "Transpose"} <= set(ops) and ops["DequantizeLinear"] == 1, ops
 
 
 def test_a_slice_between_integer_convolutions_moves_their_codes(tmp_path: Path) -> None:
@@ -245,8 +245,7 @@ def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Pa
     x = rng.standard_normal((8, 3, 8, 8)).astype(np.float32)
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", x=x)
-    # Placement "all": conv2 writes a graph output in float, which onnxruntime computes in
-    # float, so placement "auto" keeps it float, and the Div with it.
+    # Placement "all", which quantizes the Div whatever its neighbours.
     result = calibrate(tmp_path / "m.onnx",
                        CalibrationConfig(data=tmp_path / "calib.npz", placement="all"))
     quantized = result.model
@@ -278,7 +277,7 @@ def test_division_by_a_constant_is_folded_into_the_dequantize_scale(tmp_path: Pa
     step = records["q"]["onnx"]["scale"][0]
     assert np.abs(e - e_kept).max() <= 1.13 * step / 2 + 1e-6
     ops = optimized_ops(quantized, tmp_path)
-    assert ops["QLinearConv"] == 1 and "Div" not in ops, ops
+    assert ops["QLinearConv"] == 2 and "Div" not in ops, ops
 
 
 def _all_outputs(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
@@ -336,9 +335,9 @@ def test_data_movement_with_float_readers_runs_on_the_integers(tmp_path: Path) -
     assert erf.input[0] != "t"  # reads the DequantizeLinear
     ops = optimized_ops(quantized, tmp_path)
     # One QuantizeLinear (the input) and no pair around the Transpose: DequantizeLinear only
-    # of its integer output (onnxruntime gives each reader its own) and of the conv's weight.
-    assert ops["QuantizeLinear"] == 1 and ops["QLinearConv"] == 1, ops
-    assert ops["Transpose"] >= 1 and ops["DequantizeLinear"] == 3, ops
+    # of its integer output, for the Erf, and of conv2's, the model's output.
+    assert ops["QuantizeLinear"] == 1 and ops["QLinearConv"] == 2, ops
+    assert ops["Transpose"] >= 1 and ops["DequantizeLinear"] == 2, ops
     reference, got = _all_outputs(model, x[:4]), _all_outputs(quantized, x[:4])
     for expected, actual in zip(reference, got):
         assert np.abs(actual - expected).max() < 0.1 * np.abs(expected).max()
@@ -603,10 +602,11 @@ def test_conv_relu_runs_in_integers_whatever_the_activation_zero_point(
 
 def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_path: Path) -> None:
     """conv -> ConvTranspose -> conv -> conv (writing the output): onnxruntime's CPU provider
-    has no integer ConvTranspose, and no integer Conv writing a float output, so with Q/DQ it
-    runs both in float on dequantized weights. qcal reads back the graph onnxruntime runs and
-    keeps such nodes float (their decisions say why), planned again without them so that the
-    first conv still writes integers: no weight is dequantized into a float compute node."""
+    has no integer ConvTranspose, so with Q/DQ it runs it in float on dequantized weights. qcal
+    reads back the graph onnxruntime runs and keeps such nodes float (their decisions say why),
+    planned again without them so that the first conv still writes integers: no weight is
+    dequantized into a float compute node. The last conv writes the model's output through a
+    pair of its own, which onnxruntime's integer Conv needs."""
     rng = np.random.default_rng(10)
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
@@ -634,13 +634,13 @@ def test_weights_onnxruntime_would_dequantize_into_float_nodes_stay_float(tmp_pa
     if "ConvTranspose" in ops:  # float in onnxruntime: kept float, and the report says why
         assert not decisions["up"]["quantized"] and nodes["up"].input[1] == "wt"
         assert "onnxruntime runs it in float" in decisions["up"]["reason"]
-    assert not decisions["conv3"]["quantized"] and nodes["conv3"].input[1] == "w3"
-    assert "onnxruntime runs it in float" in decisions["conv3"]["reason"]
-    # conv1, and conv2 between two float nodes, run as integer kernels; the coverage counts them
-    # alone (onnxruntime quantizes a float node's weight itself when its input is dequantized,
-    # per tensor, but cannot run it in integers either).
-    assert ops["QLinearConv"] == 2, ops
-    assert result.report["coverage"]["quantized_compute_nodes"] == 2
+    assert decisions["conv3"]["quantized"] and nodes["conv3"].input[1] != "w3"
+    writers = {v: n for n in result.model.graph.node for v in n.output}
+    assert writers[result.model.graph.output[0].name].op_type == "DequantizeLinear"
+    # conv1, conv2 after the float ConvTranspose and conv3 run as integer kernels; the coverage
+    # counts them.
+    assert ops["QLinearConv"] == 3 and "Conv" not in ops, ops
+    assert result.report["coverage"]["quantized_compute_nodes"] == 3
     expected, actual = _outputs(model, x), _outputs(result.model, x)
     assert np.abs(actual - expected).max() < 0.05 * np.abs(expected).max()
 
@@ -812,10 +812,10 @@ def test_hard_swish_and_hard_sigmoid_between_integer_convs_run_on_integers(
     assert kept["HardSwish"] == 1 and kept["HardSigmoid"] == 1
     # int8 codes (the tensorflow preset): onnxruntime converts them to uint8 for its x86
     # kernels only where a QuantizeLinear has one reader, and HardSwish's form reads x twice,
-    # so it stays a node there, and the Conv writing x stays integer
+    # so it stays a node there, and the Conv writing x stays integer (as do the other three)
     signed = _run(model, tmp_path, x, fallback=False, preset="tensorflow").model
     assert Counter(n.op_type for n in signed.graph.node)["HardSwish"] == 1
-    assert optimized_ops(signed, tmp_path)["QLinearConv"] == 3
+    assert optimized_ops(signed, tmp_path)["QLinearConv"] == 4
 
 
 def _between_pair(op_type: str, y_scale: float, **attributes: float) -> onnx.ModelProto:

@@ -127,9 +127,10 @@ def test_the_quantized_shuffle_moves_codes(tmp_path: Path) -> None:
     ran = onnx.load(tmp_path / "optimized.onnx").graph.node
     producer = {v: n for n in ran for v in n.output}
     ops = Counter(n.op_type for n in ran)
-    # the grouped and the depthwise Conv integer (the last one writes the model's output in
-    # float), the shuffle a Gather of their codes, no Transpose of five axes left
-    assert ops["QLinearConv"] == 2
+    # the grouped, the depthwise and the last Conv integer (the last one writes the model's
+    # output through a pair of its own), the shuffle a Gather of codes, no Transpose of five
+    # axes left
+    assert ops["QLinearConv"] == 3
     (gather,) = [n for n in ran if n.op_type == "Gather"]
     assert producer[gather.input[0]].op_type in ("Transpose", "QLinearConv")
     assert not [n for n in ran if n.op_type == "Transpose"

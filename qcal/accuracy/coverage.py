@@ -201,7 +201,7 @@ _FLOAT_WHY = (
     (SMALL_PRODUCT, ("left float as too small for an integer kernel to pay at the calibration "
                      "data's shapes")),
     (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (a "
-                       "ConvTranspose, a Conv writing a graph output)")),
+                       "ConvTranspose)")),
 )
 
 

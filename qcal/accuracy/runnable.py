@@ -8,7 +8,8 @@ of the model, or that persists, is a clear ModelError (exit 4), never an interna
 
 A model onnxruntime runs may still not run where qcal planned integer kernels: onnxruntime fuses
 DequantizeLinear -> Conv/MatMul/Gemm -> QuantizeLinear only in the forms its kernels support
-(no ConvTranspose on the CPU provider, no Conv writing a float graph output), and otherwise runs
+(no ConvTranspose on the CPU provider; a Conv writing a graph output gets a pair of its own
+for it, `qcal.graph.qdq`), and otherwise runs
 the node in float on dequantized weights, every run, with the input's Quantize/Dequantize on
 top: slower than the float model, and counted as quantized when it is not.
 So the graph onnxruntime will run (after its fusions) is read back once, and every planned weight

@@ -85,6 +85,9 @@ class _ActivationWriter(_Writer):
             ]
         bodies = [r for r in scopes.rewrites if r is not owner]
         uses += self._float_reads_of_integer_output(owner, tensor, uses, bodies)
+        if not uses and owner is scopes.main and self._conv_writes_output(owner, tensor):
+            self._insert_pair(owner, tensor, [], output=True)
+            return
         if all(_reads_shape_only(use) for use in uses):
             # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
             logger.debug("activation %r has no quantized consumer; left in float", tensor)
@@ -227,10 +230,30 @@ class _ActivationWriter(_Writer):
             return False
         return _same_qparams(self._activation_qparams[source], self._activation_qparams[tensor])
 
-    def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use]) -> None:
+    def _conv_writes_output(self, rewrite: _Rewrite, tensor: str) -> bool:
+        """Whether `tensor` is a graph output (listed once, read by no node) that an integer
+        Conv writes, through its fused Relu/Clip or not. onnxruntime runs a Conv in integers
+        only before a QuantizeLinear: without one it ran in float on dequantized weights and
+        was kept float (a style-transfer network's last Conv, 9x9 at full resolution, a third
+        of its work, failed the coverage floor). The output is written by a DequantizeLinear,
+        on the grid its calibrated range gives."""
+        producer = rewrite.index.producer.get(tensor)
+        listed = [v.name for v in rewrite.graph.output].count(tensor)
+        qparams = self._activation_qparams[tensor]
+        if (producer is None or producer.domain not in DEFAULT_DOMAINS or listed != 1
+                or rewrite.index.uses.get(tensor)
+                or qparams.clip_min is not None or qparams.clip_max is not None):
+            return False
+        anchor = self._fused_into(rewrite, producer) or producer
+        return anchor.op_type == "Conv" and self._integer_kernel(anchor)
+
+    def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use], *,
+                     output: bool = False) -> None:
+        """A pair on `tensor` that `uses` read; with `output`, its DequantizeLinear writes
+        `tensor` itself, a graph output, from its writer's value renamed."""
         qparams = self._activation_qparams[tensor]
         float_type = self._float_type(rewrite, tensor, "activation")
-        source = tensor
+        source = rewrite.rename_output(tensor) if output else tensor  # (no clip then)
         if qparams.clip_min is not None or qparams.clip_max is not None:
             source = rewrite.add_clip(tensor, qparams, float_type)
         scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
@@ -238,7 +261,8 @@ class _ActivationWriter(_Writer):
             "QuantizeLinear", tensor, [source, scale, zero_point], qparams.axis, after=tensor
         )
         dequantized = rewrite.add_node(
-            "DequantizeLinear", tensor, [quantized, scale, zero_point], qparams.axis, after=tensor
+            "DequantizeLinear", tensor, [quantized, scale, zero_point], qparams.axis, after=tensor,
+            output=tensor if output else None,
         )
         self._read_pair(rewrite, uses, quantized, dequantized)
         self._pairs[tensor] = (quantized, dequantized)

@@ -271,10 +271,13 @@ class _Rewrite:
         after: str | None,
         output_suffix: str | None = None,
         attributes: Mapping[str, float] | None = None,
+        output: str | None = None,
     ) -> str:
-        """Add an `op_type` node named after `tensor`, placed after the producer of `after`."""
+        """Add an `op_type` node named after `tensor`, placed after the producer of `after`;
+        it writes `output` when given (a graph output's name, `rename_output` having moved its
+        writer's value away), else a name of its own."""
         suffix = output_suffix or {"QuantizeLinear": "quantized"}.get(op_type, "dequantized")
-        output = self.names.allocate(f"{tensor}_{suffix}")
+        output = output or self.names.allocate(f"{tensor}_{suffix}")
         node = helper.make_node(
             op_type, list(inputs), [output], name=self.names.allocate(f"{tensor}_{op_type}")
         )
@@ -291,6 +294,16 @@ class _Rewrite:
         self._reads.added(node)
         self.modified = True
         return output
+
+    def rename_output(self, value: str) -> str:
+        """Have the node writing `value` write a new name instead, returned, so that another
+        node can write `value` (a graph output) from it. Its producer stays findable under
+        `value` in the index, for placing nodes after it."""
+        producer = self.index.producer[value]
+        renamed = self.names.allocate(f"{value}_before_quantize")
+        producer.output[list(producer.output).index(value)] = renamed
+        self.modified = True
+        return renamed
 
     def add_constant(self, base: str, value: np.ndarray) -> str:
         name = self.names.allocate(base)

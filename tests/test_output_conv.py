@@ -1,0 +1,62 @@
+"""A Conv that writes a graph output runs in integers: onnxruntime fuses DequantizeLinear ->
+Conv -> QuantizeLinear into its integer Conv only before a QuantizeLinear, so the Conv's value
+is renamed, quantized, and the graph output written by a DequantizeLinear, under the same name
+and type. Without that pair the Conv ran in float on dequantized weights and was kept float (a
+style-transfer network's last Conv, a third of its work: exit 7 on the coverage floor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from _onnx_testing import build_model, float_input
+from onnx import helper
+
+from qcal.config import CalibrationConfig
+from qcal.pipeline import calibrate
+
+
+def test_a_conv_writing_a_graph_output_runs_as_an_integer_conv(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1", "b1"], ["image"], name="last",
+                         pads=[4, 4, 4, 4]),
+    ]
+    inits = {"w0": rng.standard_normal((32, 16, 3, 3)).astype(np.float32) * 0.1,
+             "b0": rng.standard_normal(32).astype(np.float32) * 0.1,
+             "w1": rng.standard_normal((3, 32, 9, 9)).astype(np.float32) * 0.03,
+             "b1": rng.standard_normal(3).astype(np.float32) * 0.1}
+    model = build_model(nodes, [float_input("x", ["N", 16, 24, 24])], ["image"], inits)
+    onnx.save(model, tmp_path / "m.onnx")
+    x = rng.standard_normal((24, 16, 24, 24)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x)
+    result = calibrate(tmp_path / "m.onnx",
+                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    onnx.checker.check_model(result.model, full_check=True)
+    decisions = {n["name"]: n for n in result.report["nodes"]}
+    assert decisions["last"]["quantized"], decisions["last"]["reason"]
+    assert result.report["coverage"]["macs_quantized_fraction"] == 1.0
+    (output,) = result.model.graph.output
+    assert output.name == "image" and output.type == model.graph.output[0].type
+    writer = next(n for n in result.model.graph.node if "image" in n.output)
+    assert writer.op_type == "DequantizeLinear"
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(result.model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    ran = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    assert ran.count("QLinearConv") == 2 and "Conv" not in ran and "FusedConv" not in ran
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ours, theirs = session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0]
+    assert 10 * np.log10(np.sum(theirs ** 2) / np.sum((theirs - ours) ** 2)) > 25
+    # on the grid of its calibrated range: every value a step's multiple from the zero point
+    record = next(t for t in result.report["tensors"] if t["name"] == "image")
+    scale, zero = record["onnx"]["scale"][0], record["onnx"]["zero_point"][0]
+    codes = ours / np.float32(scale) + zero
+    assert np.abs(codes - np.round(codes)).max() < 1e-2
