@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _onnx_testing import batchnorm_relu, build_model, conv_bn_relu, float_input, run
+from _onnx_testing import (
+    batchnorm_relu,
+    build_model,
+    conv_bn_relu,
+    float_input,
+    run,
+    run_optimized,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.config import CalibrationConfig
@@ -734,3 +741,30 @@ def test_local_functions_are_inlined_so_their_convolutions_are_planned(tmp_path:
     assert ops["Conv"] == 2 and ops["QuantizeLinear"] >= 2
     feeds = _feed(rng, (2, 8, 8, 8))
     np.testing.assert_allclose(run(written, feeds)[0], run(model, feeds)[0], atol=0.1)
+
+
+def test_initializers_listed_as_inputs_are_dropped_when_the_opset_is_raised() -> None:
+    """PyTorch 1.x at opset 11 listed every initializer as a graph input too. Raised to opset 13,
+    a Resize whose roi and scales are an empty initializer listed so failed onnxruntime's shape
+    inference ("either sizes or scales"), though the original loads: qcal's copy drops them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(2).standard_normal((4, 3, 1, 1)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(0, np.float32), "e"),
+             numpy_helper.from_array(np.array([1, 4, 8, 8], np.int64), "sizes")]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+         helper.make_node("Resize", ["c", "e", "e", "sizes"], ["y"], name="resize",
+                          mode="nearest")], "listed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])]
+        + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=6)
+    x = np.random.default_rng(3).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    (expected,) = run(model, {"x": x})
+    result = UpgradeOpset(13)(model)
+    assert "3 initializers no longer listed as graph inputs" in result.detail
+    assert [v.name for v in result.model.graph.input] == ["x"]
+    onnx.checker.check_model(result.model, full_check=True)
+    np.testing.assert_allclose(run_optimized(result.model, {"x": x})[0], expected, rtol=1e-5,
+                               atol=1e-6)
