@@ -115,8 +115,10 @@ def describe_parts(parts: Sequence[Part]) -> str:
 
 def _through_identity(value: str, producer: Mapping[str, onnx.NodeProto]
                       ) -> onnx.NodeProto | None:
+    """The node computing `value` behind Identities and Casts (a float16 model's output, which
+    qcal computes in float32, is a Cast of what its Concat joins)."""
     node = producer.get(value)
-    while node is not None and node.op_type == "Identity" and node.input:
+    while node is not None and node.op_type in ("Identity", "Cast") and node.input:
         node = producer.get(node.input[0])
     return node
 
