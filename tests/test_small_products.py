@@ -170,3 +170,27 @@ def test_the_coverage_floor_names_compute_without_an_integer_kernel(tmp_path: Pa
     share = 16 * 64 * 16 / (16 * 64 * 16 + 8 * 16 * 9)
     assert (f"1 of 2 compute nodes ({share:.1%} of the MACs) left float as onnxruntime has no "
             "integer kernel for their form") in said, said
+
+
+def test_the_coverage_floor_names_products_of_two_activations(tmp_path: Path) -> None:
+    """Attention scores (q @ k^T of 256 tokens) hold most of the work and stay float under
+    placement auto; the coverage floor's reason named only the small projections before."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="query"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="key"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["y"], name="scores")]
+    inits = {"wq": rng.standard_normal((16, 16)).astype(np.float32),
+             "wk": rng.standard_normal((16, 16)).astype(np.float32)}
+    onnx.save(build_model(nodes, [float_input("x", ["N", 256, 16])], ["y"], inits),
+              tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 1, 256, 16)).astype(np.float32))
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+                                       str(tmp_path / "calib.npz"), "-o",
+                                       str(tmp_path / "q.onnx"), "-q"])
+    assert result.exit_code == 7, result.output
+    said = " ".join(result.output.split())
+    attention, projections = 256 * 256 * 16, 2 * 256 * 16 * 16
+    assert (f"1 of 3 compute nodes ({attention / (attention + projections):.1%} of the MACs) "
+            "left float as products of two activations") in said, said
+    assert "2 of 3 compute nodes" in said and "too small for an integer kernel" in said, said

@@ -29,7 +29,7 @@ from qcal.accuracy.macs import is_compute
 from qcal.accuracy.runnable import NO_INTEGER_FORM
 from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.model import QuantPlan
-from qcal.graph.placement import SMALL_PRODUCT
+from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
@@ -202,6 +202,9 @@ _FLOAT_WHY = (
                      "data's shapes")),
     (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (a "
                        "ConvTranspose)")),
+    (PRODUCT_OF_ACTIVATIONS, ("left float as products of two activations (attention), which "
+                              "onnxruntime's integer kernel multiplies slower than its float "
+                              "one")),
 )
 
 

@@ -16,7 +16,7 @@ softmax, GELU, recurrent state). So under "auto":
   quantized and 0.88x without, rec 0.59x and 0.77x; only cls gained (1.35x -> 1.22x);
 * a MatMul or Gemm of two activations (attention scores and context) is not an anchor:
   onnxruntime would quantize both operands at every run and multiply uint8 by uint8, slower
-  than its float kernel on x86 (_PRODUCT_OF_ACTIVATIONS);
+  than its float kernel on x86 (PRODUCT_OF_ACTIVATIONS);
 * a MatMul or Gemm of fewer than 2^18 multiply-adds per run at the calibration data's shapes
   (`--min-product-macs`) is not an anchor: its integer kernel writes float, so its input is
   quantized at every run, which with the kernel's fixed cost outweighs what it saves (with
@@ -94,7 +94,8 @@ from qcal.graph.structure import (
     computed_from_constants,
 )
 
-__all__ = ["PLACEMENTS", "SMALL_PRODUCT", "SMALL_PRODUCT_MACS", "Placement", "place"]
+__all__ = ["PLACEMENTS", "PRODUCT_OF_ACTIVATIONS", "SMALL_PRODUCT", "SMALL_PRODUCT_MACS",
+           "Placement", "place"]
 
 PLACEMENTS = ("auto", "all")
 SMALL_PRODUCT_MACS = 1 << 18  # the default --min-product-macs (module docstring)
@@ -180,7 +181,7 @@ def place(
                     "placement auto: inside a Loop/Scan body its weight is not a constant, "
                     "so it would be quantized again at every iteration")
             elif node.op_type in _PRODUCT_OPS:
-                placement.nodes[node.name] = _PRODUCT_OF_ACTIVATIONS
+                placement.nodes[node.name] = PRODUCT_OF_ACTIVATIONS
         elif node.op_type in _PRODUCT_OPS and (macs := (run_macs or {}).get(
                 node.name, min_product_macs)) < min_product_macs:
             placement.nodes[node.name] = (
@@ -329,7 +330,7 @@ _QUANTIZED_WITH_ACTIVATION = frozenset({"Gemm", "MatMul"})
 # 512: 0.55 against 0.58x at one thread, 0.48 against 0.34x at two, where integers would win:
 # a size guard needs shapes at planning time). Attention keeps float precision too.
 _PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
-_PRODUCT_OF_ACTIVATIONS = (
+PRODUCT_OF_ACTIVATIONS = (
     "placement auto: a product of two activations, which onnxruntime would multiply as uint8 by "
     "uint8, after quantizing both at every run: slower than its float kernel")
 
