@@ -158,14 +158,8 @@ def test_the_coverage_floor_names_compute_without_an_integer_kernel(tmp_path: Pa
     ]
     inits = {"w0": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.2,
              "wt": rng.standard_normal((16, 64, 4, 4)).astype(np.float32) * 0.1}
-    onnx.save(build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits),
-              tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
-    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
-                                       str(tmp_path / "calib.npz"), "-o",
-                                       str(tmp_path / "q.onnx"), "-q"])
-    assert result.exit_code == 7, result.output
-    said = " ".join(result.output.split())
+    model = build_model(nodes, [float_input("x", ["N", 8, 16, 16])], ["y"], inits)
+    said = _coverage_floor_failed(model, rng.standard_normal((16, 8, 16, 16)), tmp_path)
     # per input position, 16 x 64 channels x 16 taps; the Conv's, 8 x 16 channels x 9 taps
     share = 16 * 64 * 16 / (16 * 64 * 16 + 8 * 16 * 9)
     assert (f"1 of 2 compute nodes ({share:.1%} of the MACs) left float as onnxruntime has no "
@@ -182,15 +176,21 @@ def test_the_coverage_floor_names_products_of_two_activations(tmp_path: Path) ->
              helper.make_node("MatMul", ["q", "kt"], ["y"], name="scores")]
     inits = {"wq": rng.standard_normal((16, 16)).astype(np.float32),
              "wk": rng.standard_normal((16, 16)).astype(np.float32)}
-    onnx.save(build_model(nodes, [float_input("x", ["N", 256, 16])], ["y"], inits),
-              tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 1, 256, 16)).astype(np.float32))
-    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
-                                       str(tmp_path / "calib.npz"), "-o",
-                                       str(tmp_path / "q.onnx"), "-q"])
-    assert result.exit_code == 7, result.output
-    said = " ".join(result.output.split())
+    model = build_model(nodes, [float_input("x", ["N", 256, 16])], ["y"], inits)
+    said = _coverage_floor_failed(model, rng.standard_normal((8, 1, 256, 16)), tmp_path)
     attention, projections = 256 * 256 * 16, 2 * 256 * 16 * 16
     assert (f"1 of 3 compute nodes ({attention / (attention + projections):.1%} of the MACs) "
             "left float as products of two activations") in said, said
     assert "2 of 3 compute nodes" in said and "too small for an integer kernel" in said, said
+
+
+def _coverage_floor_failed(model: onnx.ModelProto, x: np.ndarray, folder: Path) -> str:
+    """`qcal calibrate` of `model` on `x` from the command line, which must exit 7: its output
+    on one line."""
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "calib.npz", x=x.astype(np.float32))
+    result = CliRunner().invoke(main, ["calibrate", str(folder / "m.onnx"), "--data",
+                                       str(folder / "calib.npz"), "-o", str(folder / "q.onnx"),
+                                       "-q"])
+    assert result.exit_code == 7, result.output
+    return " ".join(result.output.split())
