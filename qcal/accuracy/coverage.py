@@ -176,23 +176,19 @@ class CoverageMeter:
                             mostly_in_bodies, len(in_bodies))
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
         # the main graph's: the figure leaves the bodies' out
-        said = [f"{len(nodes)} of {len(macs)} compute nodes ({share:.1%} of the MACs) {why}"
-                for nodes, share, why in (self._left_float(plan, quantized, prefix, why)
-                                          for prefix, why in _FLOAT_WHY) if nodes]
+        left: dict[str, list[str]] = {}  # the main graph's compute left float, by reason
+        for d in plan.nodes:
+            if not d.quantized and d.node not in quantized and d.node in macs:
+                prefix = next((p for p, _ in _FLOAT_WHY if d.reason.startswith(p)), None)
+                if prefix is not None:
+                    left.setdefault(prefix, []).append(d.node)
+        said = [f"{len(nodes)} of {len(macs)} compute nodes "
+                f"({sum(macs.get(n) or 0 for n in nodes) / total if total else 0.0:.1%} of the "
+                f"MACs) {why}" for prefix, why in _FLOAT_WHY if (nodes := left.get(prefix))]
         return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                         anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
                         nodes_in_bodies=len(in_bodies),
                         float_reasons="; ".join(said) or None)
-
-    def _left_float(self, plan: QuantPlan, quantized: set[str], prefix: str, why: str,
-                    ) -> tuple[list[str], float, str]:
-        """The main graph's compute nodes left float for a reason starting with `prefix`, and
-        their share of the MACs."""
-        nodes = [d.node for d in plan.nodes if not d.quantized and d.node not in quantized
-                 and d.node in self._macs and d.reason.startswith(prefix)]
-        total = self._total
-        share = sum(self._macs.get(name) or 0 for name in nodes) / total if total else 0.0
-        return nodes, share, why
 
 
 # What the coverage gate names of the compute left float: the reasons no option of the run's

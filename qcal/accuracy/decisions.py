@@ -56,7 +56,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from qcal.graph.structure import node_subgraphs
+from qcal.graph.structure import FLOAT_TYPES, node_subgraphs
 
 __all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "argmax_ties", "decision_rules",
            "is_classifier_like", "sequence_axis", "sequences_read_alike", "yes_decisions"]
@@ -180,9 +180,8 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     positive = _positive_scalars(model)
     constants = ({t.name for t in model.graph.initializer}
                  | {n.output[0] for n in model.graph.node if n.op_type == "Constant"})
-    initialized = {t.name for t in model.graph.initializer}
-    reconstructed = {_trailing_dims(i) for i in model.graph.input if i.name not in initialized
-                     and i.type.tensor_type.elem_type in _FLOAT_TYPES} - {None}
+    reconstructed = {_trailing_dims(i) for i in model.graph.input if i.name not in constants
+                     and _holds_floats(i)} - {None}
     found = {}
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
@@ -211,8 +210,9 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     return found
 
 
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+def _holds_floats(value: onnx.ValueInfoProto) -> bool:
+    element = value.type.tensor_type.elem_type
+    return element in FLOAT_TYPES or element == onnx.TensorProto.DOUBLE
 
 
 # Values per sample from which an output of its input's dimensions is taken for a

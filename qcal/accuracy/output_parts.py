@@ -113,7 +113,7 @@ def describe_parts(parts: Sequence[Part]) -> str:
     return " + ".join(shown) + (" + ..." if len(parts) > 3 else "")
 
 
-def _through_identity(value: str, producer: Mapping[str, onnx.NodeProto]
+def _through_copies(value: str, producer: Mapping[str, onnx.NodeProto]
                       ) -> onnx.NodeProto | None:
     """The node computing `value` behind Identities and Casts (a float16 model's output, which
     qcal computes in float32, is a Cast of what its Concat joins)."""
@@ -125,7 +125,7 @@ def _through_identity(value: str, producer: Mapping[str, onnx.NodeProto]
 
 def _joins(value: str, producer: Mapping[str, onnx.NodeProto], depth: int) -> bool:
     """Whether a Concat computes `value`, through Transposes and Reshapes."""
-    node = _through_identity(value, producer)
+    node = _through_copies(value, producer)
     if node is None or depth >= _MAX_DEPTH:
         return False
     if node.op_type in ("Transpose", "Reshape") and node.input:
@@ -136,7 +136,7 @@ def _joins(value: str, producer: Mapping[str, onnx.NodeProto], depth: int) -> bo
 def _split(value: str, rank: int, producer: Mapping[str, onnx.NodeProto],
            sizes: Mapping[str, tuple[int | None, ...]], depth: int) -> list[OutputPart]:
     """The parts of `value` (of `rank`) in its own coordinates."""
-    node = _through_identity(value, producer)
+    node = _through_copies(value, producer)
     whole = [OutputPart((None,) * rank, node is not None and node.op_type == "Sigmoid")]
     if node is None or depth >= _MAX_DEPTH or not node.input:
         return whole

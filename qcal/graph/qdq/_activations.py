@@ -253,9 +253,12 @@ class _ActivationWriter(_Writer):
         `tensor` itself, a graph output, from its writer's value renamed."""
         qparams = self._activation_qparams[tensor]
         float_type = self._float_type(rewrite, tensor, "activation")
-        source = rewrite.rename_output(tensor) if output else tensor  # (no clip then)
-        if qparams.clip_min is not None or qparams.clip_max is not None:
+        if output:  # `_conv_writes_output`: no clip bounds
+            source = rewrite.rename_output(tensor)
+        elif qparams.clip_min is not None or qparams.clip_max is not None:
             source = rewrite.add_clip(tensor, qparams, float_type)
+        else:
+            source = tensor
         scale, zero_point = rewrite.add_qparams(tensor, qparams, float_type)
         quantized = rewrite.add_node(
             "QuantizeLinear", tensor, [source, scale, zero_point], qparams.axis, after=tensor
