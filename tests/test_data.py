@@ -768,6 +768,37 @@ def test_string_inputs_of_test_data_sets_are_passed_through(tmp_path: Path) -> N
     assert any(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
 
 
+def test_strings_in_an_npz_are_sent_to_the_format_that_carries_them(tmp_path: Path) -> None:
+    """An .npz holds strings as unicode (refused: not the model's type) or as a pickled object
+    array (refused: never unpickled); both messages name the .pb files the test above reads."""
+    from click.testing import CliRunner
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qcal.cli import main
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["s_out"], name="copy"),
+         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("s_out", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        initializer=[numpy_helper.from_array(np.ones((3, 2), np.float32), "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "m.onnx")
+    x = np.ones((2, 1, 3), np.float32)
+    np.savez(tmp_path / "unicode.npz", s=np.array([[["a", "b", "c"]]] * 2), x=x)
+    np.savez(tmp_path / "objects.npz", s=np.array([[["a", "b", "c"]]] * 2, dtype=object), x=x)
+    for data, said in (("unicode.npz", "model expects strings"), ("objects.npz", "pickled")):
+        result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+                                           str(tmp_path / data), "-o", str(tmp_path / "q.onnx"),
+                                           "-q"])
+        assert result.exit_code == 5, result.output
+        assert said in result.output and "test_data_set_K/input_J.pb" in result.output
+        assert not (tmp_path / "q.onnx").exists()
+
+
 class _Rows:
     """A source of single-row samples that counts how many it reads."""
 

@@ -36,6 +36,8 @@ class _NpyHeader:
 
 
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+# .npy and .npz hold strings only as pickled object arrays: the format that carries them safely
+STRINGS_HOW = "give them as test_data_set_K/input_J.pb files (onnx TensorProto)"
 NPY_SUFFIX = ".npy"
 # The files of arrays qcal reads: archives of named arrays, and plain arrays.
 ARRAY_SUFFIXES = (".npz", NPY_SUFFIX)
@@ -122,7 +124,7 @@ def _read_npy_header(fp: IO[bytes], origin: str) -> tuple[np.dtype[Any], tuple[i
         # Object arrays can only be stored pickled; loading a pickle can run arbitrary code.
         raise DataError(
             f"{origin}: holds Python objects (a pickled object array); qcal never unpickles data,"
-            " save numeric arrays instead"
+            f" save numeric arrays instead (strings: {STRINGS_HOW})"
         )
     return dtype, tuple(int(d) for d in shape), bool(fortran_order)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from qcal.calibration.data._npy import STRINGS_HOW
 from qcal.calibration.data._source import (
     ArrayInfo,
     DataSource,
@@ -33,6 +34,8 @@ class _DescribedSource(Protocol):
 def _check_array(spec: InputSpec, info: ArrayInfo) -> None:
     where = f"{info.origin}: input {spec.name!r}"
     expected_dtype = np.dtype(spec.dtype)
+    if expected_dtype.hasobject and not np.dtype(info.dtype).hasobject:
+        raise DataError(f"{where} has dtype {info.dtype}, model expects strings: {STRINGS_HOW}")
     if _native(info.dtype) != expected_dtype:
         raise DataError(f"{where} has dtype {info.dtype}, model expects {expected_dtype}")
     if len(info.shape) != len(spec.shape):
