@@ -184,6 +184,24 @@ def test_the_coverage_floor_names_products_of_two_activations(tmp_path: Path) ->
     assert "2 of 3 compute nodes" in said and "too small for an integer kernel" in said, said
 
 
+def test_the_coverage_floor_names_narrow_convolutions(tmp_path: Path) -> None:
+    """A 3-D Conv over 4 channels, a large one, and a grouped Conv of 2 channels per group:
+    placement auto keeps both float as too narrow for the integer kernel, and the floor's
+    reason gave no cause at all before (0.00 % against the floor, nothing more)."""
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("Conv", ["x", "w3"], ["c"], name="conv3d",
+                              pads=[1, 1, 1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "wg"], ["y"], name="grouped", group=4,
+                              pads=[1, 1, 1, 1, 1, 1])]
+    inits = {"w3": rng.standard_normal((8, 4, 3, 3, 3)).astype(np.float32) * 0.2,
+             "wg": rng.standard_normal((8, 2, 3, 3, 3)).astype(np.float32) * 0.2}
+    model = build_model(nodes, [float_input("x", ["N", 4, 8, 16, 16])], ["y"], inits)
+    said = _coverage_floor_failed(model, rng.standard_normal((8, 4, 8, 16, 16)), tmp_path)
+    assert ("2 of 2 compute nodes (100.0% of the MACs) left float as convolutions too narrow"
+            in said), said
+
+
 def _coverage_floor_failed(model: onnx.ModelProto, x: np.ndarray, folder: Path) -> str:
     """`qcal calibrate` of `model` on `x` from the command line, which must exit 7: its output
     on one line."""

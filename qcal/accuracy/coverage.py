@@ -29,6 +29,7 @@ from qcal.accuracy.macs import is_compute
 from qcal.accuracy.runnable import NO_INTEGER_FORM
 from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.model import QuantPlan
+from qcal.graph.narrow_convs import NARROW_CONV
 from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
@@ -65,10 +66,10 @@ class Coverage:
             those of the main graph: the figure is no measure of the model (the coverage
             floor is not checked on it).
         nodes_in_bodies: compute nodes inside If/Loop/Scan bodies, which the figure leaves out.
-        float_reasons: what was left float as too small for an integer kernel to pay
-            (`qcal.graph.placement.SMALL_PRODUCT`) or for want of an integer kernel for its
-            form (`qcal.accuracy.runnable.NO_INTEGER_FORM`), in words, or None: the coverage
-            floor's reason when it fails (each node's own reason says it in the report).
+        float_reasons: what the model's sizes and forms left float (`_FLOAT_WHY`: products
+            too small for an integer kernel to pay, forms with no integer kernel, products of
+            two activations, narrow convolutions), in words, or None: the coverage floor's
+            reason when it fails (each node's own reason says it in the report).
     """
 
     basis: str
@@ -176,7 +177,7 @@ class CoverageMeter:
                             mostly_in_bodies, len(in_bodies))
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
         # the main graph's: the figure leaves the bodies' out
-        left: dict[str, list[str]] = {}  # the main graph's compute left float, by reason
+        left: dict[str | tuple[str, ...], list[str]] = {}  # main-graph compute left float, by reason
         for d in plan.nodes:
             if not d.quantized and d.node not in quantized and d.node in macs:
                 prefix = next((p for p, _ in _FLOAT_WHY if d.reason.startswith(p)), None)
@@ -201,6 +202,8 @@ _FLOAT_WHY = (
     (PRODUCT_OF_ACTIVATIONS, ("left float as products of two activations (attention), which "
                               "onnxruntime's integer kernel multiplies slower than its float "
                               "one")),
+    (NARROW_CONV, ("left float as convolutions too narrow (few input channels, or few per "
+                   "group) for onnxruntime's integer kernel to beat its float one")),
 )
 
 

@@ -10,7 +10,10 @@ import onnx
 
 from qcal.graph.structure import UseIndex, int_attribute
 
-__all__ = ["slow_narrow_conv"]
+__all__ = ["NARROW_CONV", "slow_narrow_conv"]
+
+# How each reason `slow_narrow_conv` gives begins (a coverage message groups them by it).
+NARROW_CONV = ("placement auto: a convolution ", "placement auto: a grouped convolution ")
 
 
 # Channels per group below which a grouped (not depthwise) Conv stays float: onnxruntime's
