@@ -85,8 +85,9 @@ class _ActivationWriter(_Writer):
             ]
         bodies = [r for r in scopes.rewrites if r is not owner]
         uses += self._float_reads_of_integer_output(owner, tensor, uses, bodies)
-        if not uses and owner is scopes.main and self._conv_writes_output(owner, tensor):
-            self._insert_pair(owner, tensor, [], output=True)
+        if owner is scopes.main and self._integer_kernel_writes_output(owner, tensor):
+            # the DequantizeLinear writes `tensor`: every reader reads it as it is
+            self._insert_pair(owner, tensor, uses, output=True)
             return
         if all(_reads_shape_only(use) for use in uses):
             # Nothing would read the pair: a dangling Q/DQ only costs time and blocks fusion.
@@ -230,22 +231,31 @@ class _ActivationWriter(_Writer):
             return False
         return _same_qparams(self._activation_qparams[source], self._activation_qparams[tensor])
 
-    def _conv_writes_output(self, rewrite: _Rewrite, tensor: str) -> bool:
-        """Whether `tensor` is a graph output (listed once, read by no node) that an integer
-        Conv writes, through its fused Relu/Clip or not. onnxruntime runs a Conv in integers
-        only before a QuantizeLinear: without one it ran in float on dequantized weights and
-        was kept float (a style-transfer network's last Conv, 9x9 at full resolution, a third
-        of its work, failed the coverage floor). The output is written by a DequantizeLinear,
-        on the grid its calibrated range gives."""
+    def _integer_kernel_writes_output(self, rewrite: _Rewrite, tensor: str) -> bool:
+        """Whether `tensor` is a graph output (listed once) that an integer kernel writes,
+        through its fused Relu/Clip or not, and that onnxruntime would otherwise compute in
+        float on dequantized weights, then kept float by the check against its graph:
+
+        - a Conv's, read by no node: onnxruntime runs a Conv in integers only before a
+          QuantizeLinear (a style-transfer network's last Conv, 9x9 at full resolution, a
+          third of its work, failed the coverage floor);
+        - any integer kernel's read by nodes too: onnxruntime fuses the QuantizeLinear into
+          the kernel only when it is the value's only reader and the value no graph output
+          (a classifier returning its features beside the logits the head computes from them
+          ran its feature layer in float: 16 % of the MACs quantized).
+
+        The output is then written by a DequantizeLinear, on the grid its calibrated range
+        gives, and the other readers read it there."""
         producer = rewrite.index.producer.get(tensor)
         listed = [v.name for v in rewrite.graph.output].count(tensor)
         qparams = self._activation_qparams[tensor]
         if (producer is None or producer.domain not in DEFAULT_DOMAINS or listed != 1
-                or rewrite.index.uses.get(tensor)
                 or qparams.clip_min is not None or qparams.clip_max is not None):
             return False
         anchor = self._fused_into(rewrite, producer) or producer
-        return anchor.op_type == "Conv" and self._integer_kernel(anchor)
+        if not self._integer_kernel(anchor):
+            return False
+        return anchor.op_type == "Conv" or bool(rewrite.index.uses.get(tensor))
 
     def _insert_pair(self, rewrite: _Rewrite, tensor: str, uses: Sequence[Use], *,
                      output: bool = False) -> None:
@@ -253,7 +263,7 @@ class _ActivationWriter(_Writer):
         `tensor` itself, a graph output, from its writer's value renamed."""
         qparams = self._activation_qparams[tensor]
         float_type = self._float_type(rewrite, tensor, "activation")
-        if output:  # `_conv_writes_output`: no clip bounds
+        if output:  # `_integer_kernel_writes_output`: no clip bounds
             source = rewrite.rename_output(tensor)
         elif qparams.clip_min is not None or qparams.clip_max is not None:
             source = rewrite.add_clip(tensor, qparams, float_type)
