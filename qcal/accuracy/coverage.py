@@ -197,8 +197,8 @@ class CoverageMeter:
 _FLOAT_WHY = (
     (SMALL_PRODUCT, ("left float as too small for an integer kernel to pay at the calibration "
                      "data's shapes")),
-    (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (a "
-                       "ConvTranspose)")),
+    (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (as "
+                       "for a ConvTranspose) and ran them in float")),
     (PRODUCT_OF_ACTIVATIONS, ("left float as products of two activations (attention), which "
                               "onnxruntime's integer kernel multiplies slower than its float "
                               "one")),
