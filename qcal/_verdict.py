@@ -3,18 +3,17 @@ summary, the HTML page and the Markdown summary all say, in the same words."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from qcal.accuracy.evaluate import floor_sqnr_applies, floor_sqnr_value
 from qcal.accuracy.gates import GateResult, shown_down
+from qcal.accuracy.target import agreement_lower_bound
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
 
-__all__ = ["Verdict", "agreement_cell", "agreement_lower_bound", "other_warnings", "quality_verdict",
-           "sqnr_cell"]
+__all__ = ["Verdict", "agreement_cell", "other_warnings", "quality_verdict", "sqnr_cell"]
 
 
 def sqnr_cell(output: Mapping[str, Any]) -> str:
@@ -32,18 +31,8 @@ def _floor_sqnr(output: Mapping[str, Any]) -> float | None:
     return floor_sqnr_value(output["sqnr_db"], output.get("variation_sqnr_db"))
 
 
-# The share of decisions that must agree under the default floor, and the z of a one-sided 95 %
-# bound.
+# The share of decisions that must agree under the default floor.
 _FLOOR_AGREEMENT = 1.0 - DEFAULT_FLOOR_AGREEMENT_DROP / 100.0
-_Z95 = 1.6448536
-
-
-def agreement_lower_bound(agreement: float, count: int) -> float:
-    """The agreement that `count` decisions, `agreement` of them alike, show at 95 % confidence
-    (one-sided Wilson score bound): all 16 of 16 show only 85.5 %, 320 of 320 positions 99.2 %."""
-    z2 = _Z95 * _Z95
-    spread = _Z95 * math.sqrt(agreement * (1.0 - agreement) / count + z2 / (4.0 * count * count))
-    return (agreement + z2 / (2.0 * count) - spread) / (1.0 + z2 / count)
 
 
 def _how_sure(output: Mapping[str, Any]) -> str:

@@ -152,7 +152,7 @@ def test_a_score_per_sample_and_a_scalar_per_run_are_rows_too() -> None:
 
 @pytest.mark.parametrize(("agree", "count"), [(16, 16), (319, 320), (49, 50), (9900, 10000)])
 def test_the_agreement_bound_is_the_wilson_score_bound(agree: int, count: int) -> None:
-    from qcal._verdict import agreement_lower_bound
+    from qcal.accuracy.target import agreement_lower_bound
 
     z = 1.6448536  # one-sided 95 %
     p = agree / count

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from qcal.accuracy.evaluate import Comparison
 
-__all__ = ["AccuracyTarget", "worst_agreement", "worst_yes_f1"]
+__all__ = ["AccuracyTarget", "agreement_lower_bound", "worst_agreement", "worst_yes_f1"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,15 @@ def worst_agreement(comparison: Comparison) -> float | None:
 def worst_yes_f1(comparison: Comparison) -> float | None:
     values = [o.yes_f1 for o in comparison.outputs if o.yes_f1 is not None]
     return min(values) if values else None
+
+
+# the z of a one-sided 95 % bound
+_Z95 = 1.6448536
+
+
+def agreement_lower_bound(agreement: float, count: int) -> float:
+    """The agreement that `count` decisions, `agreement` of them alike, show at 95 % confidence
+    (one-sided Wilson score bound): all 16 of 16 show only 85.5 %, 320 of 320 positions 99.2 %."""
+    z2 = _Z95 * _Z95
+    spread = _Z95 * math.sqrt(agreement * (1.0 - agreement) / count + z2 / (4.0 * count * count))
+    return (agreement + z2 / (2.0 * count) - spread) / (1.0 + z2 / count)
