@@ -1,14 +1,16 @@
 """What a run reads, resolved and checked in calibrate's first stage, before onnxruntime
 starts: the selection rules and per-tensor overrides of the config, the evaluation data and
 labels found beside the model, the options that need a classifier-like output, the part of
-the calibration data held out for sensitivity and fallback, and the batch size the data can
-be joined at (the one check here that runs the model).
+the calibration data held out for sensitivity and fallback, the batch size the data can be
+joined at (the one check here that runs the model), the opset the model is upgraded to, and
+how the plan is made again with nodes left float.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import glob
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ from qcal.accuracy.macs import compute_macs
 from qcal.calibration import data as data_mod
 from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
-from qcal.graph.model import QuantPlan, SelectionRules
+from qcal.graph.model import QuantPlan, SelectionRules, plan_quantization
+from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError
 from qcal.numerics.observers import MinMaxStats
 from qcal.numerics.onnx_mapping import OnnxQParams
@@ -195,3 +198,36 @@ def _exact_runs(
     size, note = exact_batch_size(model, source, inputs, config.batch_size,
                                   providers=config.providers, threads=config.threads)
     return dataclasses.replace(config, batch_size=size), notes + ([note] if note else [])
+
+
+def _replan(
+    prepared: onnx.ModelProto, rules: SelectionRules, config: CalibrationConfig
+) -> Callable[[frozenset[str]], QuantPlan] | None:
+    """The plan again with some nodes left float, for the check that what is planned runs in
+    integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
+    --op-types) instead of serving onnxruntime's integer kernels, and for providers other than
+    the CPU provider alone."""
+    if not config.places_for_speed or not config.cpu_provider_only:
+        # Other providers compile the graph their own way (and some cannot write it out).
+        return None
+
+    def replan(nodes: frozenset[str]) -> QuantPlan:
+        floated = tuple(sorted(glob.escape(n) for n in nodes))
+        return plan_quantization(
+            prepared, dataclasses.replace(rules, exclude_nodes=rules.exclude_nodes + floated))
+
+    return replan
+
+
+def _min_opset(config: CalibrationConfig) -> int:
+    """The opset the model is upgraded to: the asked one, and 21 for weight-only int4 QDQ."""
+    if config.weight_only is not None and config.weight_only_format == "qdq":
+        return max(config.opset, QDQ_OPSET)
+    return config.opset
+
+
+def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
+    """The model's ai.onnx opset; `otherwise` for a model that imports none (ai.onnx.ml only:
+    nothing in it is quantized, and Q/DQ would come with the opset asked for)."""
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    return int(versions[0]) if versions else otherwise

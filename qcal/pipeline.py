@@ -13,8 +13,6 @@ progress callback and the stage timings.
 from __future__ import annotations
 
 import dataclasses
-import glob
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -28,9 +26,12 @@ from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
     _check_overrides,
+    _default_opset,
     _eval_source_path,
     _exact_runs,
     _labels_path,
+    _min_opset,
+    _replan,
     _selection_rules,
     data_described,
     load_labels,
@@ -86,14 +87,12 @@ from qcal.graph.files.save import data_path, needs_external_data, stage_model, w
 from qcal.graph.model import (
     PrepStep,
     QuantPlan,
-    SelectionRules,
     leave_unobserved_float,
     model_inputs,
     plan_quantization,
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
-from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report, dump_report
@@ -396,45 +395,12 @@ def calibrate(
     return CalibrationResult(quant_model, report, comparison, output, report_path, tuple(gates))
 
 
-def _replan(
-    prepared: onnx.ModelProto, rules: SelectionRules, config: CalibrationConfig
-) -> Callable[[frozenset[str]], QuantPlan] | None:
-    """The plan again with some nodes left float, for the check that what is planned runs in
-    integers (`qcal.accuracy.runnable`); None where Q/DQ emulates a target (placement "all",
-    --op-types) instead of serving onnxruntime's integer kernels, and for providers other than
-    the CPU provider alone."""
-    if not config.places_for_speed or not config.cpu_provider_only:
-        # Other providers compile the graph their own way (and some cannot write it out).
-        return None
-
-    def replan(nodes: frozenset[str]) -> QuantPlan:
-        floated = tuple(sorted(glob.escape(n) for n in nodes))
-        return plan_quantization(
-            prepared, dataclasses.replace(rules, exclude_nodes=rules.exclude_nodes + floated))
-
-    return replan
-
-
 def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSink:
     names = numeric_outputs(model)
     return OutputSink(tuple(names), partial(reference.keep, names))
 
 
 _TIMED_WEIGHT_BYTES = 1 << 30  # float weights up to which a model is timed
-
-
-def _min_opset(config: CalibrationConfig) -> int:
-    """The opset the model is upgraded to: the asked one, and 21 for weight-only int4 QDQ."""
-    if config.weight_only is not None and config.weight_only_format == "qdq":
-        return max(config.opset, QDQ_OPSET)
-    return config.opset
-
-
-def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
-    """The model's ai.onnx opset; `otherwise` for a model that imports none (ai.onnx.ml only:
-    nothing in it is quantized, and Q/DQ would come with the opset asked for)."""
-    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    return int(versions[0]) if versions else otherwise
 
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
