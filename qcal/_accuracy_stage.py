@@ -10,7 +10,7 @@ from typing import Any
 import onnx
 
 from qcal._stages import Progress, _stage_progress, _Timings
-from qcal.accuracy.evaluate import Comparison
+from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import (
     Candidate,
     FallbackResult,
@@ -20,6 +20,7 @@ from qcal.accuracy.fallback import (
 )
 from qcal.accuracy.localise import localise_error
 from qcal.accuracy.macs import body_macs, compute_macs, shape_probe
+from qcal.accuracy.reference import FloatReference
 from qcal.accuracy.sensitivity import SensitivityResult, measure_blocks, measure_sensitivity
 from qcal.calibration import data as data_mod
 from qcal.config import CalibrationConfig
@@ -145,6 +146,23 @@ def _improve_accuracy(
     if by_blocks is not None:
         fallback = _after_both(by_blocks, fallback)
     return _Accuracy(sensitivity, fallback)
+
+
+def _confirm_on_calibration(
+    model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
+    config: CalibrationConfig, reference: FloatReference, progress: Progress | None,
+) -> tuple[int, str] | None:
+    """The target the held-out samples met, checked on the calibration samples (their float
+    outputs kept from the collection in `reference`, released here): their count and what they
+    show missed beyond doubt (`AccuracyTarget.clearly_missed`), or None. A quarter held out is
+    often a dozen samples, and the fallback stops at the first model they accept."""
+    comparison = compare_models(
+        model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
+        providers=config.providers, reference=reference,
+        on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
+    reference.release()
+    missed = config.accuracy_target().clearly_missed(comparison)
+    return None if missed is None else (calib.num_samples(), missed)
 
 
 _BLOCKS = "ranked by their measured effect on the outputs, in blocks"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qcal.accuracy.evaluate import floor_sqnr_applies, floor_sqnr_value
-from qcal.accuracy.gates import GateResult, shown_down
+from qcal.accuracy.gates import CALIBRATION_SAMPLES_GATE, YES_NO, GateResult, shown_down
 from qcal.accuracy.target import agreement_lower_bound
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
@@ -150,6 +150,14 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
             f"{said}. {why}. To go on: --min-coverage "
             f"lower than {minimum:g} allows more float compute, another --method may fit this "
             "model's ranges, --no-fallback accepts this model as it is")
+    unconfirmed = next((g for g in report["gates"]
+                        if g["option"] == CALIBRATION_SAMPLES_GATE and not g["passed"]), None)
+    if unconfirmed is not None:
+        return Verdict(
+            "below-floor", "quality: below the accuracy floor on the calibration samples",
+            f"{said}, on the held-out samples; {unconfirmed['measure'].removesuffix(YES_NO)}. "
+            "To go on: --eval-data with more samples of the data the model will see measures it "
+            "there, --no-fallback accepts this model as it is")
     # The floor is checked by the fallback, which a weight-only run does not have.
     if (config["fallback"] and config.get("weight_only") is None and not config["target_sqnr"]
             and config["max_agreement_drop"] is None):

@@ -21,7 +21,12 @@ from typing import Any
 
 import onnx
 
-from qcal._accuracy_stage import _Accuracy, _compute_macs, _improve_accuracy
+from qcal._accuracy_stage import (
+    _Accuracy,
+    _compute_macs,
+    _confirm_on_calibration,
+    _improve_accuracy,
+)
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
@@ -219,6 +224,10 @@ def calibrate(
 
     source = eval_source if eval_source is not None else calib
     reference = FloatReference()  # every evaluation below compares with the same float run
+    # the calibration samples' float outputs, from the collection, when the floor met on those
+    # held out is checked on them too (`_confirm_on_calibration`)
+    calib_reference = FloatReference() if eval_label is not None and (
+        config.fallback or config.has_fallback_target) else None
     weight_only: WeightOnlyResult | None = None
     if config.weight_only is None:
         with timings.stage("collect"):
@@ -234,7 +243,8 @@ def calibrate(
                         on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
                         expected_samples=calib.num_samples(),
                         # evaluated on the calibration data: its float outputs come from here
-                        outputs=None if source is not calib else _output_sink(prepared, reference),
+                        outputs=_output_sink(prepared, reference) if source is calib else
+                        None if calib_reference is None else _output_sink(prepared, calib_reference),
                         name_samples=partial(data_mod.name_samples, calib),
                     )
                 except DataError as err:
@@ -321,6 +331,12 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     reference.release()
+    unconfirmed = None
+    if calib_reference is not None and (accuracy.comparison is not None or (
+            accuracy.fallback is not None and accuracy.fallback.reached)):
+        with timings.stage("confirm"):
+            unconfirmed = _confirm_on_calibration(prepared, quant_model, calib, inputs, config,
+                                                  calib_reference, progress)
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
     integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)
@@ -345,7 +361,8 @@ def calibrate(
         timings.seconds.update(speed.figures)
     del first_feed
     gates = check_gates(config.gates(), comparison, coverage,
-                        None if accuracy.fallback is None else accuracy.fallback.reached, speed)
+                        None if accuracy.fallback is None else accuracy.fallback.reached, speed,
+                        unconfirmed)
     if drift is not None and not drift.passed:
         gates.append(drift)
 

@@ -17,14 +17,21 @@ from qcal.accuracy.latency import SideBySide
 from qcal.accuracy.target import worst_agreement, worst_yes_f1
 from qcal.numerics.errors import AccuracyGateError
 
-__all__ = ["BUILT_IN_GATES", "GateResult", "Gates", "check_gates", "raise_for_failed"]
+__all__ = ["BUILT_IN_GATES", "CALIBRATION_SAMPLES_GATE", "YES_NO", "GateResult", "Gates",
+           "check_gates", "raise_for_failed"]
+
+# The fallback's target met on the held-out samples, checked on the calibration samples too
+# (`AccuracyTarget.clearly_missed`): a result only when it fails.
+CALIBRATION_SAMPLES_GATE = "calibration-samples"
 
 # Gates every run checks, set by no option.
 BUILT_IN_GATES = frozenset({"finite-outputs", "accuracy-floor", "coverage-floor", "not-slower",
-                            "prepared-model"})
-# Gates whose value is a yes/no: whether the fallback reached its target.
-_REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop"})
-_YES_NO = " (1 yes, 0 no)"
+                            "prepared-model", CALIBRATION_SAMPLES_GATE})
+# Gates whose value is a yes/no: whether the fallback reached its target (on the held-out
+# samples, then on the calibration samples).
+_REACHED_GATES = frozenset({"accuracy-floor", "target-sqnr", "max-agreement-drop",
+                            CALIBRATION_SAMPLES_GATE})
+YES_NO = " (1 yes, 0 no)"  # how the measure of a yes/no gate ends
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class GateResult:
         verdict = "passed" if self.passed else "FAILED"
         if self.option in _REACHED_GATES:  # a yes/no: the value says nothing more
             limit = "always checked" if self.option in BUILT_IN_GATES else f"--{self.option}"
-            return f"{self.measure.removesuffix(_YES_NO)} ({limit}): {verdict}"
+            return f"{self.measure.removesuffix(YES_NO)} ({limit}): {verdict}"
         value = "infinite" if self.value is None else f"{self.value:.2f}"
         limit = ("always checked" if self.option in BUILT_IN_GATES
                  else f"--{self.option} {self.threshold:g}")
@@ -96,6 +103,7 @@ def check_gates(
     coverage: Coverage,
     fallback_reached: bool | None = None,
     speed: SideBySide | None = None,
+    unconfirmed: tuple[int, str] | None = None,
 ) -> list[GateResult]:
     """Evaluate every gate that is set, in a fixed order (SQNR, agreement, coverage, latency).
 
@@ -106,7 +114,9 @@ def check_gates(
     model computes finite ones ("finite-outputs"). Such a model is broken whatever its other
     figures, so when it fails, every other gate fails with it. With the fallback on, so is the
     coverage floor ("coverage-floor"): a model with Conv/MatMul/Gemm nodes of which less than
-    that share runs in integers is no quantized model to hand over silently. And unless allowed,
+    that share runs in integers is no quantized model to hand over silently; nor is one whose
+    target, met on the held-out samples, the calibration samples show missed beyond doubt
+    (`unconfirmed`: their count and what missed). And unless allowed,
     a quantized model that the latency check (`speed`) found slower beyond the noise at a thread
     count ("not-slower"): quantization that costs time is no gain to hand
     over silently either. Those two are results only when they fail.
@@ -160,6 +170,13 @@ def check_gates(
         results.append(GateResult(
             "not-slower", f"quantized/float latency on this machine, slower at {threads} "
             f"thread{'s' * (speed.clearly_slower != (1,))} (x)", 1.0, ratio, False))
+    if unconfirmed is not None:
+        option, threshold = gates.fallback_target or ("accuracy-floor", 0.0)
+        what = "the accuracy floor" if option == "accuracy-floor" else f"--{option} {threshold:g}"
+        count, missed = unconfirmed
+        results.append(GateResult(
+            CALIBRATION_SAMPLES_GATE, f"{what} on the {count} calibration samples, though met "
+            f"on the held-out ones: {missed}{YES_NO}", 1.0, 0.0, False))
     if fallback_reached is False:  # the default floor, or the target that replaced it
         option, threshold = gates.fallback_target or ("max-agreement-drop", 0.0)
         what, notes = (("accuracy floor", ["see README"]) if option == "accuracy-floor"
@@ -167,7 +184,7 @@ def check_gates(
         if comparison is not None:  # the one-line reason names the figures that missed
             notes.append(_figures(comparison))
         said = f" ({'; '.join(notes)})" if notes else ""
-        measure = f"{what}{said} reached above the coverage floor{_YES_NO}"
+        measure = f"{what}{said} reached above the coverage floor{YES_NO}"
         # a yes/no in the report's units: value 0 (no) against the 1 (yes) it needed; the
         # target's own figure is in the measure
         results.append(GateResult(option, measure, 1.0, 0.0, False))

@@ -1,0 +1,96 @@
+"""The floor met on the held-out quarter is checked on the calibration samples too: a dozen
+held-out samples that all agree show only that at least 85.5 % of the decisions do, and the
+fallback stops at the first model they accept (an EfficientNet-Lite0 met the floor on 16 of 16
+held-out photos and agreed on 81 % of 300 others). A share the calibration samples show below
+the floor beyond doubt fails the run, exit 7, with the model and report written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.accuracy.target import agreement_upper_bound
+from qcal.calibration import data as data_mod
+from qcal.cli import main
+
+_FEATURES, _CLASSES, _HELD, _CALIBRATED = 64, 10, 16, 48
+
+
+def _classifier_and_data(folder: Path, rng: np.random.Generator) -> np.ndarray:
+    """A linear classifier whose classes 0 and 1 have nearly the same row, and samples of two
+    kinds: along class 5's row (far ahead: quantization cannot change them) and along class
+    0's (0 and 1 within a few thousandths: the weights' rounding decides between them). The
+    easy ones are those with the smallest digests, so the held-out quarter (the first in the
+    content's order) is all easy and the calibration samples all hard. Returns the samples."""
+    w = rng.standard_normal((_CLASSES, _FEATURES)).astype(np.float32) * 0.3
+    w[1] = w[0] + rng.standard_normal(_FEATURES).astype(np.float32) * 0.002
+
+    def along(row: int) -> np.ndarray:
+        x = w[row] / np.linalg.norm(w[row]) * 4 + rng.standard_normal(_FEATURES) * 0.3
+        return x.astype(np.float32)[None]
+
+    def digest(x: np.ndarray) -> int:
+        return data_mod.sample_digest({"x": x})
+
+    easy = sorted((along(5) for _ in range(200)), key=digest)[:_HELD]
+    hard = sorted((along(0) for _ in range(200)), key=digest)[-_CALIBRATED:]
+    assert max(map(digest, easy)) < min(map(digest, hard))
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["logits"], name="head", transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", _FEATURES])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", _CLASSES])],
+        [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              folder / "m.onnx")
+    samples = np.stack(easy + hard)
+    np.savez(folder / "calib.npz", x=samples)
+    return samples
+
+
+def _argmax(model: Path | bytes, samples: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,
+                                   providers=["CPUExecutionProvider"])
+    return np.array([session.run(None, {"x": x})[0].argmax() for x in samples])
+
+
+def test_a_floor_the_calibration_samples_miss_fails_the_run(tmp_path: Path) -> None:
+    samples = _classifier_and_data(tmp_path, np.random.default_rng(3))
+    result = CliRunner().invoke(main, [
+        "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "-o", str(tmp_path / "q.onnx"), "--min-product-macs", "0", "--allow-slower"])
+    assert result.exit_code == 7, result.output
+    report = json.loads((tmp_path / "q.qcal.json").read_text())
+    # the held-out quarter met the floor: every one of its decisions agrees
+    (held,) = report["evaluation"]["outputs"]
+    assert held["top1_agreement"] == 1.0 and report["evaluation"]["samples"] == _HELD
+    # the calibration samples' agreement, computed here from both models
+    quantized = (tmp_path / "q.onnx").read_bytes()
+    calibrated = samples[_HELD:]
+    agree = float(np.mean(_argmax(tmp_path / "m.onnx", calibrated) == _argmax(quantized, calibrated)))
+    assert agreement_upper_bound(agree, _CALIBRATED) < 0.99
+    (gate,) = [g for g in report["gates"] if g["option"] == "calibration-samples"]
+    assert not gate["passed"]
+    shown = f"{np.floor(agree * 10000) / 100:.2f} % of {_CALIBRATED} decisions of logits agree"
+    assert shown in gate["measure"], gate["measure"]
+    said = " ".join(result.output.split())
+    assert "quality: below the accuracy floor on the calibration samples" in said
+
+
+def test_calibration_samples_alike_pass_without_a_gate(tmp_path: Path) -> None:
+    """The same classifier on easy samples alone: nothing to report, exit 0."""
+    samples = _classifier_and_data(tmp_path, np.random.default_rng(3))
+    np.savez(tmp_path / "calib.npz", x=np.concatenate([samples[:_HELD]] * 4))
+    result = CliRunner().invoke(main, [
+        "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "-o", str(tmp_path / "q.onnx"), "--min-product-macs", "0", "--allow-slower"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q.qcal.json").read_text())
+    assert not [g for g in report["gates"] if g["option"] == "calibration-samples"]
