@@ -148,19 +148,26 @@ def _improve_accuracy(
     return _Accuracy(sensitivity, fallback)
 
 
+# Calibration samples the floor met on those held out is checked on, at most: the first by
+# content past this (a quantized run over each, and a float run past the float outputs kept).
+_CONFIRM_SAMPLES = 768
+
+
 def _confirm_on_calibration(
     model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
-    config: CalibrationConfig, reference: FloatReference, progress: Progress | None,
+    config: CalibrationConfig, reference: FloatReference | None, progress: Progress | None,
 ) -> tuple[int, str] | None:
-    """The target the held-out samples met, checked on the calibration samples (their float
-    outputs kept from the collection in `reference`, released here): their count and what they
-    show missed beyond doubt (`AccuracyTarget.clearly_missed`), or None. A quarter held out is
-    often a dozen samples, and the fallback stops at the first model they accept."""
+    """The target the held-out samples met, checked on the calibration samples `calib` (their
+    float outputs kept from the collection in `reference`, released here, or computed again):
+    their count and what they show missed beyond doubt (`AccuracyTarget.clearly_missed`), or
+    None. A quarter held out is often a dozen samples, and the fallback stops at the first
+    model they accept."""
     comparison = compare_models(
         model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
         providers=config.providers, reference=reference,
         on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
-    reference.release()
+    if reference is not None:
+        reference.release()
     missed = config.accuracy_target().clearly_missed(comparison)
     return None if missed is None else (calib.num_samples(), missed)
 

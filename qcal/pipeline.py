@@ -22,6 +22,7 @@ from typing import Any
 import onnx
 
 from qcal._accuracy_stage import (
+    _CONFIRM_SAMPLES,
     _Accuracy,
     _compute_macs,
     _confirm_on_calibration,
@@ -226,8 +227,9 @@ def calibrate(
     reference = FloatReference()  # every evaluation below compares with the same float run
     # the calibration samples' float outputs, from the collection, when the floor met on those
     # held out is checked on them too (`_confirm_on_calibration`)
-    calib_reference = FloatReference() if eval_label is not None and (
-        config.fallback or config.has_fallback_target) else None
+    confirms = eval_label is not None and (config.fallback or config.has_fallback_target)
+    calib_reference = FloatReference() if confirms and \
+        calib.num_samples() <= _CONFIRM_SAMPLES else None
     weight_only: WeightOnlyResult | None = None
     if config.weight_only is None:
         with timings.stage("collect"):
@@ -332,11 +334,14 @@ def calibrate(
             comparison = evaluate(quant_model)
     reference.release()
     unconfirmed = None
-    if calib_reference is not None and (accuracy.comparison is not None or (
+    if confirms and (accuracy.comparison is not None or (
             accuracy.fallback is not None and accuracy.fallback.reached)):
-        with timings.stage("confirm"):
-            unconfirmed = _confirm_on_calibration(prepared, quant_model, calib, inputs, config,
-                                                  calib_reference, progress)
+        with timings.stage("confirm"):  # past _CONFIRM_SAMPLES, the first of them by content
+            held = len(order.positions) - calib.num_samples()
+            unconfirmed = _confirm_on_calibration(
+                prepared, quant_model, calib if calib_reference is not None else
+                data_mod.SampleSubset(all_calib, sorted(order.positions[held:][:_CONFIRM_SAMPLES])),
+                inputs, config, calib_reference, progress)
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
     integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)

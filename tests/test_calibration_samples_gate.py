@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -94,3 +95,20 @@ def test_calibration_samples_alike_pass_without_a_gate(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "q.qcal.json").read_text())
     assert not [g for g in report["gates"] if g["option"] == "calibration-samples"]
+
+
+def test_past_the_cap_the_first_calibration_samples_by_content_are_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond _CONFIRM_SAMPLES, the first of them in their content's order (float outputs run
+    again rather than kept from all of them): still found, on that many."""
+    import qcal.pipeline
+
+    _classifier_and_data(tmp_path, np.random.default_rng(3))
+    monkeypatch.setattr(qcal.pipeline, "_CONFIRM_SAMPLES", 24)
+    result = CliRunner().invoke(main, [
+        "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "-o", str(tmp_path / "q.onnx"), "--min-product-macs", "0", "--allow-slower"])
+    assert result.exit_code == 7, result.output
+    report = json.loads((tmp_path / "q.qcal.json").read_text())
+    (gate,) = [g for g in report["gates"] if g["option"] == "calibration-samples"]
+    assert "on the 24 calibration samples" in gate["measure"], gate["measure"]
