@@ -740,21 +740,11 @@ def test_scalar_input_needs_a_sample_axis(tmp_path: Path) -> None:
 def test_string_inputs_of_test_data_sets_are_passed_through(tmp_path: Path) -> None:
     """Only float tensors are quantized: a string input is read and fed to the model as it is."""
     from click.testing import CliRunner
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import numpy_helper
 
     from qcal.cli import main
 
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["s"], ["s_out"], name="copy"),
-         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
-        [helper.make_tensor_value_info("s", TensorProto.STRING, [1, 3]),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
-        [helper.make_tensor_value_info("s_out", TensorProto.STRING, [1, 3]),
-         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
-        initializer=[numpy_helper.from_array(np.ones((3, 2), np.float32), "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.save(model, tmp_path / "m.onnx")
+    _save_string_and_float_model(tmp_path / "m.onnx")
     folder = tmp_path / "test_data_set_0"
     folder.mkdir()
     inputs = (np.array([["a", "b", "c"]], dtype=object), np.array([[1.0, -2.0, 0.5]], np.float32))
@@ -772,21 +762,10 @@ def test_strings_in_an_npz_are_sent_to_the_format_that_carries_them(tmp_path: Pa
     """An .npz holds strings as unicode (refused: not the model's type) or as a pickled object
     array (refused: never unpickled); both messages name the .pb files the test above reads."""
     from click.testing import CliRunner
-    from onnx import TensorProto, helper, numpy_helper
 
     from qcal.cli import main
 
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["s"], ["s_out"], name="copy"),
-         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
-        [helper.make_tensor_value_info("s", TensorProto.STRING, [1, 3]),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
-        [helper.make_tensor_value_info("s_out", TensorProto.STRING, [1, 3]),
-         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
-        initializer=[numpy_helper.from_array(np.ones((3, 2), np.float32), "w")],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-              tmp_path / "m.onnx")
+    _save_string_and_float_model(tmp_path / "m.onnx")
     x = np.ones((2, 1, 3), np.float32)
     np.savez(tmp_path / "unicode.npz", s=np.array([[["a", "b", "c"]]] * 2), x=x)
     np.savez(tmp_path / "objects.npz", s=np.array([[["a", "b", "c"]]] * 2, dtype=object), x=x)
@@ -797,6 +776,23 @@ def test_strings_in_an_npz_are_sent_to_the_format_that_carries_them(tmp_path: Pa
         assert result.exit_code == 5, result.output
         assert said in result.output and "test_data_set_K/input_J.pb" in result.output
         assert not (tmp_path / "q.onnx").exists()
+
+
+def _save_string_and_float_model(path: Path) -> None:
+    """A model of a string input `s` it copies out and a float input `x` a MatMul reads."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["s_out"], name="copy"),
+         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("s_out", TensorProto.STRING, [1, 3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        initializer=[numpy_helper.from_array(np.ones((3, 2), np.float32), "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              path)
 
 
 class _Rows:
