@@ -148,8 +148,9 @@ def _improve_accuracy(
     return _Accuracy(sensitivity, fallback)
 
 
-# Calibration samples the floor met on those held out is checked on, at most: the first by
-# content past this (a quantized run over each, and a float run past the float outputs kept).
+# At most this many calibration samples check the target the held-out ones met: of more, the
+# first this many by content, their float outputs computed again (the collection keeps them
+# for no more), so a large calibration set costs no quantized run over all of it.
 _CONFIRM_SAMPLES = 768
 
 
