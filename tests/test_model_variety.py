@@ -331,8 +331,10 @@ def test_several_inputs_and_outputs_with_int64_and_bool_inputs(tmp_path: Path) -
         mask=rng.random((n, 1, 5)) < 0.7,
         x=rng.standard_normal((n, 1, 5, 6)).astype(np.float32),
     )
-    # The projection reads a float embedding lookup (a default exclusion): no integer compute.
+    # The lookup stays float (a default exclusion); the projection reads its vectors quantized.
     report = calibrate_cli(tmp_path, model, data, "--batch-size", "4", "--min-coverage", "0")
+    decisions = {n["name"]: n for n in report["nodes"]}
+    assert not decisions["embed"]["quantized"] and decisions["proj"]["quantized"]
     quantized_tensors = {t["name"] for t in report["tensors"]}
     assert {"ids", "mask", "y3"}.isdisjoint(quantized_tensors)  # never integers or masks
     assert {"h", "x"} <= quantized_tensors
