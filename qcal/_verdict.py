@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from qcal.accuracy.evaluate import floor_sqnr_applies, floor_sqnr_value
-from qcal.accuracy.gates import CALIBRATION_SAMPLES_GATE, YES_NO, GateResult, shown_down
+from qcal.accuracy.gates import (
+    CALIBRATION_SAMPLES_GATE,
+    MET_HELD_OUT,
+    YES_NO,
+    GateResult,
+    shown_down,
+)
 from qcal.accuracy.target import agreement_lower_bound
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
@@ -153,9 +159,11 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     unconfirmed = next((g for g in report["gates"]
                         if g["option"] == CALIBRATION_SAMPLES_GATE and not g["passed"]), None)
     if unconfirmed is not None:
+        where, _, missed = unconfirmed["measure"].removesuffix(YES_NO).partition(MET_HELD_OUT)
+        count = where.rsplit(" on the ", 1)[-1]  # "48 calibration samples"
         return Verdict(
-            "below-floor", "quality: below the accuracy floor on the calibration samples",
-            f"{said}, on the held-out samples; {unconfirmed['measure'].removesuffix(YES_NO)}. "
+            "below-floor", f"quality: below the accuracy floor on the {count}",
+            f"{missed}; on the held-out samples, which met it: {said}. "
             "To go on: --eval-data with more samples of the data the model will see measures it "
             "there, --no-fallback accepts this model as it is")
     # The floor is checked by the fallback, which a weight-only run does not have.

@@ -82,7 +82,7 @@ def test_a_floor_the_calibration_samples_miss_fails_the_run(tmp_path: Path) -> N
     shown = f"{np.floor(agree * 10000) / 100:.2f} % of {_CALIBRATED} decisions of logits agree"
     assert shown in gate["measure"], gate["measure"]
     said = " ".join(result.output.split())
-    assert "quality: below the accuracy floor on the calibration samples" in said
+    assert f"quality: below the accuracy floor on the {_CALIBRATED} calibration samples: " in said
 
 
 def test_calibration_samples_alike_pass_without_a_gate(tmp_path: Path) -> None:
