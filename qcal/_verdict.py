@@ -129,7 +129,7 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
         figures.append(f"{shown_down(100 * min(sequences), 2)}% of the sequences read alike")
     yes_f1s = [o["yes_f1"] for o in outputs if o.get("yes_f1") is not None]
     if yes_f1s:
-        figures.append(f"F1 {shown_down(min(yes_f1s), 3)} of the yes decisions of probabilities")
+        figures.append(f"F1 {shown_down(min(yes_f1s), 3)} of the yes decisions")
     if sqnrs:
         worst = min((s for s in sqnrs if s is not None), default=None)
         figures.append("outputs identical to the float model's" if worst is None else

@@ -163,6 +163,10 @@ class OutputAccumulator:
     part_noise: list[float] = field(default_factory=list)
     # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
     yes: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # A per-position argmax's decisions by class: the float model's, the quantized's (near-ties
+    # its float class), both's alike (`_yes_of_classes`); None: none, or classes changed.
+    classes: list[np.ndarray] | None = None
+    classes_apart: bool = False
     # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
     probabilities: int = 0
     undecided: int = 0
@@ -239,6 +243,8 @@ class OutputAccumulator:
             self.rows += decisions
             if argmax is not None and x.ndim == 3:
                 self._count_sequences(argmax, x.shape, samples)
+            if argmax is not None and x.ndim >= 3:
+                self._count_classes(argmax, x.shape[-1])
             if labels is not None and classes is not None:
                 if labels.shape[0] != classes.shape[0]:
                     raise DataError(
@@ -299,6 +305,34 @@ class OutputAccumulator:
     def _count_yes(self, x: np.ndarray, y: np.ndarray) -> None:
         self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
 
+    def _count_classes(self, argmax: Argmax, classes: int) -> None:
+        if self.classes_apart:
+            return
+        fx, fy, tie = argmax
+        fy = np.where(tie, fx, fy)
+        counts = [np.bincount(v.ravel(), minlength=classes) for v in (fx, fy, fx[fx == fy])]
+        if self.classes is None:
+            self.classes = counts
+        elif len(self.classes[0]) == classes:
+            self.classes = [a + b for a, b in zip(self.classes, counts)]
+        else:
+            self.classes, self.classes_apart = None, True
+
+    def _yes_of_classes(self) -> list[int]:
+        """A per-position argmax's yes decisions, read as a sigmoid's are: its positions of any
+        class but the one most of the float model's are (the background of a detector's
+        anchors, a CTC recognizer's blank), the float model's, the quantized's and both's
+        alike; [0, 0, 0] where no class holds _BACKGROUND_SHARE of them. Agreement over every
+        position is mostly that background's (a CTC recognizer's 20 positions of 4 or 5
+        characters: blank in three of four)."""
+        if self.classes is None:
+            return [0, 0, 0]
+        float_, quant, both = self.classes
+        background = int(np.argmax(float_))
+        if float_[background] < _BACKGROUND_SHARE * float_.sum():
+            return [0, 0, 0]
+        return [int(c.sum() - c[background]) for c in (float_, quant, both)]
+
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
         variation = self.variation_energy if self._values() else None
@@ -332,6 +366,7 @@ class OutputAccumulator:
         decisions = ("equal" if self.integer else None if agreement is None
                      else "threshold" if self.rule is not None and self.rule.threshold
                      else "argmax")
+        yes = self._yes_of_classes() if decisions == "argmax" and not self.yes[0] else self.yes
         sequences = None
         if decisions == "argmax" and self.rule is not None and self.sequences and not self.unsplit:
             sequences = (self.sequences_alike / self.sequences
@@ -355,12 +390,16 @@ class OutputAccumulator:
             variation_sqnr_db=variation_sqnr,  # no rows of an integer output are summed
             decision_count=(None if agreement is None
                             else self.elements if self.integer else self.rows),
-            yes_f1=(2 * self.yes[2] / (self.yes[0] + self.yes[1])
-                    if self.yes[0] >= MIN_YES_DECISIONS and not soft else None),
+            yes_f1=(2 * yes[2] / (yes[0] + yes[1])
+                    if yes[0] >= MIN_YES_DECISIONS and not soft else None),
         )
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
+# The share of a per-position argmax's positions one class must hold to be its background, whose
+# agreement says little (`OutputAccumulator._yes_of_classes`): not a tagger's commonest class
+# among a few of like frequency.
+_BACKGROUND_SHARE = 2.0 / 3.0
 # A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: the
 # maps and scores of trained detectors and voice-activity models hold 0-2 % of their
 # probabilities between 0.1 and 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's four score maps 0-1.6 %,

@@ -96,7 +96,8 @@ class AccuracyTarget:
             parts.append(f"agreement >= {100 * (1 - self.max_agreement_drop):g} % of decisions")
         if self.min_yes_f1 is not None and (comparison is None
                                             or worst_yes_f1(comparison) is not None):
-            parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions of probabilities")
+            parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions (probabilities above "
+                         "0.5, positions of another class than most are)")
         return " and ".join(parts)
 
 
