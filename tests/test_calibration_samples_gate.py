@@ -112,3 +112,39 @@ def test_past_the_cap_the_first_calibration_samples_by_content_are_checked(
     report = json.loads((tmp_path / "q.qcal.json").read_text())
     (gate,) = [g for g in report["gates"] if g["option"] == "calibration-samples"]
     assert "on the 24 calibration samples" in gate["measure"], gate["measure"]
+
+
+def test_a_sequences_positions_count_together_in_the_bound() -> None:
+    """48 sequences of 600 frames, 98.7 % alike, all the differing frames in 8 of them: by their
+    count the frames would show at most 98.8 % agree, below the floor; taken by sequence (the
+    frames of one go together), the bound reaches past 99 %, and nothing is clearly missed.
+    Spread over every sequence alike, the same share is clearly missed."""
+    from qcal.accuracy.decisions import DecisionRule
+    from qcal.accuracy.evaluate import Comparison
+    from qcal.accuracy.output_metrics import OutputAccumulator
+    from qcal.config import CalibrationConfig
+
+    def accumulated(differing: list[int]) -> tuple[OutputAccumulator, np.ndarray]:
+        accumulator = OutputAccumulator(rule=DecisionRule(softmax_axis=-1))
+        agree = []
+        for sample, count in enumerate(differing):
+            x = np.zeros((1, 600, 3), np.float32)
+            x[..., 0] = 1.0
+            y = x.copy()
+            y[0, :count, 0], y[0, :count, 1] = 0.0, 1.0  # `count` frames change their class
+            accumulator.add(x, y, None, samples=1)
+            agree.append((600 - count, 600))
+        return accumulator, np.array(agree, np.float64)
+
+    clustered, counts = accumulated([45] * 8 + [0] * 40)
+    metrics = clustered.metrics("frames")
+    p = counts[:, 0].sum() / counts[:, 1].sum()
+    assert metrics.top1_agreement == pytest.approx(p)
+    assert agreement_upper_bound(p, int(counts[:, 1].sum())) < 0.99
+    expected = np.sqrt(np.sum((counts[:, 0] - p * counts[:, 1]) ** 2)) / counts[:, 1].sum()
+    assert metrics.agreement_error == pytest.approx(expected, rel=1e-9)
+    target = CalibrationConfig().accuracy_target()
+    assert target.clearly_missed(Comparison(48, (metrics,))) is None
+    spread, _ = accumulated([8] * 45 + [0] * 3)
+    assert spread.metrics("frames").top1_agreement == pytest.approx(p)
+    assert target.clearly_missed(Comparison(48, (spread.metrics("frames"),))) is not None

@@ -84,6 +84,9 @@ class OutputMetrics:
     variation_sqnr_db: float | None = None
     # How many decisions `top1_agreement` counts (None: no decisions).
     decision_count: int | None = None
+    # The standard error of `top1_agreement`, each batch's decisions together (a sequence's
+    # frames are no independent draws); not in the report. None: no decisions, or one batch.
+    agreement_error: float | None = None
 
     @property
     def floor_sqnr(self) -> bool:
@@ -138,6 +141,8 @@ class OutputAccumulator:
     max_abs: float = 0.0
     agree: int = 0
     rows: int = 0
+    # Σa², Σan, Σn² of each batch's agreeing decisions a of n (`_agreement_error`)
+    batch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     rule: DecisionRule | None = None  # None: no decisions, SQNR and cosine only
     correct_float: int = 0
     correct_quant: int = 0
@@ -163,8 +168,8 @@ class OutputAccumulator:
     part_noise: list[float] = field(default_factory=list)
     # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
     yes: list[int] = field(default_factory=lambda: [0, 0, 0])
-    # A per-position argmax's decisions by class: the float model's, the quantized's (near-ties
-    # its float class), both's alike (`_yes_of_classes`); None: none, or classes changed.
+    # A per-position argmax's decisions by class, the float model's, the quantized's (near-ties
+    # its float class) and both's alike (`_yes_of_classes`); None: none, or classes changed.
     classes: list[np.ndarray] | None = None
     classes_apart: bool = False
     # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
@@ -241,6 +246,9 @@ class OutputAccumulator:
             agree, decisions, classes = self.rule.count(x, y, argmax)
             self.agree += agree
             self.rows += decisions
+            self.batch_sums = [self.batch_sums[0] + agree * agree,
+                               self.batch_sums[1] + agree * decisions,
+                               self.batch_sums[2] + decisions * decisions]
             if argmax is not None and x.ndim == 3:
                 self._count_sequences(argmax, x.shape, samples)
             if argmax is not None and x.ndim >= 3:
@@ -320,11 +328,10 @@ class OutputAccumulator:
 
     def _yes_of_classes(self) -> list[int]:
         """A per-position argmax's yes decisions, read as a sigmoid's are: its positions of any
-        class but the one most of the float model's are (the background of a detector's
-        anchors, a CTC recognizer's blank), the float model's, the quantized's and both's
-        alike; [0, 0, 0] where no class holds _BACKGROUND_SHARE of them. Agreement over every
-        position is mostly that background's (a CTC recognizer's 20 positions of 4 or 5
-        characters: blank in three of four)."""
+        class but the one most of the float model's are (a detector's anchors' background, a
+        CTC recognizer's blank), the float model's, the quantized's and both's alike; [0, 0, 0]
+        where no class holds _BACKGROUND_SHARE of them. Agreement over every position is
+        mostly that background's (a captcha's 20 positions of 4 or 5 characters)."""
         if self.classes is None:
             return [0, 0, 0]
         float_, quant, both = self.classes
@@ -392,7 +399,17 @@ class OutputAccumulator:
                             else self.elements if self.integer else self.rows),
             yes_f1=(2 * yes[2] / (yes[0] + yes[1])
                     if yes[0] >= MIN_YES_DECISIONS and not soft else None),
+            agreement_error=self._agreement_error() if decisions == "argmax" else None,
         )
+
+    def _agreement_error(self) -> float | None:
+        """sqrt(Σ(a − p·n)²) / Σn over the batches, p the agreement: the ratio estimator's
+        standard error, batches as clusters (one decision each: sqrt(p(1 − p) / n))."""
+        if self.batches < 2 or not self.rows or self.other_shape:
+            return None
+        p = self.agree / self.rows
+        a2, an, n2 = self.batch_sums
+        return math.sqrt(max(a2 - 2.0 * p * an + p * p * n2, 0.0)) / self.rows
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
