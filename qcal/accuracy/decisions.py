@@ -58,8 +58,9 @@ import onnx.numpy_helper
 
 from qcal.graph.structure import FLOAT_TYPES, node_subgraphs
 
-__all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "argmax_ties", "decision_rules",
-           "is_classifier_like", "sequence_axis", "sequences_read_alike", "yes_decisions"]
+__all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "agreeing_by_sample", "argmax_ties",
+           "decision_rules", "decisions_by_class", "is_classifier_like", "sequence_axis",
+           "sequences_read_alike", "yes_decisions", "yes_of_classes"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
@@ -132,6 +133,48 @@ def argmax_ties(x: np.ndarray, y: np.ndarray) -> Argmax:
     other = np.take_along_axis(wide, fy[..., None], axis=-1)[..., 0]
     largest = np.max(np.abs(wide), axis=-1)
     return fx, fy, chosen - other <= TIE_TOLERANCE * largest
+
+
+def agreeing_by_sample(argmax: Argmax, samples: int | None) -> np.ndarray | None:
+    """Which decisions are alike (near-ties of the float model too), one row per sample: the
+    batch axis is the first of the argmax's first two axes that holds `samples` (a CRNN's
+    ``[T, N]`` positions on the second); None where none does."""
+    fx, fy, tie = argmax
+    axis = None if samples is None else next(
+        (a for a in range(min(2, fx.ndim)) if fx.shape[a] == samples), None)
+    if axis is None or samples is None:
+        return None
+    alike: np.ndarray = np.moveaxis((fx == fy) | tie, axis, 0).reshape(samples, -1)
+    return alike
+
+
+def decisions_by_class(argmax: Argmax, classes: int) -> list[np.ndarray]:
+    """A per-position argmax's decisions by class: the float model's, the quantized model's
+    (a near-tie of the float model's scores its float class) and both's alike."""
+    fx, fy, tie = argmax
+    fy = np.where(tie, fx, fy)
+    return [np.bincount(v.ravel(), minlength=classes) for v in (fx, fy, fx[fx == fy])]
+
+
+# The share of a per-position argmax's positions one class must hold to be its background, whose
+# agreement says little (`yes_of_classes`): not a tagger's commonest class among a few of like
+# frequency.
+_BACKGROUND_SHARE = 2.0 / 3.0
+
+
+def yes_of_classes(counts: list[np.ndarray] | None) -> list[int]:
+    """A per-position argmax's yes decisions, read as a sigmoid's are, from `decisions_by_class`
+    summed: its positions of any class but the one most of the float model's are (a detector's
+    anchors' background, a CTC recognizer's blank), the float model's, the quantized's and
+    both's alike; [0, 0, 0] where no class holds _BACKGROUND_SHARE of them. Agreement over
+    every position is mostly that background's (a captcha's 20 positions of 4 or 5 characters)."""
+    if counts is None:
+        return [0, 0, 0]
+    float_, quant, both = counts
+    background = int(np.argmax(float_))
+    if float_[background] < _BACKGROUND_SHARE * float_.sum():
+        return [0, 0, 0]
+    return [int(c.sum() - c[background]) for c in (float_, quant, both)]
 
 
 def sequence_axis(shape: tuple[int, ...], samples: int, known: int | None) -> int | None:

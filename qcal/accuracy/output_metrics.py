@@ -11,10 +11,13 @@ import numpy as np
 from qcal.accuracy.decisions import (
     Argmax,
     DecisionRule,
+    agreeing_by_sample,
     argmax_ties,
+    decisions_by_class,
     sequence_axis,
     sequences_read_alike,
     yes_decisions,
+    yes_of_classes,
 )
 from qcal.accuracy.output_parts import OutputPart, describe_parts, measured_groups, part_of
 from qcal.numerics.errors import DataError
@@ -141,8 +144,9 @@ class OutputAccumulator:
     max_abs: float = 0.0
     agree: int = 0
     rows: int = 0
-    # Σa², Σan, Σn² of each batch's agreeing decisions a of n (`_agreement_error`)
-    batch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # Σa², Σan, Σn² of each sample's agreeing decisions a of n (`_agreement_error`); None
+    # once a batch's samples could not be told apart.
+    sample_sums: list[float] | None = field(default_factory=lambda: [0.0, 0.0, 0.0])
     rule: DecisionRule | None = None  # None: no decisions, SQNR and cosine only
     correct_float: int = 0
     correct_quant: int = 0
@@ -168,8 +172,8 @@ class OutputAccumulator:
     part_noise: list[float] = field(default_factory=list)
     # Yes decisions (> 0.5) of its probabilities: the float model's, the quantized's, both's.
     yes: list[int] = field(default_factory=lambda: [0, 0, 0])
-    # A per-position argmax's decisions by class, the float model's, the quantized's (near-ties
-    # its float class) and both's alike (`_yes_of_classes`); None: none, or classes changed.
+    # A per-position argmax's decisions by class (`decisions_by_class`), summed; None: none, or
+    # their count of classes changed.
     classes: list[np.ndarray] | None = None
     classes_apart: bool = False
     # A threshold rule's float probabilities, and those of them undecided (_UNDECIDED).
@@ -246,9 +250,8 @@ class OutputAccumulator:
             agree, decisions, classes = self.rule.count(x, y, argmax)
             self.agree += agree
             self.rows += decisions
-            self.batch_sums = [self.batch_sums[0] + agree * agree,
-                               self.batch_sums[1] + agree * decisions,
-                               self.batch_sums[2] + decisions * decisions]
+            if argmax is not None:
+                self._count_by_sample(argmax, samples)
             if argmax is not None and x.ndim == 3:
                 self._count_sequences(argmax, x.shape, samples)
             if argmax is not None and x.ndim >= 3:
@@ -314,31 +317,13 @@ class OutputAccumulator:
         self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
 
     def _count_classes(self, argmax: Argmax, classes: int) -> None:
-        if self.classes_apart:
-            return
-        fx, fy, tie = argmax
-        fy = np.where(tie, fx, fy)
-        counts = [np.bincount(v.ravel(), minlength=classes) for v in (fx, fy, fx[fx == fy])]
-        if self.classes is None:
-            self.classes = counts
-        elif len(self.classes[0]) == classes:
+        counts = None if self.classes_apart else decisions_by_class(argmax, classes)
+        if self.classes is not None and counts is not None and len(counts[0]) == classes:
             self.classes = [a + b for a, b in zip(self.classes, counts)]
+        elif self.classes is None and counts is not None:
+            self.classes = counts
         else:
             self.classes, self.classes_apart = None, True
-
-    def _yes_of_classes(self) -> list[int]:
-        """A per-position argmax's yes decisions, read as a sigmoid's are: its positions of any
-        class but the one most of the float model's are (a detector's anchors' background, a
-        CTC recognizer's blank), the float model's, the quantized's and both's alike; [0, 0, 0]
-        where no class holds _BACKGROUND_SHARE of them. Agreement over every position is
-        mostly that background's (a captcha's 20 positions of 4 or 5 characters)."""
-        if self.classes is None:
-            return [0, 0, 0]
-        float_, quant, both = self.classes
-        background = int(np.argmax(float_))
-        if float_[background] < _BACKGROUND_SHARE * float_.sum():
-            return [0, 0, 0]
-        return [int(c.sum() - c[background]) for c in (float_, quant, both)]
 
     def metrics(self, name: str) -> OutputMetrics:
         sqnr = None if self.noise == 0.0 else 10.0 * math.log10(max(self.signal, 1e-300) / self.noise)
@@ -373,7 +358,8 @@ class OutputAccumulator:
         decisions = ("equal" if self.integer else None if agreement is None
                      else "threshold" if self.rule is not None and self.rule.threshold
                      else "argmax")
-        yes = self._yes_of_classes() if decisions == "argmax" and not self.yes[0] else self.yes
+        yes = (yes_of_classes(self.classes) if decisions == "argmax" and not self.yes[0]
+               else self.yes)
         sequences = None
         if decisions == "argmax" and self.rule is not None and self.sequences and not self.unsplit:
             sequences = (self.sequences_alike / self.sequences
@@ -402,21 +388,27 @@ class OutputAccumulator:
             agreement_error=self._agreement_error() if decisions == "argmax" else None,
         )
 
+    def _count_by_sample(self, argmax: Argmax, samples: int | None) -> None:
+        alike = None if self.sample_sums is None else agreeing_by_sample(argmax, samples)
+        if alike is None or self.sample_sums is None:
+            self.sample_sums = None
+            return
+        a = np.count_nonzero(alike, axis=1).astype(np.float64)
+        n = float(alike.shape[1])
+        a2, an, n2 = self.sample_sums
+        self.sample_sums = [a2 + float(a @ a), an + n * float(a.sum()), n2 + n * n * len(a)]
+
     def _agreement_error(self) -> float | None:
-        """sqrt(Σ(a − p·n)²) / Σn over the batches, p the agreement: the ratio estimator's
-        standard error, batches as clusters (one decision each: sqrt(p(1 − p) / n))."""
-        if self.batches < 2 or not self.rows or self.other_shape:
+        """sqrt(Σ(a − p·n)²) / Σn over the samples, p the agreement: the ratio estimator's
+        standard error, samples as clusters (one decision each: sqrt(p(1 − p) / n))."""
+        if self.sample_sums is None or not self.rows or self.other_shape:
             return None
         p = self.agree / self.rows
-        a2, an, n2 = self.batch_sums
+        a2, an, n2 = self.sample_sums
         return math.sqrt(max(a2 - 2.0 * p * an + p * p * n2, 0.0)) / self.rows
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
-# The share of a per-position argmax's positions one class must hold to be its background, whose
-# agreement says little (`OutputAccumulator._yes_of_classes`): not a tagger's commonest class
-# among a few of like frequency.
-_BACKGROUND_SHARE = 2.0 / 3.0
 # A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: the
 # maps and scores of trained detectors and voice-activity models hold 0-2 % of their
 # probabilities between 0.1 and 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's four score maps 0-1.6 %,
