@@ -81,6 +81,9 @@ def test_a_floor_the_calibration_samples_miss_fails_the_run(tmp_path: Path) -> N
     assert not gate["passed"]
     shown = f"{np.floor(agree * 10000) / 100:.2f} % of {_CALIBRATED} decisions of logits agree"
     assert shown in gate["measure"], gate["measure"]
+    # one decision a sample: the Wilson bound, not a normal one on the samples (looser here)
+    bound = np.floor(agreement_upper_bound(agree, _CALIBRATED) * 10000) / 100
+    assert f"(at most {bound:.2f} % at 95 % confidence)" in gate["measure"], gate["measure"]
     said = " ".join(result.output.split())
     assert f"quality: below the accuracy floor on the {_CALIBRATED} calibration samples: " in said
 

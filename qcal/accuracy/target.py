@@ -77,7 +77,8 @@ class AccuracyTarget:
                 if agreement is None or not count:
                     continue
                 upper = agreement_upper_bound(agreement, count)
-                if output.agreement_error is not None:  # a sample's positions go together
+                if output.agreement_error is not None and count > comparison.samples:
+                    # several decisions a sample (a sequence's positions): they go together
                     upper = max(upper, agreement + _Z95 * output.agreement_error)
                 if upper < 1.0 - self.max_agreement_drop - 1e-9:
                     missed.append(f"{_down(100 * agreement)} % of {count} decisions of "
