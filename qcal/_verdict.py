@@ -13,9 +13,8 @@ from qcal.accuracy.gates import (
     MET_HELD_OUT,
     YES_NO,
     GateResult,
-    shown_down,
 )
-from qcal.accuracy.target import agreement_lower_bound
+from qcal.accuracy.target import agreement_lower_bound, shown_down
 from qcal.config import DEFAULT_FLOOR_AGREEMENT_DROP, DEFAULT_FLOOR_SQNR_DB, DEFAULT_FLOOR_YES_F1
 from qcal.report import gate_warning
 

@@ -827,6 +827,6 @@ def test_an_output_named_as_a_value_holds_no_decisions(name: str, decisions: boo
 def test_a_figure_just_under_a_floor_never_shows_as_the_floor(
     value: float, decimals: int, shown: str
 ) -> None:
-    from qcal.accuracy.gates import shown_down
+    from qcal.accuracy.target import shown_down
 
     assert shown_down(value, decimals) == shown

@@ -7,14 +7,13 @@ then raises AccuracyGateError naming the gates that failed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.latency import SideBySide
-from qcal.accuracy.target import worst_agreement, worst_yes_f1
+from qcal.accuracy.target import shown_down, worst_agreement, worst_yes_f1
 from qcal.numerics.errors import AccuracyGateError
 
 __all__ = ["BUILT_IN_GATES", "CALIBRATION_SAMPLES_GATE", "MET_HELD_OUT", "YES_NO", "GateResult",
@@ -190,14 +189,6 @@ def check_gates(
         # target's own figure is in the measure
         results.append(GateResult(option, measure, 1.0, 0.0, False))
     return results
-
-
-def shown_down(value: float, decimals: int) -> str:
-    """`value` to `decimals` decimals, rounded down: a figure just under a floor (9.96 dB under
-    10 dB, 98.996 % under 99 %) never shows as the floor itself."""
-    steps = 10**decimals
-    # the tiny margin keeps 29.0 (stored as 28.999999999999996) from showing as 28.99
-    return f"{math.floor(value * steps + 1e-9) / steps:.{decimals}f}"
 
 
 def _figures(comparison: Comparison) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from qcal.accuracy.evaluate import Comparison
 
-__all__ = ["AccuracyTarget", "agreement_lower_bound", "agreement_upper_bound", "worst_agreement",
-           "worst_yes_f1"]
+__all__ = ["AccuracyTarget", "agreement_lower_bound", "agreement_upper_bound", "shown_down",
+           "worst_agreement", "worst_yes_f1"]
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,13 @@ class AccuracyTarget:
                     # several decisions a sample (a sequence's positions): they go together
                     upper = max(upper, agreement + _Z95 * output.agreement_error)
                 if upper < 1.0 - self.max_agreement_drop - 1e-9:
-                    missed.append(f"{_down(100 * agreement)} % of {count} decisions of "
-                                  f"{output.name} agree (at most {_down(100 * upper)} % at 95 % "
+                    missed.append(f"{shown_down(100 * agreement, 2)} % of {count} decisions of "
+                                  f"{output.name} agree (at most {shown_down(100 * upper, 2)} % at 95 % "
                                   "confidence)")
         if self.min_sqnr_db is not None:
             sqnr = comparison.worst_finite_sqnr_db(floor=self.floor_sqnr)
             if sqnr is not None and sqnr < self.min_sqnr_db - _CLEAR_SQNR_DB:
-                missed.append(f"worst SQNR {_down(sqnr)} dB")
+                missed.append(f"worst SQNR {shown_down(sqnr, 2)} dB")
         return "; ".join(missed) or None
 
     def describe(self, comparison: Comparison | None = None) -> str:
@@ -138,6 +138,9 @@ def agreement_upper_bound(agreement: float, count: int) -> float:
     return 1.0 - agreement_lower_bound(1.0 - agreement, count)
 
 
-def _down(value: float) -> str:
-    """Two decimals, rounded down: a figure under a target never shows as the target."""
-    return f"{math.floor(value * 100 + 1e-9) / 100:.2f}"
+def shown_down(value: float, decimals: int) -> str:
+    """`value` to `decimals` decimals, rounded down: a figure just under a floor (9.96 dB under
+    10 dB, 98.996 % under 99 %) never shows as the floor itself."""
+    steps = 10**decimals
+    # the tiny margin keeps 29.0 (stored as 28.999999999999996) from showing as 28.99
+    return f"{math.floor(value * steps + 1e-9) / steps:.{decimals}f}"
