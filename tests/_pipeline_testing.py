@@ -11,6 +11,7 @@ import onnx
 
 from qcal import _accuracy_stage, pipeline
 from qcal.config import CalibrationConfig
+from qcal.pipeline import CalibrationResult
 
 
 def calibrate_capturing_sensitivity(path: Path, config: CalibrationConfig) -> dict[str, Any]:
@@ -49,3 +50,13 @@ def save_with_data(
     data = rng.standard_normal((evaluate, features)).astype(np.float32)
     np.savez(folder / f"{stem}.eval.npz", x=data)
     return path, data
+
+
+def calibrated_as_planned(model: onnx.ModelProto, folder: Path,
+                          **arrays: np.ndarray) -> CalibrationResult:
+    """`model` saved in `folder` as ``m.onnx`` and calibrated on `arrays` (one per input, saved
+    as ``calib.npz``) as planned: no fallback."""
+    onnx.save(model, folder / "m.onnx")
+    np.savez(folder / "calib.npz", **arrays)
+    return pipeline.calibrate(folder / "m.onnx",
+                              CalibrationConfig(data=folder / "calib.npz", fallback=False))

@@ -9,10 +9,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from _onnx_testing import build_model, optimized_ops, run_optimized, sqnr_db
+from _pipeline_testing import calibrated_as_planned
 from onnx import helper
-
-from qcal.config import CalibrationConfig
-from qcal.pipeline import calibrate
 
 
 def test_a_looked_up_vector_read_by_a_gemm_is_its_quantized_input(tmp_path: Path) -> None:
@@ -34,11 +32,8 @@ def test_a_looked_up_vector_read_by_a_gemm_is_its_quantized_input(tmp_path: Path
              "b1": rng.standard_normal(300).astype(np.float32) * 0.1}
     ids = helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N"])
     model = build_model(nodes, [ids], ["logits"], inits)
-    onnx.save(model, tmp_path / "m.onnx")
     samples = rng.integers(0, 300, (64, 4)).astype(np.int64)
-    np.savez(tmp_path / "calib.npz", ids=samples)
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = calibrated_as_planned(model, tmp_path, ids=samples)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert not decisions["embed"]["quantized"]
     assert "embedding lookup" in decisions["embed"]["reason"]

@@ -11,10 +11,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from _onnx_testing import build_model, float_input
+from _pipeline_testing import calibrated_as_planned
 from onnx import helper
-
-from qcal.config import CalibrationConfig
-from qcal.pipeline import CalibrationResult, calibrate
 
 
 def _swish_stem_pool(rng: np.random.Generator, opset: int) -> onnx.ModelProto:
@@ -40,13 +38,6 @@ def _swish_stem_pool(rng: np.random.Generator, opset: int) -> onnx.ModelProto:
         "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
     }
     return build_model(nodes, [float_input("x", ["N", 3, 32, 32])], ["y"], inits, opset=opset)
-
-
-def _calibrate(model: onnx.ModelProto, tmp_path: Path, x: np.ndarray) -> CalibrationResult:
-    onnx.save(model, tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=x)
-    config = CalibrationConfig(data=tmp_path / "calib.npz", fallback=False)
-    return calibrate(tmp_path / "m.onnx", config)
 
 
 def _pool_input_types(model: onnx.ModelProto, folder: Path) -> list[str]:
@@ -76,7 +67,7 @@ def test_a_max_pool_read_by_an_integer_conv_after_float_ops_stays_float(tmp_path
     rng = np.random.default_rng(21)
     model = _swish_stem_pool(rng, opset=17)
     x = rng.standard_normal((12, 3, 32, 32)).astype(np.float32)
-    result = _calibrate(model, tmp_path, x)
+    result = calibrated_as_planned(model, tmp_path, x=x)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert not decisions["pool"]["quantized"] and not decisions["stem"]["quantized"]
     assert "its input is quantized too, with parameters of its own" in decisions["pool"]["reason"]
@@ -113,7 +104,7 @@ def test_the_pair_keeps_the_pool_float_at_every_opset(tmp_path: Path, opset: int
     rng = np.random.default_rng(22)
     model = _swish_stem_pool(rng, opset=opset)
     x = rng.standard_normal((12, 3, 32, 32)).astype(np.float32)
-    result = _calibrate(model, tmp_path, x)
+    result = calibrated_as_planned(model, tmp_path, x=x)
     pool = next(n for n in result.model.graph.node if n.name == "pool")
     assert pool.input[0] != "swish"
     assert _pool_input_types(result.model, tmp_path) == ["float32"]
@@ -130,6 +121,6 @@ def test_a_pool_whose_input_an_integer_conv_writes_gets_no_pair(tmp_path: Path) 
     model.graph.node.remove(next(n for n in model.graph.node if n.name == "swish"))
     model.graph.node.remove(next(n for n in model.graph.node if n.name == "sigmoid"))
     x = rng.standard_normal((12, 3, 32, 32)).astype(np.float32)
-    result = _calibrate(model, tmp_path, x)
+    result = calibrated_as_planned(model, tmp_path, x=x)
     reason = next(n for n in result.report["nodes"] if n["name"] == "pool")["reason"]
     assert "parameters of its own" not in reason

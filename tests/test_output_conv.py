@@ -15,10 +15,8 @@ import numpy as np
 import onnx
 import pytest
 from _onnx_testing import build_model, float_input, optimized_ops, run_optimized, sqnr_db
+from _pipeline_testing import calibrated_as_planned
 from onnx import helper
-
-from qcal.config import CalibrationConfig
-from qcal.pipeline import CalibrationResult, calibrate
 
 
 def test_a_conv_writing_a_graph_output_runs_as_an_integer_conv(tmp_path: Path) -> None:
@@ -34,11 +32,8 @@ def test_a_conv_writing_a_graph_output_runs_as_an_integer_conv(tmp_path: Path) -
              "w1": rng.standard_normal((3, 32, 9, 9)).astype(np.float32) * 0.03,
              "b1": rng.standard_normal(3).astype(np.float32) * 0.1}
     model = build_model(nodes, [float_input("x", ["N", 16, 24, 24])], ["image"], inits)
-    onnx.save(model, tmp_path / "m.onnx")
     x = rng.standard_normal((24, 16, 24, 24)).astype(np.float32)
-    np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = calibrated_as_planned(model, tmp_path, x=x)
     onnx.checker.check_model(result.model, full_check=True)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["last"]["quantized"], decisions["last"]["reason"]
@@ -78,7 +73,8 @@ def test_a_conv_output_read_on_and_shown_runs_as_an_integer_conv(tmp_path: Path,
     returned = {"conv": "c0", "relu": "r0"}[shown]
     model = build_model(nodes, [float_input("x", ["N", 16, 24, 24])], ["y", returned], inits)
     x = rng.standard_normal((24, 16, 24, 24)).astype(np.float32)
-    result = _calibrated(model, x, tmp_path)
+    result = calibrated_as_planned(model, tmp_path, x=x)
+    onnx.checker.check_model(result.model, full_check=True)
     assert all(d["quantized"] for d in result.report["nodes"]), result.report["nodes"]
     assert result.report["coverage"]["macs_quantized_fraction"] == 1.0
     _written_by_a_dequantize(result.model, model, returned)
@@ -103,7 +99,8 @@ def test_features_returned_beside_logits_run_as_an_integer_gemm(tmp_path: Path) 
              "b1": rng.standard_normal(100).astype(np.float32) * 0.1}
     model = build_model(nodes, [float_input("x", ["N", 512])], ["logits", "features"], inits)
     x = rng.standard_normal((32, 8, 512)).astype(np.float32)
-    result = _calibrated(model, x, tmp_path)
+    result = calibrated_as_planned(model, tmp_path, x=x)
+    onnx.checker.check_model(result.model, full_check=True)
     assert all(d["quantized"] for d in result.report["nodes"]), result.report["nodes"]
     _written_by_a_dequantize(result.model, model, "features")
     ran = optimized_ops(result.model, tmp_path)
@@ -111,15 +108,6 @@ def test_features_returned_beside_logits_run_as_an_integer_gemm(tmp_path: Path) 
     ours = run_optimized(result.model, {"x": x[0]})
     theirs = run_optimized(model, {"x": x[0]})
     assert min(sqnr_db(f, q) for f, q in zip(theirs, ours)) > 25
-
-
-def _calibrated(model: onnx.ModelProto, x: np.ndarray, folder: Path) -> CalibrationResult:
-    onnx.save(model, folder / "m.onnx")
-    np.savez(folder / "calib.npz", x=x)
-    result = calibrate(folder / "m.onnx",
-                       CalibrationConfig(data=folder / "calib.npz", fallback=False))
-    onnx.checker.check_model(result.model, full_check=True)
-    return result
 
 
 def _written_by_a_dequantize(quantized: onnx.ModelProto, model: onnx.ModelProto,

@@ -14,20 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from _onnx_testing import build_model, float_input, optimized_ops, run_optimized, sqnr_db
+from _pipeline_testing import calibrated_as_planned
 from onnx import helper
-
-from qcal.config import CalibrationConfig
-from qcal.pipeline import CalibrationResult, calibrate
-
-
-def _calibrated(model: onnx.ModelProto, x: np.ndarray, folder: Path) -> CalibrationResult:
-    """`model` calibrated on `x` as planned (no fallback), saved and read from `folder`."""
-    onnx.save(model, folder / "m.onnx")
-    np.savez(folder / "calib.npz", x=x)
-    return calibrate(folder / "m.onnx",
-                     CalibrationConfig(data=folder / "calib.npz", fallback=False))
 
 
 def _downsampling_block(rng: np.random.Generator) -> onnx.ModelProto:
@@ -69,23 +58,17 @@ def test_the_nodes_after_a_pool_of_codes_are_quantized_and_run_on_integers(
     rng = np.random.default_rng(11)
     model = _downsampling_block(rng)
     x = rng.standard_normal((32, 8, 32, 32)).astype(np.float32)
-    result = _calibrated(model, x, tmp_path)
+    result = calibrated_as_planned(model, tmp_path, x=x)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert all(decisions[name]["quantized"] for name in ("pool", "pad", "add", "prelu1"))
     onnx.checker.check_model(result.model, full_check=True)
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    session = ort.InferenceSession(result.model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    ran = [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+    ran = optimized_ops(result.model, tmp_path)
     assert "NhwcMaxPool" in ran and "MaxPool" not in ran
     assert "PRelu" not in ran and "Add" not in ran  # no float island after the pool
-    assert ran.count("Transpose") <= 2  # channels-last from the first integer Conv to the head
-    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    ours, theirs = session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0]
-    assert 10 * np.log10(np.sum(theirs ** 2) / np.sum((theirs - ours) ** 2)) > 25
+    assert ran["Transpose"] <= 2  # channels-last from the first integer Conv to the head
+    (ours,), (theirs,) = run_optimized(result.model, {"x": x}), run_optimized(model, {"x": x})
+    assert sqnr_db(theirs, ours) > 25
 
 
 def _encoder_block(rng: np.random.Generator) -> onnx.ModelProto:
@@ -128,7 +111,7 @@ def test_a_pool_read_by_a_skip_concat_leaves_the_conv_before_it_in_integers(
     rng = np.random.default_rng(5)
     model = _encoder_block(rng)
     x = rng.standard_normal((32, 8, 32, 32)).astype(np.float32)
-    result = _calibrated(model, x, tmp_path)
+    result = calibrated_as_planned(model, tmp_path, x=x)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["conv1"]["quantized"], decisions["conv1"]["reason"]
     assert not decisions["up"]["quantized"]  # no integer ConvTranspose on the CPU provider

@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from _onnx_testing import build_model, float_input
+from _pipeline_testing import calibrated_as_planned
 from onnx import TensorProto, helper, numpy_helper
 
 from qcal.config import CalibrationConfig
@@ -144,11 +145,8 @@ def test_a_prelu_between_convs_is_quantized_in_its_integer_form(tmp_path: Path) 
         "b3": rng.standard_normal(4).astype(np.float32) * 0.1,
     }
     model = build_model(nodes, [float_input("x", ["N", 8, 24, 24])], ["y"], inits)
-    onnx.save(model, tmp_path / "m.onnx")
     x = rng.standard_normal((32, 8, 24, 24)).astype(np.float32)
-    np.savez(tmp_path / "calib.npz", x=x)
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = calibrated_as_planned(model, tmp_path, x=x)
     decisions = {n["name"]: n for n in result.report["nodes"]}
     assert decisions["prelu1"]["quantized"] and decisions["prelu2"]["quantized"]
     onnx.checker.check_model(result.model, full_check=True)
@@ -183,10 +181,9 @@ def test_a_form_onnxruntime_cannot_run_keeps_its_node_float(
 
     monkeypatch.setattr(prelu_form, "_channel_slopes", one_dimension_short)
     rng = np.random.default_rng(4)
-    onnx.save(_conv_prelu_conv(rng), tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
-    result = calibrate(tmp_path / "m.onnx",
-                       CalibrationConfig(data=tmp_path / "calib.npz", fallback=False))
+    result = calibrated_as_planned(
+        _conv_prelu_conv(rng), tmp_path,
+        x=rng.standard_normal((16, 8, 16, 16)).astype(np.float32))
     decision = next(n for n in result.report["nodes"] if n["name"] == "prelu1")
     assert not decision["quantized"]
     assert "kept float: onnxruntime cannot run it quantized" in decision["reason"]
