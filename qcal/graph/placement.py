@@ -54,7 +54,8 @@ softmax, GELU, recurrent state). So under "auto":
   requantization, and hold the bias in 8 bits;
 * an anchor's output is quantized only when a quantized node reads it, or for Conv and
   ConvTranspose, whose integer kernel (QLinearConv) writes integers, or for a Gemm or MatMul
-  with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION). MatMul and Gemm have integer kernels
+  with a fused Relu/Clip (_QUANTIZED_WITH_ACTIVATION; a MatMul's read through the Add of its
+  bias on a 2-D input, fused with it into a Gemm first). MatMul and Gemm have integer kernels
   with a float output, so attention logits and final logits stay float;
 * a node that computes from constants alone stays float: onnxruntime computes it once, when
   it loads the model, where Q/DQ around it would have it computed at every run;
@@ -148,6 +149,7 @@ def place(
     loop_body: bool = False,
     run_macs: Mapping[str, int] | None = None,
     min_product_macs: int = 0,
+    gemm_biases: frozenset[str] = frozenset(),
 ) -> Placement:
     """Placement "auto" for one graph (module docstring).
 
@@ -165,6 +167,8 @@ def place(
             at every iteration: such anchors stay float (a tf.scan model ran 3.2x slower).
         run_macs: MACs per run of compute nodes at the calibration data's shapes
             (module docstring), held to `min_product_macs`; a node missing: size unknown.
+        gemm_biases: the Adds of a bias row that onnxruntime fuses with their MatMul into a
+            Gemm (a 2-D input): a Relu/Clip after one fuses into that Gemm.
     """
     placement = Placement()
     nodes = [n for n in graph.node if n.name in selected and n.domain in DEFAULT_DOMAINS]
@@ -194,7 +198,8 @@ def place(
     # Add -> the MatMul it adds a constant row to (its bias), found once for both placements
     bias_of = {n.name: anchor for n in nodes if n.op_type == "Add"
                and (anchor := added_bias_of(n, index, constant)) is not None}
-    quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, frozenset(slow))
+    quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, gemm_biases,
+                                     frozenset(slow))
     # onnxruntime quantizes a float Conv's weight itself (per tensor) when its input is
     # dequantized and its output runs straight (through a Relu/Clip, or what it moves a
     # QuantizeLinear up through) into a QuantizeLinear: such a narrow Conv would run in the
@@ -207,7 +212,8 @@ def place(
     if sandwiched or pooled:
         slow = {name: why for name, why in slow.items()
                 if name not in sandwiched and name not in pooled}
-        quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, frozenset(slow))
+        quantized, tensors = _place_among(nodes, index, quantized_inputs, bias_of, gemm_biases,
+                                     frozenset(slow))
     placement.nodes.update(slow)
     for node in nodes:
         if node.name in quantized or node.name in slow:
@@ -228,16 +234,18 @@ def _place_among(
     index: UseIndex,
     quantized_inputs: Callable[[onnx.NodeProto], list[str]],
     bias_of: Mapping[str, str],
+    gemm_biases: frozenset[str],
     floated: frozenset[str],
 ) -> tuple[set[str], dict[str, str]]:
     """The nodes quantized under "auto" among `nodes` (`floated` left out), and the anchors'
     outputs no quantized node reads (tensor -> why it stays float). `bias_of`: each Add that
-    only adds a constant row to a MatMul, with that MatMul (`added_bias_of`)."""
+    only adds a constant row to a MatMul, with that MatMul (`added_bias_of`); `gemm_biases`,
+    those onnxruntime fuses with it into a Gemm."""
     nodes = [n for n in nodes if n.name not in floated]
     by_name = {n.name: n for n in nodes}
     anchors = {n.name for n in nodes if n.op_type in ANCHOR_OPS}
     biases = {add for add, matmul in bias_of.items() if matmul in anchors}
-    fused = _fused_activations(nodes, anchors, index)
+    fused = _fused_activations(nodes, anchors, index, biases & gemm_biases)
     group_of = {activation: anchor for anchor, activation in fused.items()}
     in_group = anchors | set(group_of)
 
@@ -345,20 +353,25 @@ def _quantized_source(
 
 
 def _fused_activations(
-    nodes: list[onnx.NodeProto], anchors: set[str], index: UseIndex
+    nodes: list[onnx.NodeProto], anchors: set[str], index: UseIndex, gemm_biases: set[str]
 ) -> dict[str, str]:
-    """Anchor -> the Relu/Clip that is its output's only reader (onnxruntime fuses the pair)."""
+    """Anchor -> the Relu/Clip that is its output's only reader, or that of its bias Add
+    (`gemm_biases`, fused with it into a Gemm first): onnxruntime fuses the pair."""
     names = {n.name for n in nodes}
     fused = {}
     for node in nodes:
         if node.name not in anchors or not node.output:
             continue
-        readers = index.readers(node.output[0])
+        values = [node.output[0]]
+        readers = index.readers(values[-1])
+        if len(readers) == 1 and readers[0].name in gemm_biases:
+            values.append(readers[0].output[0])
+            readers = index.readers(values[-1])
         if (
             len(readers) == 1
             and readers[0].op_type in FUSED_ACTIVATIONS
             and readers[0].name in names
-            and node.output[0] not in index.graph_outputs
+            and not any(v in index.graph_outputs for v in values)
         ):
             fused[node.name] = readers[0].name
     return fused

@@ -127,11 +127,15 @@ class _Planner(_Selection):
             if divisor is not None:
                 self._divisors[node.name] = divisor
         self._placed = Placement()
+        # Adds onnxruntime fuses with the MatMul before them into a Gemm (a bias row on a 2-D
+        # input): a Relu/Clip after one fuses into that Gemm as into any other
+        self._gemm_biases = frozenset(n.name for n in graph.node if self._two_d_gemm_bias(n))
         if self._auto:
             self._placed = place(graph, self._index, self._selected, self._activation_inputs,
                                  self._constant, loop_body=loop_body,
                                  run_macs=dict(rules.run_macs),
-                                 min_product_macs=rules.min_product_macs)
+                                 min_product_macs=rules.min_product_macs,
+                                 gemm_biases=self._gemm_biases)
             for name, reason in self._placed.nodes.items():
                 del self._selected[name]
                 self._skips[name] = reason
@@ -243,9 +247,13 @@ class _Planner(_Selection):
             rule = self._selected.get(node.name)
             if rule is None or not rule.fuses_activation or not node.output:
                 continue
-            tensor = node.output[0]
-            readers = self._index.readers(tensor)
-            if tensor in self._index.graph_outputs or len(readers) != 1:
+            tensors = [node.output[0]]
+            readers = self._index.readers(tensors[-1])
+            if (len(readers) == 1 and readers[0].name in self._gemm_biases
+                    and readers[0].name not in self._selected):
+                tensors.append(readers[0].output[0])  # a MatMul's bias, fused first
+                readers = self._index.readers(tensors[-1])
+            if any(t in self._index.graph_outputs for t in tensors) or len(readers) != 1:
                 continue
             if not (node.input and self._quantizable(node.input[0])):
                 continue  # the compute node itself will not run quantized
@@ -254,13 +262,26 @@ class _Planner(_Selection):
                 activation.op_type in FUSED_ACTIVATIONS
                 and activation.domain in DEFAULT_DOMAINS
                 and activation.name in self._selected
-                and activation.input[0] == tensor
-                and len(self._index.uses.get(tensor, ())) == 1
+                and activation.input[0] == tensors[-1]
+                and len(self._index.uses.get(tensors[-1], ())) == 1
                 and self._quantizable(activation.output[0])
                 and all(not v or self._constant(v) is not None for v in activation.input[1:])
             ):
-                fused[tensor] = (node.name, activation.name)
+                fused.update(dict.fromkeys(tensors, (node.name, activation.name)))
         return fused
+
+    def _two_d_gemm_bias(self, node: onnx.NodeProto) -> bool:
+        """Whether `node` is an Add of a bias row (`added_bias_of`) to a MatMul of a 2-D input
+        (and the row of rank 2 at most), which onnxruntime fuses into a Gemm."""
+        matmul = added_bias_of(node, self._index, self._constant)
+        if matmul is None:
+            return False
+        product, row = (node.input if self._index.producer.get(node.input[0]) is not None
+                        and self._index.producer[node.input[0]].name == matmul
+                        else reversed(node.input))
+        constant = self._constant(row)
+        source = self._index.producer[product].input[0]
+        return self._ranks.get(source) == 2 and constant is not None and len(constant.dims) <= 2
 
     def _divisor(self, node: onnx.NodeProto) -> float | None:
         """The positive finite scalar constant `node` divides by, or None (not such a node)."""

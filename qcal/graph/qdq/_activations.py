@@ -176,11 +176,19 @@ class _ActivationWriter(_Writer):
         way, then runs the anchor as one integer kernel) and read by `node` alone. The fusion
         needs the QuantizeLinear to be the Relu/Clip's only reader, as for any integer kernel,
         so float readers of its output must read the DequantizeLinear too: otherwise the anchor
-        runs in float on dequantized weights (a float Conv in the middle of integer ones)."""
+        runs in float on dequantized weights (a float Conv in the middle of integer ones). A
+        MatMul's int32 bias Add between them is fused into it first (a Gemm)."""
         if node.op_type not in FUSED_ACTIVATIONS or not node.input or not node.input[0]:
             return None
         source = node.input[0]
         anchor = rewrite.index.producer.get(source)
+        if anchor is not None and anchor.name in self._bias_adds:
+            if len(rewrite.index.uses.get(source, ())) != 1 or source in rewrite.index.graph_outputs:
+                return None
+            source = next(v for v in anchor.input
+                          if (p := rewrite.index.producer.get(v)) is not None
+                          and p.op_type == "MatMul")
+            anchor = rewrite.index.producer.get(source)
         if (
             anchor is None
             or anchor.domain not in DEFAULT_DOMAINS
