@@ -26,6 +26,10 @@ read how, and at which shapes:
   float model leaves most of its values undecided: an image through a sigmoid holds values,
   which the evaluation measures (`qcal.accuracy.evaluate`).
 
+A model that gives probabilities (a softmax's or a sigmoid's output) gives a linear layer's raw
+outputs beside them as values: a face stage's box offsets and landmarks beside its face
+softmax, or the logits of those very probabilities.
+
 A linear layer's or softmax's output stating the dimensions of a float model input after the
 batch's, at least 64 values a sample, is that input reconstructed (an autoencoder's pixels):
 values, whose argmax means nothing.
@@ -250,6 +254,12 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             found[output.name] = DecisionRule(
                 softmax_axis=_softmax_axis(node, producer, opset, reshaped),
                 linear=not pooled and _linear(node, producer, constants))
+    if any(r.threshold or r.softmax_axis is not None for r in found.values()):
+        # A model giving its decisions as probabilities (a softmax, a sigmoid) gives a linear
+        # layer's raw outputs beside them as values: an MTCNN face stage's box offsets and
+        # landmarks beside its face softmax, or the logits of those probabilities themselves.
+        found = {name: r for name, r in found.items()
+                 if r.threshold or r.softmax_axis is not None or not r.linear}
     return found
 
 
