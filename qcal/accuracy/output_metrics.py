@@ -32,6 +32,8 @@ __all__ = ["MIN_YES_DECISIONS", "OutputAccumulator", "OutputMetrics", "floor_sqn
 MIN_YES_DECISIONS = 50
 # Fewer samples say too little of how an output varies between them (`variation_sqnr_db`).
 MIN_ROWS = 4
+# A sample's values summed for their mean at most (float64: 32 MiB; not a long text's logits).
+MAX_ROW_VALUES = 1 << 22
 
 
 def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
@@ -81,9 +83,9 @@ class OutputMetrics:
     # A per-position output's share of samples whose sequence reads the same
     # (`qcal.accuracy.decisions.sequences_read_alike`); None: no sequences.
     sequence_agreement: float | None = None
-    # An output of one row of values per sample ([N], [N, k]): its SQNR against how those rows
-    # vary between samples (`OutputAccumulator.variation_energy`); None: no such output, fewer
-    # than MIN_ROWS samples, rows that do not vary, or outputs identical.
+    # Values of one row per sample ([N, ...]; a linear layer's scores, [N] or [N, k]): their
+    # SQNR against how the rows vary between samples (`OutputAccumulator.variation_energy`);
+    # None: no such output, fewer than MIN_ROWS samples, rows alike, or outputs identical.
     variation_sqnr_db: float | None = None
     # How many decisions `top1_agreement` counts (None: no decisions).
     decision_count: int | None = None
@@ -191,6 +193,7 @@ class OutputAccumulator:
     row_sum: np.ndarray | None = None
     row_count: int = 0
     rows_apart: bool = False
+    row_rank: int = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None,
             samples: int | None = None) -> None:
@@ -267,12 +270,12 @@ class OutputAccumulator:
                 self.labelled += int(labels.shape[0])
 
     def _add_rows(self, x64: np.ndarray, shape: tuple[int, ...], samples: int | None) -> None:
-        """Sum the float rows of an output of one row per sample: `[N]` or `[N, k]` with N the
-        batch's `samples` (a scalar for a batch of one)."""
+        """Sum the float rows of an output of one row per sample, of one size in every batch,
+        at most MAX_ROW_VALUES: `[N, ...]`, N the batch's `samples` (a scalar for one)."""
         if self.rows_apart:
             return
-        if samples is None or not (len(shape) in (1, 2) and shape[0] == samples
-                                   or len(shape) == 0 and samples == 1):
+        if samples is None or (shape[0] if shape else 1) != samples \
+                or x64.size > MAX_ROW_VALUES * samples:
             self.rows_apart, self.row_sum = True, None
             return
         rows = x64.reshape(samples, -1)
@@ -283,23 +286,28 @@ class OutputAccumulator:
             return
         self.row_sum += rows.sum(axis=0)
         self.row_count += samples
+        self.row_rank = max(self.row_rank, len(shape))
 
     @property
     def variation_energy(self) -> float | None:
         """Σ(x − x̄)² over the rows, x̄ the mean row: the energy of what tells the samples
         apart, which the error must stay small against. A regression head's scores sit on
         an offset (speech-quality ratings near 3 of 5): against their whole energy an error
-        that scrambles their ranking still reads 22 dB. None: not rows of samples, or too few."""
+        that scrambles their ranking still reads 22 dB; so does a log spectrum's around 55 dB.
+        None: not rows of samples, or too few."""
         if self.row_sum is None or self.rows_apart or self.row_count < MIN_ROWS:
             return None
         return self.signal - inner_product(self.row_sum, self.row_sum) / self.row_count
 
     def _values(self) -> bool:
         """Whether the output holds values whose offset says nothing (`variation_energy`):
-        none of its decisions read, or a linear layer's scores. Not probabilities: a softmax's
-        or a sigmoid's, which a confident model holds near 1 on every sample of a class (a
-        spam filter's held-out mail all ham), and whose level is what is read."""
-        return self.rule is None or (not self.rule.threshold and self.rule.softmax_axis is None)
+        none of its decisions read, or a linear layer's scores, one row per sample (`[N]`,
+        `[N, k]`: per-position scores are read by their decoder, argmax by argmax). Not
+        probabilities: a softmax's or a sigmoid's, which a confident model holds near 1 on
+        every sample of a class (a spam filter's held-out mail all ham), and whose level is
+        what is read."""
+        return self.rule is None or (not self.rule.threshold and self.rule.softmax_axis is None
+                                     and self.row_rank <= 2)
 
     def _count_sequences(self, argmax: Argmax, shape: tuple[int, ...],
                          samples: int | None) -> None:
