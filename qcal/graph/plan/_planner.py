@@ -273,15 +273,12 @@ class _Planner(_Selection):
     def _two_d_gemm_bias(self, node: onnx.NodeProto) -> bool:
         """Whether `node` is an Add of a bias row (`added_bias_of`) to a MatMul of a 2-D input
         (and the row of rank 2 at most), which onnxruntime fuses into a Gemm."""
-        matmul = added_bias_of(node, self._index, self._constant)
-        if matmul is None:
+        if added_bias_of(node, self._index, self._constant) is None:
             return False
-        product, row = (node.input if self._index.producer.get(node.input[0]) is not None
-                        and self._index.producer[node.input[0]].name == matmul
-                        else reversed(node.input))
-        constant = self._constant(row)
-        source = self._index.producer[product].input[0]
-        return self._ranks.get(source) == 2 and constant is not None and len(constant.dims) <= 2
+        row = next(c for v in node.input if (c := self._constant(v)) is not None)
+        matmul = next(p for v in node.input
+                      if (p := self._index.producer.get(v)) and p.op_type == "MatMul")
+        return self._ranks.get(matmul.input[0]) == 2 and len(row.dims) <= 2
 
     def _divisor(self, node: onnx.NodeProto) -> float | None:
         """The positive finite scalar constant `node` divides by, or None (not such a node)."""

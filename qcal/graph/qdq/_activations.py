@@ -180,25 +180,27 @@ class _ActivationWriter(_Writer):
         MatMul's int32 bias Add between them is fused into it first (a Gemm)."""
         if node.op_type not in FUSED_ACTIVATIONS or not node.input or not node.input[0]:
             return None
-        source = node.input[0]
+        source, reader = node.input[0], node
         anchor = rewrite.index.producer.get(source)
-        if anchor is not None and anchor.name in self._bias_adds:
-            if len(rewrite.index.uses.get(source, ())) != 1 or source in rewrite.index.graph_outputs:
-                return None
-            source = next(v for v in anchor.input
-                          if (p := rewrite.index.producer.get(v)) is not None
-                          and p.op_type == "MatMul")
+        if anchor is not None and anchor.name in self._bias_adds and \
+                self._read_alone_float(rewrite, source, reader):
+            source, reader = next(v for v in anchor.input if (p := rewrite.index.producer.get(v))
+                                  and p.name == self._bias_adds[anchor.name]), anchor
             anchor = rewrite.index.producer.get(source)
         if (
             anchor is None
             or anchor.domain not in DEFAULT_DOMAINS
             or anchor.op_type not in ANCHOR_OPS
-            or (source, node.name) in self._quantized_reads
-            or source in rewrite.index.graph_outputs
-            or len(rewrite.index.uses.get(source, ())) != 1
+            or not self._read_alone_float(rewrite, source, reader)
         ):
             return None
         return anchor
+
+    def _read_alone_float(self, rewrite: _Rewrite, value: str, reader: onnx.NodeProto) -> bool:
+        """Whether `reader` alone reads `value`, in float, and the graph does not return it."""
+        return ((value, reader.name) not in self._quantized_reads
+                and value not in rewrite.index.graph_outputs
+                and len(rewrite.index.uses.get(value, ())) == 1)
 
     def _quantized_after_data_movement(self, rewrite: _Rewrite, tensor: str) -> bool:
         """Whether every reader of `tensor` only moves values (`_INTEGER_DATA_OPS`) into an

@@ -34,7 +34,7 @@ class _Writer:
     _quantized_weights: set[tuple[str, str]]
     _originals: dict[str, onnx.TensorProto]
     _quantized_biases: set[tuple[str, str]]
-    _bias_adds: frozenset[str]
+    _bias_adds: dict[str, str]
     _planned_inputs: dict[str, tuple[str, ...]]
     _pairs: dict[str, tuple[str, str]]
 

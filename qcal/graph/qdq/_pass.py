@@ -110,8 +110,8 @@ class InsertQDQ(_DivisionFolder, _WeightWriter):
         self._quantized_weights = {(t.tensor, t.node) for t in self._weights}
         self._originals: dict[str, onnx.TensorProto] = {}  # float data left out of the copy
         self._quantized_biases = {(t.tensor, t.node) for t in self._biases}
-        # Adds of an int32 bias to a MatMul's output, which onnxruntime fuses into a Gemm
-        self._bias_adds = frozenset(t.node for t in self._biases if t.anchor and not t.as_float)
+        # Add of an int32 bias -> the MatMul it adds to, which onnxruntime fuses into a Gemm
+        self._bias_adds = {t.node: t.anchor for t in self._biases if t.anchor and not t.as_float}
         # Node inputs as planned, before this pass redirects them to DequantizeLinear outputs.
         self._planned_inputs: dict[str, tuple[str, ...]] = {}
         # Activation -> (codes, DequantizeLinear output) of the pair written for it.
