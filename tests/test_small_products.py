@@ -14,7 +14,7 @@ import onnx
 import pytest
 from _onnx_testing import build_model, float_input, optimized_ops
 from click.testing import CliRunner
-from onnx import helper
+from onnx import TensorProto, helper
 
 from qcal.cli import main
 from qcal.config import CalibrationConfig
@@ -202,11 +202,31 @@ def test_the_coverage_floor_names_narrow_convolutions(tmp_path: Path) -> None:
             in said), said
 
 
-def _coverage_floor_failed(model: onnx.ModelProto, x: np.ndarray, folder: Path) -> str:
-    """`qcal calibrate` of `model` on `x` from the command line, which must exit 7: its output
-    on one line."""
+def test_the_coverage_floor_names_compute_in_double(tmp_path: Path) -> None:
+    """A dense layer in double (an skl2onnx MLP converted with float64 inputs) beside a small
+    float one: the floor's reason named only the small one's 12 %."""
+    rng = np.random.default_rng(7)
+    nodes = [helper.make_node("Gemm", ["x", "w64", "b64"], ["h64"], name="dense64"),
+             helper.make_node("Cast", ["h64"], ["h"], name="narrow", to=TensorProto.FLOAT),
+             helper.make_node("Gemm", ["h", "w"], ["y"], name="head")]
+    inits = {"w64": rng.standard_normal((1024, 512)) * 0.05, "b64": np.zeros(512),
+             "w": rng.standard_normal((512, 10)).astype(np.float32) * 0.05}
+    x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 1024])
+    model = build_model(nodes, [x], ["y"], inits)
+    said = _coverage_floor_failed(model, rng.standard_normal((8, 1024)), tmp_path,
+                                  dtype=np.float64)
+    # 1024 x 512 and 512 x 10 multiply-adds a row: 99.0 % and 1.0 %
+    assert ("1 of 2 compute nodes (99.0% of the MACs) left as they are: they compute in another "
+            "type than float" in said), said
+    assert "1 of 2 compute nodes (1.0% of the MACs) left float as too small" in said, said
+
+
+def _coverage_floor_failed(model: onnx.ModelProto, x: np.ndarray, folder: Path,
+                           dtype: type = np.float32) -> str:
+    """`qcal calibrate` of `model` on `x` (as `dtype`) from the command line, which must exit
+    7: its output on one line."""
     onnx.save(model, folder / "m.onnx")
-    np.savez(folder / "calib.npz", x=x.astype(np.float32))
+    np.savez(folder / "calib.npz", x=x.astype(dtype))
     result = CliRunner().invoke(main, ["calibrate", str(folder / "m.onnx"), "--data",
                                        str(folder / "calib.npz"), "-o", str(folder / "q.onnx"),
                                        "-q"])

@@ -34,6 +34,7 @@ from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
+    NOT_FLOAT,
     UseIndex,
     all_graphs,
     element_types,
@@ -204,6 +205,8 @@ _FLOAT_WHY = (
                               "one")),
     (NARROW_CONV, ("left float as convolutions too narrow (few input channels, or few per "
                    "group) for onnxruntime's integer kernel to beat its float one")),
+    (NOT_FLOAT, ("left as they are: they compute in another type than float (double, "
+                 "integers), and onnxruntime's integer kernels take float32")),
 )
 
 

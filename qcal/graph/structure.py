@@ -16,6 +16,7 @@ __all__ = [
     "COMPUTE_OPS",
     "DEFAULT_DOMAINS",
     "FLOAT_TYPES",
+    "NOT_FLOAT",
     "SHAPE_READERS",
     "SUBGRAPH_SLOT",
     "Use",
@@ -52,6 +53,8 @@ SUBGRAPH_SLOT = -1  # input slot recorded when a node reads a value inside one o
 FLOAT_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 )
+# Why a node whose data input is of another type (double, integer) stays float.
+NOT_FLOAT = "no float input to quantize"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from qcal.graph.plan._walk import _CONTROL_FLOW_OPS, _defined_twice, _walk_nodes
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
+    NOT_FLOAT,
     UseIndex,
     attribute_graphs,
     default_opset,
@@ -309,7 +310,7 @@ class _Planner(_Selection):
         found = _NodeTargets()
         main = node.input[0] if node.input else ""
         if rule.weight is not None and main and self._types.get(main) not in FLOAT_TYPES:
-            return f"input {main!r} is {self._type_name(main)}, not float"
+            return f"{NOT_FLOAT}: input {main!r} is {self._type_name(main)}"
         if rule.divides_by_constant and self._divisor(node) is None:
             return "the divisor is not a positive constant scalar"
         for slot, tensor in enumerate(node.input):
