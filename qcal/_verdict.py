@@ -40,18 +40,19 @@ def _floor_sqnr(output: Mapping[str, Any]) -> float | None:
 _FLOOR_AGREEMENT = 1.0 - DEFAULT_FLOOR_AGREEMENT_DROP / 100.0
 
 
-def _how_sure(output: Mapping[str, Any]) -> str:
+def _how_sure(output: Mapping[str, Any], given: bool) -> str:
     """What the count of decisions lets the worst agreement show, where that is less than the
-    floor: 16 held-out samples that all agree cannot tell 99.7 % from 90 %."""
+    floor: 16 held-out samples that all agree cannot tell 99.7 % from 90 %. `given`: the user
+    gave the evaluation data (--eval-data)."""
     count = output.get("decision_count")
     if not count:
         return ""
     bound = agreement_lower_bound(output["top1_agreement"], count)
     if bound >= _FLOOR_AGREEMENT:
         return ""
+    more = "more evaluation samples" if given else "more evaluation samples, --eval-data,"
     return (f" (of {count} decisions, which show at 95 % confidence only that at least "
-            f"{shown_down(100 * bound, 1)} % agree; more evaluation samples, --eval-data, show "
-            "more)")
+            f"{shown_down(100 * bound, 1)} % agree; {more} show more)")
 
 
 def _measured_on(held: list[Mapping[str, Any]], worst: float) -> str:
@@ -121,7 +122,8 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if deciding:
         worst = min(deciding, key=lambda o: o["top1_agreement"])
         figures.append(f"{shown_down(100 * worst['top1_agreement'], 2)}% of the decisions agree "
-                       "with the float model" + _how_sure(worst))
+                       "with the float model"
+                       + _how_sure(worst, report["config"].get("eval_data") is not None))
     sequences = [o["sequence_agreement"] for o in outputs
                  if o.get("sequence_agreement") is not None]
     if sequences:

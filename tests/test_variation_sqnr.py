@@ -169,19 +169,22 @@ def test_the_verdict_says_how_little_a_few_decisions_show() -> None:
     few = rng.standard_normal((16, 4)).astype(np.float32)
     many = rng.standard_normal((400, 4)).astype(np.float32)
     said = {}
-    for name, x in (("few", few), ("many", many)):
+    for name, x, given in (("few", few, None), ("many", many, None), ("given", few, "e.npz")):
         out = compare_models(_head(1.0, offset=(0.0, 0.0, 0.0)), _head(1.0, offset=(0.0, 0.0, 0.0)),
                              [({"x": x}, len(x))]).outputs[0]
         assert out.decisions == "argmax" and out.decision_count == len(x)
         report = {"evaluation": {"outputs": [out.to_json()]}, "gates": [],
                   "config": {"fallback": True, "weight_only": None, "target_sqnr": None,
-                             "max_agreement_drop": None, "min_coverage": 70.0}}
+                             "max_agreement_drop": None, "min_coverage": 70.0,
+                             "eval_data": given}}
         verdict = quality_verdict(report)
         assert verdict is not None
         said[name] = verdict.text
-    assert "of 16 decisions, which show at 95 % confidence only that at least 85.5 % agree" \
-        in said["few"]
+    assert "of 16 decisions, which show at 95 % confidence only that at least 85.5 % agree; " \
+        "more evaluation samples, --eval-data, show more" in said["few"]
     assert "confidence" not in said["many"]  # 400 of 400 show 99.3 %, 268 of 268 99.0 %
+    # the user's own evaluation data: no advice to give what was given
+    assert "agree; more evaluation samples show more" in said["given"]
 
 
 @pytest.mark.parametrize("op", ["Softmax", "Sigmoid"])
