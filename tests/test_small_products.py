@@ -221,6 +221,33 @@ def test_the_coverage_floor_names_compute_in_double(tmp_path: Path) -> None:
     assert "1 of 2 compute nodes (1.0% of the MACs) left float as too small" in said, said
 
 
+def test_the_coverage_floor_names_products_only_comparisons_read(tmp_path: Path) -> None:
+    """A tree ensemble compiled to matrix products (hummingbird's GEMM strategy): which splits
+    hold, summed per leaf path and compared for equality with each path's length, feeds only
+    that comparison, whose operands stay exact; the floor's reason named only the small
+    product of the leaves after it, 1 % of the MACs."""
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="splits"),
+             helper.make_node("LessOrEqual", ["h", "thresholds"], ["below"], name="compare"),
+             helper.make_node("Cast", ["below"], ["held"], name="held", to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["held", "paths"], ["counts"], name="paths"),
+             # as hummingbird writes it: the constant first, the computed operand second
+             helper.make_node("Equal", ["lengths", "counts"], ["reached"], name="reached"),
+             helper.make_node("Cast", ["reached"], ["leaf"], name="leaf", to=TensorProto.FLOAT),
+             helper.make_node("Gemm", ["leaf", "values"], ["y"], name="values")]
+    inits = {"w": rng.standard_normal((1024, 512)).astype(np.float32),
+             "thresholds": rng.standard_normal(512).astype(np.float32),
+             "paths": (rng.random((512, 512)) < 0.01).astype(np.float32),
+             "lengths": np.full(512, 5.0, np.float32),
+             "values": rng.standard_normal((512, 10)).astype(np.float32)}
+    model = build_model(nodes, [float_input("x", ["N", 1024])], ["y"], inits)
+    said = _coverage_floor_failed(model, rng.standard_normal((8, 1024)), tmp_path)
+    # multiply-adds a row: 1024 x 512 and 512 x 512 exact, 512 x 10 too small
+    exact = 100 * (1024 * 512 + 512 * 512) / (1024 * 512 + 512 * 512 + 512 * 10)
+    assert (f"2 of 3 compute nodes ({exact:.1f}% of the MACs) left float as they compute only "
+            "what other operators read as exact parameters" in said), said
+
+
 def _coverage_floor_failed(model: onnx.ModelProto, x: np.ndarray, folder: Path,
                            dtype: type = np.float32) -> str:
     """`qcal calibrate` of `model` on `x` (as `dtype`) from the command line, which must exit

@@ -30,6 +30,7 @@ from qcal.accuracy.runnable import NO_INTEGER_FORM
 from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, INTEGER_OUTPUT_ANCHORS
 from qcal.graph.model import QuantPlan
 from qcal.graph.narrow_convs import NARROW_CONV
+from qcal.graph.parameters import PARAMETER_ONLY
 from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
@@ -181,7 +182,9 @@ class CoverageMeter:
         left: dict[str | tuple[str, ...], list[str]] = {}  # main-graph compute left float, by reason
         for d in plan.nodes:
             if not d.quantized and d.node not in quantized and d.node in macs:
-                prefix = next((p for p, _ in _FLOAT_WHY if d.reason.startswith(p)), None)
+                # a parameter's reason is a note after the node's own words
+                prefix = next((p for p, _ in _FLOAT_WHY if d.reason.startswith(p)
+                               or p == PARAMETER_ONLY and p in d.reason), None)
                 if prefix is not None:
                     left.setdefault(prefix, []).append(d.node)
         said = [f"{len(nodes)} of {len(macs)} compute nodes "
@@ -207,6 +210,8 @@ _FLOAT_WHY = (
                    "group) for onnxruntime's integer kernel to beat its float one")),
     (NOT_FLOAT, ("left as they are: they compute in another type than float (double, "
                  "integers), and onnxruntime's integer kernels take float32")),
+    (PARAMETER_ONLY, ("left float as they compute only what other operators read as exact "
+                      "parameters (a comparison's operands, indices, shapes)")),
 )
 
 

@@ -22,7 +22,10 @@ import onnx.defs
 
 from qcal.graph.structure import DEFAULT_DOMAINS, SUBGRAPH_SLOT, UseIndex
 
-__all__ = ["parameter_slots", "parameter_tensors"]
+__all__ = ["PARAMETER_ONLY", "parameter_slots", "parameter_tensors"]
+
+# How a tensor that flows only into parameters is named in a node's reason.
+PARAMETER_ONLY = "computed only for"
 
 
 def parameter_slots(node: onnx.NodeProto, opset: int) -> frozenset[int]:
@@ -78,7 +81,7 @@ def parameter_tensors(graph: onnx.GraphProto, index: UseIndex, opset: int) -> di
                 ):
                     roots[tensor] = roots[outputs[0]]
     return {
-        tensor: f"computed only for {root}: never quantized" for tensor, root in roots.items()
+        tensor: f"{PARAMETER_ONLY} {root}: never quantized" for tensor, root in roots.items()
     }
 
 
