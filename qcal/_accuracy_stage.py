@@ -173,6 +173,17 @@ def _confirm_on_calibration(
     return None if missed is None else (calib.num_samples(), missed)
 
 
+def _confirm_samples(calib: Any, all_calib: Any, order: data_mod.ContentOrder) -> Any:
+    """The calibration samples `calib` (of `all_calib`, the held-out ones first in `order`)
+    that `_confirm_on_calibration` checks: all of them, or past _CONFIRM_SAMPLES the first of
+    them by content."""
+    if calib.num_samples() <= _CONFIRM_SAMPLES:
+        return calib
+    held = len(order.positions) - calib.num_samples()
+    return data_mod.SampleSubset(all_calib,
+                                 sorted(order.positions[held:held + _CONFIRM_SAMPLES]))
+
+
 _BLOCKS = "ranked by their measured effect on the outputs, in blocks"
 _JUMPS = "ranked by where their error jumps"
 

@@ -225,9 +225,3 @@ def _min_opset(config: CalibrationConfig) -> int:
         return max(config.opset, QDQ_OPSET)
     return config.opset
 
-
-def _default_opset(model: onnx.ModelProto, otherwise: int) -> int:
-    """The model's ai.onnx opset; `otherwise` for a model that imports none (ai.onnx.ml only:
-    nothing in it is quantized, and Q/DQ would come with the opset asked for)."""
-    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    return int(versions[0]) if versions else otherwise

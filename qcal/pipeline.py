@@ -22,17 +22,16 @@ from typing import Any
 import onnx
 
 from qcal._accuracy_stage import (
-    _CONFIRM_SAMPLES,
     _Accuracy,
     _compute_macs,
     _confirm_on_calibration,
+    _confirm_samples,
     _improve_accuracy,
 )
 from qcal._inputs import (
     _accuracy_sources,
     _check_agreement_options,
     _check_overrides,
-    _default_opset,
     _eval_source_path,
     _exact_runs,
     _labels_path,
@@ -99,6 +98,7 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
+from qcal.graph.structure import default_opset
 from qcal.numerics.errors import ConfigError, DataError, OutputError
 from qcal.numerics.presets import build_preset
 from qcal.report import build_report, dump_report
@@ -167,7 +167,8 @@ def calibrate(
             prepared = weight_file.offload(prepared)
             loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
         steps += _onnxruntime_types(prepared, config)
-        opset = _default_opset(prepared, config.opset)
+        # a model that imports no ai.onnx opset (ai.onnx.ml only) gets Q/DQ at the one asked for
+        opset = default_opset(prepared) or config.opset
         inputs = model_inputs(prepared)
         calib = data_mod.open_data(
             config.data, model_path=model_path, inputs=inputs, synthetic=config.synthetic,
@@ -225,11 +226,13 @@ def calibrate(
 
     source = eval_source if eval_source is not None else calib
     reference = FloatReference()  # every evaluation below compares with the same float run
-    # the calibration samples' float outputs, from the collection, when the floor met on those
-    # held out is checked on them too (`_confirm_on_calibration`)
-    confirms = eval_label is not None and (config.fallback or config.has_fallback_target)
-    calib_reference = FloatReference() if confirms and \
-        calib.num_samples() <= _CONFIRM_SAMPLES else None
+    # the calibration samples the floor met on those held out is checked on too
+    # (`_confirm_on_calibration`), their float outputs kept from the collection when all are
+    confirm_on = _confirm_samples(calib, all_calib, order) if eval_label is not None and (
+        config.fallback or config.has_fallback_target) else None
+    calib_reference = FloatReference() if confirm_on is calib else None
+    # evaluated on the calibration data, or confirmed on it: its float outputs come from there
+    kept_by_collection = reference if source is calib else calib_reference
     weight_only: WeightOnlyResult | None = None
     if config.weight_only is None:
         with timings.stage("collect"):
@@ -244,9 +247,8 @@ def calibrate(
                         providers=config.providers, threads=config.threads,
                         on_batch=_stage_progress(progress, "calibrate", calib.num_samples()),
                         expected_samples=calib.num_samples(),
-                        # evaluated on the calibration data: its float outputs come from here
-                        outputs=_output_sink(prepared, reference) if source is calib else
-                        None if calib_reference is None else _output_sink(prepared, calib_reference),
+                        outputs=None if kept_by_collection is None else
+                        _output_sink(prepared, kept_by_collection),
                         name_samples=partial(data_mod.name_samples, calib),
                     )
                 except DataError as err:
@@ -334,14 +336,11 @@ def calibrate(
             comparison = evaluate(quant_model)
     reference.release()
     unconfirmed = None
-    if confirms and (accuracy.comparison is not None or (
+    if confirm_on is not None and (accuracy.comparison is not None or (
             accuracy.fallback is not None and accuracy.fallback.reached)):
-        with timings.stage("confirm"):  # past _CONFIRM_SAMPLES, the first of them by content
-            held = len(order.positions) - calib.num_samples()
+        with timings.stage("confirm"):
             unconfirmed = _confirm_on_calibration(
-                prepared, quant_model, calib if calib_reference is not None else
-                data_mod.SampleSubset(all_calib, sorted(order.positions[held:][:_CONFIRM_SAMPLES])),
-                inputs, config, calib_reference, progress)
+                prepared, quant_model, confirm_on, inputs, config, calib_reference, progress)
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
     integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)

@@ -104,10 +104,10 @@ def test_past_the_cap_the_first_calibration_samples_by_content_are_checked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Beyond _CONFIRM_SAMPLES, the first of them in their content's order (float outputs run
     again rather than kept from all of them): still found, on that many."""
-    import qcal.pipeline
+    import qcal._accuracy_stage
 
     _classifier_and_data(tmp_path, np.random.default_rng(3))
-    monkeypatch.setattr(qcal.pipeline, "_CONFIRM_SAMPLES", 24)
+    monkeypatch.setattr(qcal._accuracy_stage, "_CONFIRM_SAMPLES", 24)
     result = CliRunner().invoke(main, [
         "calibrate", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "calib.npz"),
         "-o", str(tmp_path / "q.onnx"), "--min-product-macs", "0", "--allow-slower"])

@@ -146,7 +146,7 @@ def agreeing_by_sample(argmax: Argmax, samples: int | None) -> np.ndarray | None
     fx, fy, tie = argmax
     axis = None if samples is None else next(
         (a for a in range(min(2, fx.ndim)) if fx.shape[a] == samples), None)
-    if axis is None or samples is None:
+    if axis is None:
         return None
     alike: np.ndarray = np.moveaxis((fx == fy) | tie, axis, 0).reshape(samples, -1)
     return alike

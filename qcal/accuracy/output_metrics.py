@@ -187,9 +187,8 @@ class OutputAccumulator:
     sequences: int = 0
     sequence_axis: int | None = None
     unsplit: bool = False
-    # An output of one row per sample: the sum of its float rows and their count, for the
-    # energy of their variation around their mean; `rows_apart` once a batch was not such
-    # rows (another width, non-finite values, samples not known).
+    # One row per sample: their float sum, count and rank (`variation_energy`); `rows_apart`
+    # once a batch was not such rows (another width, non-finite values, samples not known).
     row_sum: np.ndarray | None = None
     row_count: int = 0
     rows_apart: bool = False
@@ -291,10 +290,9 @@ class OutputAccumulator:
     @property
     def variation_energy(self) -> float | None:
         """Σ(x − x̄)² over the rows, x̄ the mean row: the energy of what tells the samples
-        apart, which the error must stay small against. A regression head's scores sit on
-        an offset (speech-quality ratings near 3 of 5): against their whole energy an error
-        that scrambles their ranking still reads 22 dB; so does a log spectrum's around 55 dB.
-        None: not rows of samples, or too few."""
+        apart, which the error must stay small against. Against their whole energy an error
+        scrambling speech-quality ratings near 3 of 5 still read 22 dB, as one on a log
+        spectrum around 55 dB would. None: not rows of samples, or too few."""
         if self.row_sum is None or self.rows_apart or self.row_count < MIN_ROWS:
             return None
         return self.signal - inner_product(self.row_sum, self.row_sum) / self.row_count
@@ -325,11 +323,13 @@ class OutputAccumulator:
         self.yes = [a + b for a, b in zip(self.yes, yes_decisions(x, y))]
 
     def _count_classes(self, argmax: Argmax, classes: int) -> None:
-        counts = None if self.classes_apart else decisions_by_class(argmax, classes)
-        if self.classes is not None and counts is not None and len(counts[0]) == classes:
-            self.classes = [a + b for a, b in zip(self.classes, counts)]
-        elif self.classes is None and counts is not None:
+        if self.classes_apart:
+            return
+        counts = decisions_by_class(argmax, classes)
+        if self.classes is None:
             self.classes = counts
+        elif len(self.classes[0]) == classes:
+            self.classes = [a + b for a, b in zip(self.classes, counts)]
         else:
             self.classes, self.classes_apart = None, True
 

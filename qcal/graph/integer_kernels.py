@@ -4,14 +4,14 @@ checks of a written model read back (`qcal.accuracy.runnable`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import onnx
 
 from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex, all_graphs
 
 __all__ = ["ANCHOR_OPS", "FUSED_ACTIVATIONS", "INTEGER_OUTPUT_ANCHORS", "QUANTIZE_SEES_THROUGH",
-           "added_bias_of", "integer_output_writers"]
+           "added_bias_of", "integer_output_writers", "through_gemm_bias"]
 
 ANCHOR_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 # Anchors whose integer kernel writes integers: their output is quantized whoever reads it.
@@ -49,6 +49,16 @@ def added_bias_of(
             return None
         return matmul.name
     return None
+
+
+def through_gemm_bias(value: str, index: UseIndex, gemm_biases: Collection[str]) -> list[str]:
+    """`value`, and the output of its only reader where that is one of `gemm_biases` (an Add
+    of a MatMul's bias row that onnxruntime fuses with it into a Gemm): the values a product
+    runs through to what reads it as that Gemm's output."""
+    readers = index.readers(value)
+    if len(readers) == 1 and readers[0].name in gemm_biases and readers[0].output:
+        return [value, readers[0].output[0]]
+    return [value]
 
 
 def integer_output_writers(graph: onnx.GraphProto) -> dict[str, str]:

@@ -79,6 +79,7 @@ from qcal.graph.integer_kernels import (
     INTEGER_OUTPUT_ANCHORS,
     QUANTIZE_SEES_THROUGH,
     added_bias_of,
+    through_gemm_bias,
 )
 from qcal.graph.max_pools import (
     GUARDED_POOL,
@@ -362,11 +363,8 @@ def _fused_activations(
     for node in nodes:
         if node.name not in anchors or not node.output:
             continue
-        values = [node.output[0]]
+        values = through_gemm_bias(node.output[0], index, gemm_biases)
         readers = index.readers(values[-1])
-        if len(readers) == 1 and readers[0].name in gemm_biases:
-            values.append(readers[0].output[0])
-            readers = index.readers(values[-1])
         if (
             len(readers) == 1
             and readers[0].op_type in FUSED_ACTIVATIONS

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex
+from qcal.graph.structure import COMPUTE_OPS, DEFAULT_DOMAINS, FLOAT_TYPES, UseIndex
 
 __all__ = ["TRAP_RULES_DOC", "Traps", "find_traps"]
 
@@ -55,8 +55,9 @@ _INTEGER_TYPES = frozenset({
 })
 _MAX_DEPTH = 6  # path lengths searched upstream; real patterns need 1-3
 # Readers of a looked-up vector that take it quantized whatever the lookup does: kept float,
-# the vector would keep them float too (onnxruntime has no integer kernel for a float input).
-_COMPUTE_OPS = frozenset({"Conv", "MatMul", "Gemm"})
+# the vector would keep them float too (onnxruntime has no integer kernel for a float input;
+# nor for a ConvTranspose at all).
+_COMPUTE_OPS = COMPUTE_OPS - {"ConvTranspose"}
 
 
 @dataclass

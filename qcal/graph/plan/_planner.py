@@ -11,7 +11,7 @@ import onnx
 import onnx.defs
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, added_bias_of
+from qcal.graph.integer_kernels import FUSED_ACTIVATIONS, added_bias_of, through_gemm_bias
 from qcal.graph.parameters import parameter_tensors
 from qcal.graph.placement import Placement, place
 from qcal.graph.plan._rules import MUL_BY_CONSTANT, OP_RULES, OpRule
@@ -244,16 +244,13 @@ class _Planner(_Selection):
         fused: dict[str, tuple[str, str]] = {}
         if not self._rules.fuse_activations:
             return fused
+        float_biases = self._gemm_biases - self._selected.keys()  # fused with their MatMul first
         for node in self._graph.node:
             rule = self._selected.get(node.name)
             if rule is None or not rule.fuses_activation or not node.output:
                 continue
-            tensors = [node.output[0]]
+            tensors = through_gemm_bias(node.output[0], self._index, float_biases)
             readers = self._index.readers(tensors[-1])
-            if (len(readers) == 1 and readers[0].name in self._gemm_biases
-                    and readers[0].name not in self._selected):
-                tensors.append(readers[0].output[0])  # a MatMul's bias, fused first
-                readers = self._index.readers(tensors[-1])
             if any(t in self._index.graph_outputs for t in tensors) or len(readers) != 1:
                 continue
             if not (node.input and self._quantizable(node.input[0])):
