@@ -225,8 +225,9 @@ def build_report(
         )
     if any(r.onnx.replacement for r in records.values()):
         warnings.append("degenerate quantization parameters were replaced (see tensors[].onnx.replacement)")
-    warnings += [f"output {o.name!r} is 0 on every evaluation sample in the float model: its "
-                 "comparison with the quantized model says nothing of it"
+    warnings += [f"output {o.name!r} is {'empty' if o.float_all_empty else '0'} on every "
+                 "evaluation sample in the float model: its comparison with the quantized model "
+                 "says nothing of it"
                  for o in (comparison.outputs if comparison is not None else ()) if o.float_all_zero]
     if comparison is not None:
         warnings += _uncompared_outputs(loaded.model)

@@ -78,6 +78,18 @@ def test_an_output_the_float_model_keeps_at_zero_is_flagged(tmp_path: Path) -> N
     assert [w for w in report["warnings"] if "is 0 on every evaluation sample" in w] == [expected]
 
 
+def test_an_output_empty_on_every_sample_is_told_from_one_at_zero() -> None:
+    """A detector that finds nothing outputs no element: the comparison flags it as empty (the
+    report's warning says "empty", not "0"); one empty batch among others is not."""
+    empty = [np.ones((2, 0, 5), np.float32)]
+    some = [np.ones((2, 0, 5), np.float32), np.ones((2, 3, 5), np.float32)]
+    model = _scale_model(2.0, rank=3)
+    out = compare_models(model, model, (({"x": d}, 2) for d in empty)).outputs[0]
+    assert out.float_all_empty and out.float_all_zero
+    out = compare_models(model, model, (({"x": d}, 2) for d in some)).outputs[0]
+    assert not out.float_all_empty and not out.float_all_zero
+
+
 def test_sign_flip_breaks_agreement() -> None:
     data = [np.arange(10, dtype=np.float32).reshape(2, 5)]
     out = compare_models(_scale_model(1.0), _scale_model(-1.0), (({"x": d}, 2) for d in data)).outputs[0]

@@ -72,6 +72,8 @@ class OutputMetrics:
     # The float model's output is 0 on every sample (a zero-initialised head): equal outputs
     # then say nothing of the quantized model (the report warns; not a figure of its own).
     float_all_zero: bool = False
+    # ... of no element at all on every sample (a detector that found nothing): likewise.
+    float_all_empty: bool = False
     # How `top1_agreement` counts: "argmax" (per sample or position), "threshold" (a
     # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs); None: no decisions.
     decisions: str | None = None
@@ -163,6 +165,7 @@ class OutputAccumulator:
     # Batches whose outputs differ in shape (NonZero finds another count): they disagree.
     batches: int = 0
     other_shape: int = 0
+    float_elements: int = 0  # of the batches of the same shape
     # No rule from the graph: an output whose rows are probability distributions in every
     # batch (a softmax however it is spelled, as jax2tf's Exp / ReduceSum / Div) is read as
     # decisions, one argmax per row.
@@ -202,6 +205,7 @@ class OutputAccumulator:
         if x.shape != y.shape:
             self.other_shape += 1
             return
+        self.float_elements += int(x.size)
         if x.dtype.kind in "biu":  # cosine and largest error still say how far they are
             self.integer = True
             self.equal += int(np.count_nonzero(x == y))
@@ -385,6 +389,7 @@ class OutputAccumulator:
             nonfinite_introduced=self.nonfinite_introduced,
             float_all_zero=(not self.integer and self.signal == 0.0 and self.nonfinite_float == 0
                             and self.batches > self.other_shape),
+            float_all_empty=self.batches > self.other_shape and self.float_elements == 0,
             decisions=decisions,
             sqnr_part=None if self.integer else worst_part,
             sequence_agreement=sequences,
