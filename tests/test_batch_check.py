@@ -79,6 +79,20 @@ def test_samples_computed_alike_stay_joined(tmp_path: Path) -> None:
     assert exact_batch_size(model, source, inputs, 1) == (1, None)
 
 
+@pytest.mark.parametrize(("shape", "why"), [
+    ([1, 4], "input 'x' has a fixed first dimension (1)"),
+    ([], "input 'x' has no dimension to join samples along (rank 0)"),
+])
+def test_inputs_that_cannot_be_joined_say_so(tmp_path: Path, shape: list[int], why: str) -> None:
+    """A model exported for one sample (or fed a scalar) runs its samples one at a time whatever
+    --batch-size asks, and the reason names the input."""
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    model = build_model(nodes, [float_input("x", shape)], ["y"], {})
+    samples = np.random.default_rng(5).standard_normal((6, *shape)).astype(np.float32)
+    assert _check(tmp_path, model, samples) == (
+        1, f"batch-size: {why}; the samples ran one at a time")
+
+
 def test_shape_arithmetic_may_count_the_samples(tmp_path: Path) -> None:
     """A float computed from the input's shape for a Reshape (as tf2onnx writes some) holds
     the number of samples: it differs joined by design and is no reason to run one at a time."""

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from qcal.calibration.collect import expose_tensors
-from qcal.calibration.data import DataSource, Feed, iter_batches
+from qcal.calibration.data import DataSource, Feed, iter_batches, unjoinable_input
 from qcal.calibration.runtime import create_session
 from qcal.graph.model import InputSpec
 from qcal.graph.parameters import parameter_tensors
@@ -65,10 +65,12 @@ def exact_batch_size(
     """`batch_size`, or 1 with the reason when onnxruntime computes one of the first
     _BATCHES_CHECKED batches of `source` (joined as `iter_batches` joins them) differently from
     their samples one at a time, or when the check would hold more than _CHECK_BYTES of them.
-    Nothing runs when the batch size is 1 or no such batch holds two samples (the model's dim 0
-    is fixed, or the samples differ in shape)."""
+    Nothing runs when the batch size is 1, when an input's dim 0 is fixed or missing (1 and
+    the reason), or when no such batch holds two samples (they differ in shape)."""
     if batch_size == 1:
         return 1, None
+    if (unjoinable := unjoinable_input(inputs)) is not None:
+        return 1, f"batch-size: {unjoinable}; the samples ran one at a time"
     batches = [(feed, n) for feed, n in islice(iter_batches(source, inputs, batch_size),
                                                _BATCHES_CHECKED) if n > 1]
     if not batches:

@@ -37,7 +37,7 @@ module per format (`_npz_file`, `_npz_dir` over the ``.npy`` reading of `_npy`, 
 
 from __future__ import annotations
 
-from qcal.calibration.data._batches import iter_batches
+from qcal.calibration.data._batches import iter_batches, unjoinable_input
 from qcal.calibration.data._content import (
     ContentOrder,
     SampleSubset,
@@ -80,5 +80,6 @@ __all__ = [
     "name_samples",
     "open_data",
     "sample_digest",
+    "unjoinable_input",
     "validate_data",
 ]

@@ -17,9 +17,15 @@ if TYPE_CHECKING:
     from qcal.graph.model import InputSpec
 
 
-def _can_concatenate(inputs: Sequence[InputSpec]) -> bool:
-    """Every input has a dim 0 that is not fixed, so samples can be joined along it."""
-    return all(spec.shape and not isinstance(spec.shape[0], int) for spec in inputs)
+def unjoinable_input(inputs: Sequence[InputSpec]) -> str | None:
+    """Why samples cannot be joined along the model's dim 0: the first input whose dim 0 is
+    fixed or that has none, described (None: every input's dim 0 is symbolic or unknown)."""
+    for spec in inputs:
+        if not spec.shape:
+            return f"input {spec.name!r} has no dimension to join samples along (rank 0)"
+        if isinstance(spec.shape[0], int):
+            return f"input {spec.name!r} has a fixed first dimension ({spec.shape[0]})"
+    return None
 
 
 def _joinable(first: Feed, sample: Feed) -> bool:
@@ -50,7 +56,7 @@ def iter_batches(
     """
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
-    return _batches(source, batch_size if _can_concatenate(inputs) else 1)
+    return _batches(source, batch_size if unjoinable_input(inputs) is None else 1)
 
 
 def _batches(source: DataSource, batch_size: int) -> Iterator[tuple[Feed, int]]:
