@@ -63,8 +63,8 @@ import onnx.numpy_helper
 from qcal.graph.structure import FLOAT_TYPES, node_subgraphs
 
 __all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "agreeing_by_sample", "argmax_ties",
-           "decision_rules", "decisions_by_class", "is_classifier_like", "sequence_axis",
-           "sequences_read_alike", "yes_decisions", "yes_of_classes"]
+           "decision_rules", "decisions_by_class", "is_classifier_like", "probability_rows",
+           "sequence_axis", "sequences_read_alike", "yes_decisions", "yes_of_classes"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
@@ -429,3 +429,15 @@ def _softmax_axis(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto], 
     if flatten is None or flatten.op_type != "Flatten" or axis not in (-1, 1):
         return None
     return next((a.i for a in flatten.attribute if a.name == "axis"), 1)
+
+
+def probability_rows(x: np.ndarray) -> bool:
+    """Whether every row of `x` along its last axis (of at least 2) is a probability
+    distribution: finite, non-negative, summing to 1 within the type's rounding."""
+    if x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size == 0:
+        return False
+    values = x.astype(np.float64, copy=False)
+    if not np.isfinite(values).all() or values.min() < 0:
+        return False
+    tolerance = 1e-2 if x.dtype.itemsize < 4 else 1e-4
+    return bool(np.abs(values.sum(axis=-1) - 1.0).max() <= tolerance)

@@ -14,6 +14,7 @@ from qcal.accuracy.decisions import (
     agreeing_by_sample,
     argmax_ties,
     decisions_by_class,
+    probability_rows,
     sequence_axis,
     sequences_read_alike,
     yes_decisions,
@@ -239,7 +240,7 @@ class OutputAccumulator:
                 if part.probabilities:
                     self._count_yes(px, py)
         if self.measure:
-            if _distributions(x) and (self.batches == 1 or self.rule is not None):
+            if probability_rows(x) and (self.batches == 1 or self.rule is not None):
                 self.rule = self.rule or _MEASURED_SOFTMAX
             else:
                 self.rule, self.measure = None, False
@@ -441,15 +442,3 @@ def _energies(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         x64, y64 = x64[both], y64[both]
     diff = x64 - y64
     return inner_product(x64, x64), inner_product(diff, diff)
-
-
-def _distributions(x: np.ndarray) -> bool:
-    """Whether every row of `x` along its last axis (of at least 2) is a probability
-    distribution: finite, non-negative, summing to 1 within the type's rounding."""
-    if x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size == 0:
-        return False
-    values = x.astype(np.float64, copy=False)
-    if not np.isfinite(values).all() or values.min() < 0:
-        return False
-    tolerance = 1e-2 if x.dtype.itemsize < 4 else 1e-4
-    return bool(np.abs(values.sum(axis=-1) - 1.0).max() <= tolerance)
