@@ -108,11 +108,14 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     evaluation = report["evaluation"]
     if not evaluation:
         return None
-    outputs = evaluation["outputs"]
-    if not outputs:  # sequences, maps, strings only (the report's warnings name them)
+    # Outputs the float model leaves at 0 are equal whatever the quantized model does: they say
+    # nothing of it (the report's warnings name them).
+    outputs = [o for o in evaluation["outputs"] if not o.get("float_all_zero")]
+    if not outputs:  # sequences, maps, strings only, or outputs at 0
         return Verdict("measured", "quality: not measured",
-                       "no output of this model is a numeric tensor, so none was compared "
-                       "with the float model (see the warnings)")
+                       "no output of this model is a numeric tensor that the float model does "
+                       "not leave at 0 on every evaluation sample, so none tells how the quantized "
+                       "model differs from it (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     deciding = [o for o in outputs if o["top1_agreement"] is not None]
     held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"),

@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from qcal._verdict import quality_verdict
 from qcal.accuracy.coverage import Coverage
 from qcal.accuracy.evaluate import compare_models
 from qcal.accuracy.gates import Gates, check_gates
@@ -67,7 +68,7 @@ def test_an_output_the_float_model_keeps_at_zero_is_flagged(tmp_path: Path) -> N
     same = compare_models(_scale_model(2.0), _scale_model(2.0), (({"x": d}, 2) for d in data))
     assert zero.outputs[0].float_all_zero and zero.outputs[0].sqnr_db is None
     assert not same.outputs[0].float_all_zero
-    assert "float_all_zero" not in zero.outputs[0].to_json()
+    assert zero.outputs[0].to_json()["float_all_zero"] is True
     onnx.save(_scale_model(0.0), tmp_path / "zero.onnx")
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(3).standard_normal((8, 5)).astype(
         np.float32))
@@ -76,6 +77,9 @@ def test_an_output_the_float_model_keeps_at_zero_is_flagged(tmp_path: Path) -> N
     expected = ("output 'y' is 0 on every evaluation sample in the float model: its comparison "
                 "with the quantized model says nothing of it")
     assert [w for w in report["warnings"] if "is 0 on every evaluation sample" in w] == [expected]
+    # its argmax of zeros agrees whatever the quantized model does: no verdict is drawn from it
+    verdict = quality_verdict(report)
+    assert verdict is not None and verdict.headline == "quality: not measured", verdict
 
 
 def test_an_output_empty_on_every_sample_is_told_from_one_at_zero() -> None:

@@ -71,7 +71,7 @@ class OutputMetrics:
     nonfinite_quantized: int = 0   # ... in the quantized model's output
     nonfinite_introduced: int = 0  # non-finite in the quantized output where the float is finite
     # The float model's output is 0 on every sample (a zero-initialised head): equal outputs
-    # then say nothing of the quantized model (the report warns; not a figure of its own).
+    # then say nothing of the quantized model (the report warns, and the verdict leaves it out).
     float_all_zero: bool = False
     # ... of no element at all on every sample (a detector that found nothing): likewise.
     float_all_empty: bool = False
@@ -129,6 +129,7 @@ class OutputMetrics:
             "sequence_agreement": _round(self.sequence_agreement),
             "variation_sqnr_db": _round(self.variation_sqnr_db),
             "decision_count": self.decision_count,
+            "float_all_zero": self.float_all_zero,
         }
 
 
