@@ -225,7 +225,7 @@ def test_the_not_slower_gate_gives_the_ratio_of_the_thread_count_found_slower() 
 
 @pytest.mark.timing_verdict
 @pytest.mark.parametrize(("gate_failed", "allow_slower", "said"), [
-    (True, False, "slower than the float model; on this model the Q/DQ pairs"),
+    (True, False, "slower than the float model; on this model its integer kernels"),
     (False, False, "slower in this measurement, within the timing noise by the not-slower gate"),
     (False, True, "slower than the float model in this measurement"),
 ])
