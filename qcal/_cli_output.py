@@ -23,7 +23,7 @@ from rich.table import Table
 
 from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
 from qcal.accuracy.gates import GateResult
-from qcal.accuracy.latency import looks_slower
+from qcal.accuracy.latency import disturbed, looks_slower
 from qcal.config import CalibrationConfig
 from qcal.drift import Drift
 from qcal.report import reasons_by_kind
@@ -266,6 +266,9 @@ def _show_latency(report: Mapping[str, Any]) -> None:
     if two_float and two_quant is not None:
         line += f"; at 2 threads {two_quant / two_float:.2f}x"
         ratio = max(ratio, two_quant / two_float)
+        if disturbed(float_s, two_float):  # timed twice so (`qcal.accuracy.latency`)
+            line += (f" (timed while other work held a core: the float model took "
+                     f"{two_float / float_s:.2f}x its 1-thread time, so that ratio says little)")
     # Which of them costs more is not measured here: Q/DQ pairs around float ops on one model,
     # integer depthwise kernels slower than float ones on another.
     why = ("unpacking 4-bit weights costs more than reading them saves"

@@ -321,3 +321,57 @@ def test_a_stop_signal_the_timing_process_got_is_this_processs_too() -> None:
     stopped = subprocess.CompletedProcess([], -int(signal.SIGINT), "", "")
     with pytest.raises(KeyboardInterrupt):
         latency._read_child(stopped, "")
+
+
+@pytest.mark.parametrize(("one", "two", "said"), [(1.0, 1.12, False), (1.0, 1.3, True),
+                                                   (0.0, 1.0, False)])
+def test_a_float_model_much_slower_on_two_threads_than_on_one_was_disturbed(
+        one: float, two: float, said: bool) -> None:
+    assert latency.disturbed(one, two) is said
+
+
+def test_a_disturbed_round_at_two_threads_is_timed_again_and_the_calmer_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process on the second core slows both models' two-thread runs alike, and their
+    ratio tends to 1: a PVT-v2, 1.2x its float model at 2 threads, timed 0.93x so and passed."""
+    def side(threads: int, float_s: float, quant_s: float) -> SideBySide:
+        unit = "thread" if threads == 1 else "threads"
+        return SideBySide({f"latency_float_{threads}_{unit}": float_s,
+                           f"latency_quantized_{threads}_{unit}": quant_s},
+                          quant_s / float_s, ())
+
+    rounds = iter([side(1, 6.3e-3, 5.5e-3), side(2, 10.0e-3, 9.3e-3), side(2, 4.0e-3, 4.8e-3)])
+    asked: list[int] = []
+
+    def child(folder: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        asked.append(int(settings["threads"]))
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(latency, "_run_child", child)
+    monkeypatch.setattr(latency, "_read_child", lambda done, text: next(rounds))
+    model = onnx.load(DIGITS)
+    feed = {"image": np.zeros((1, 1, 8, 8), np.float32)}
+    timed = time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
+                              threads=(1, 2))
+    assert asked == [1, 2, 2]
+    assert timed.ratio(2) == pytest.approx(1.2) and timed.ratio(1) == pytest.approx(5.5 / 6.3)
+    assert timed.worst_ratio == pytest.approx(1.2)
+
+
+@pytest.mark.timing_verdict
+def test_the_summary_says_when_the_two_thread_timing_was_disturbed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from qcal import _cli_output
+
+    console = Console(width=300, record=True)
+    monkeypatch.setattr(_cli_output, "stdout", console)
+    config = {"preset": "pytorch", "placement": None, "allow_slower": False,
+              "fail_if_slower": None, "weight_only": None}
+    timings = {"latency_float_1_thread": 6.3e-3, "latency_quantized_1_thread": 5.5e-3,
+               "latency_float_2_threads": 10.0e-3, "latency_quantized_2_threads": 9.3e-3}
+    _cli_output._show_latency({"timings_seconds": timings, "gates": [], "config": config})
+    text = " ".join(console.export_text().split())
+    assert "at 2 threads 0.93x (timed while other work held a core: the float model took " \
+           "1.59x its 1-thread time, so that ratio says little)" in text, text

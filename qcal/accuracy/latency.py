@@ -6,7 +6,8 @@ millisecond the Q/DQ pairs at its edges can cost more than they save. qcal times
 instead of assuming: the float and the quantized model run on the same samples, interleaved (so
 both see the same machine load; each pair of blocks on the next of up to `_SAMPLES`) on one
 pool of onnxruntime threads that spin as a deployment's do, at one and at two intra-op
-threads, for about a second in all
+threads (two timed again where another process held a core meanwhile: `disturbed`), for about
+a second in all
 (a second each for the `--fail-if-slower` gate; up to three times that for a model that looks
 slower but not beyond the noise yet, and as long as ten pairs of runs take for a model of tens
 of milliseconds that looks slower), and the medians are compared. The figures are machine
@@ -37,8 +38,8 @@ from qcal.calibration.runtime import Feed, create_session
 from qcal.graph.files.save import needs_external_data, stage_model
 from qcal.numerics.errors import ModelError
 
-__all__ = ["Latency", "SideBySide", "looks_slower", "measure_latency", "time_here",
-           "time_side_by_side"]
+__all__ = ["Latency", "SideBySide", "disturbed", "looks_slower", "measure_latency",
+           "time_here", "time_side_by_side"]
 
 _BUDGET_SECONDS = 1.0
 # Samples the pairs of blocks take turns on: a float kernel's time can depend on the values
@@ -74,6 +75,11 @@ _NOISE_LEVEL = 1e-3
 # 80 runs of three models against themselves none beyond the noise, at most 1.023x). At 1.05,
 # models 4-9 % slower (a CLIP and a GPT step from torch's dynamo exporter) passed.
 _TOLERANCE = 1.03
+# The float model's time on more threads over its time on one beyond which the machine was busy
+# (`disturbed`): over the 22 models of the benchmark of generalisation, each round in a process
+# of its own, 2 threads took 0.52-1.12x the time of one (1.12x: a model of 13 us), except in 5
+# rounds of 66, at 1.26-2.33x, each beside rounds of the same model at 0.74-1.00x.
+_DISTURBED = 1.25
 
 
 def looks_slower(ratio: float) -> bool:
@@ -136,6 +142,13 @@ class SideBySide:
             worst = max(worst, part.worst_ratio)
             slower += part.clearly_slower
         return cls(figures, worst, tuple(slower))
+
+    def float_seconds(self, threads: int | None = None) -> float:
+        """The float model's median at `threads` (the only or the last count timed: None)."""
+        counts = [int(k.split("_")[2]) for k in self.figures if k.startswith("latency_float_")]
+        count = threads if threads is not None else (counts[-1] if counts else 1)
+        unit = "thread" if count == 1 else "threads"
+        return self.figures.get(f"latency_float_{count}_{unit}", 0.0)
 
     def ratio(self, threads: int) -> float:
         """Quantized/float median latency at `threads` (1.0 where not timed)."""
@@ -244,18 +257,34 @@ def time_side_by_side(
     qcal then says so (`ModelError`) instead of vanishing without a word or an output."""
     budget = _budget(len(threads), for_gate)
     feeds = list(feeds[:_SAMPLES])
-    parts = []
+    parts: list[SideBySide] = []
     with tempfile.TemporaryDirectory(prefix="qcal-timing-") as folder:
         _write_models(Path(folder), float_model, quant_model, feeds)
-        for count in threads:  # a process per thread count: one pool each (`measure_latency`)
+
+        def timed(count: int) -> SideBySide:  # a process of its own: one pool (`measure_latency`)
             answer = Path(folder) / TIMING_ANSWER
             answer.unlink(missing_ok=True)
             done = _run_child(Path(folder), {
                 "providers": list(providers), "threads": count, "budget": budget,
                 "for_gate": for_gate, "tolerance": _TOLERANCE, "inputs": list(feeds[0]),
                 "samples": len(feeds)})
-            parts.append(_read_child(done, answer.read_text() if answer.exists() else ""))
+            return _read_child(done, answer.read_text() if answer.exists() else "")
+
+        for count in threads:
+            part = timed(count)
+            if parts and disturbed(parts[0].float_seconds(), part.float_seconds()):
+                # timed again, the less disturbed round kept (module docstring)
+                part = min(part, timed(count), key=lambda p: p.float_seconds())
+            parts.append(part)
     return SideBySide.joined(parts)
+
+
+def disturbed(one_thread: float, more_threads: float) -> bool:
+    """Whether the float model ran so much slower on more threads than on one that another
+    process held a core meanwhile: both models then wait on their pool's second thread alike,
+    and their ratio tends to 1 whatever it is (a PVT-v2 quantized, 1.2x its float model at 2
+    threads, timed 0.93x with the float model at 10.0 ms there against 6.3 ms at 1 thread)."""
+    return one_thread > 0 and more_threads > _DISTURBED * one_thread
 
 
 # Where the timing process (`qcal.accuracy._timing`) writes what it found, in its folder.
