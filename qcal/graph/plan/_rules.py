@@ -185,9 +185,9 @@ OP_RULES: Mapping[str, OpRule] = {
         "output's scale", integer_form=True),
     "PRelu": OpRule(
         "input X and the output (never the slope); under placement auto written as integer "
-        "Clips of X's codes at its zero point (its positive and negative parts), an integer Mul "
-        "of the negative part by the slope (8-bit codes) onto the output's grid, and an "
-        "integer Add", integer_form=True),
+        "Clips of X's codes at its zero point (its positive and negative parts), the negative "
+        "part times the slopes as an integer depthwise 1 x 1 Conv (each slope exact) onto the "
+        "output's grid, and an integer Add", integer_form=True),
     "Softmax": _data_rule("input X"),
     "Clip": _data_rule("input X (never min/max)"),
     "Resize": _data_rule("input X (never roi/scales/sizes)"),
