@@ -113,9 +113,9 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     outputs = [o for o in evaluation["outputs"] if not o.get("float_all_zero")]
     if not outputs:  # sequences, maps, strings only, or outputs at 0
         return Verdict("measured", "quality: not measured",
-                       "no output of this model is a numeric tensor that the float model does "
-                       "not leave at 0 on every evaluation sample, so none tells how the quantized "
-                       "model differs from it (see the warnings)")
+                       "every output of this model is either not a numeric tensor or left at 0 "
+                       "by the float model on every evaluation sample, so none tells how the "
+                       "quantized model differs from it (see the warnings)")
     broken = [o["name"] for o in outputs if o.get("nonfinite_introduced")]
     deciding = [o for o in outputs if o["top1_agreement"] is not None]
     held = [o for o in outputs if floor_sqnr_applies(o["top1_agreement"], o.get("decisions"),

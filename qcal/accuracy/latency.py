@@ -147,12 +147,10 @@ class SideBySide:
             slower += part.clearly_slower
         return cls(figures, worst, tuple(slower))
 
-    def float_seconds(self, threads: int | None = None) -> float:
-        """The float model's median at `threads` (the only or the last count timed: None)."""
-        counts = [int(k.split("_")[2]) for k in self.figures if k.startswith("latency_float_")]
-        count = threads if threads is not None else (counts[-1] if counts else 1)
-        unit = "thread" if count == 1 else "threads"
-        return self.figures.get(f"latency_float_{count}_{unit}", 0.0)
+    def float_seconds(self) -> float:
+        """The float model's median at the last thread count timed (0.0: none)."""
+        timed = [v for k, v in self.figures.items() if k.startswith("latency_float_")]
+        return timed[-1] if timed else 0.0
 
     def ratio(self, threads: int) -> float:
         """Quantized/float median latency at `threads` (1.0 where not timed)."""
@@ -284,10 +282,11 @@ def time_side_by_side(
 
 
 def disturbed(one_thread: float, more_threads: float) -> bool:
-    """Whether the float model (of a millisecond or more a run at one thread, in seconds) ran
-    so much slower on more threads than on one that another process held a core meanwhile: both models then wait on their pool's second thread alike,
-    and their ratio tends to 1 whatever it is (a PVT-v2 quantized, 1.2x its float model at 2
-    threads, timed 0.93x with the float model at 10.0 ms there against 6.3 ms at 1 thread)."""
+    """Whether the float model (of a millisecond or more a run at one thread; in seconds) ran
+    so much slower on more threads than on one that another process held a core meanwhile:
+    both models then wait on their pool's second thread alike, and their ratio tends to 1
+    whatever it is (a PVT-v2 quantized, 1.2x its float model at 2 threads, timed 0.93x with
+    the float model at 10.0 ms there against 6.3 ms at 1 thread)."""
     return one_thread >= _DISTURBED_FROM and more_threads > _DISTURBED * one_thread
 
 
