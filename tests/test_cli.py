@@ -258,6 +258,18 @@ def test_error_cases(tmp_path: Path) -> None:
     assert not out.exists() and not rep.exists()
 
 
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path: Path) -> None:
+    """--debug adds the traceback; a bad input still exits with its own code (5 for data), not
+    1, which the README keeps for bugs."""
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, pixels=np.zeros((2, 1, 8, 8), np.float32))
+    result = run("calibrate", DIGITS, "--data", wrong, "-o", tmp_path / "q.onnx", "--debug")
+    assert result.exit_code == errors.DataError.exit_code, result.output
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "error (" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_output_errors(tmp_path: Path) -> None:
     model = tmp_path / "m.onnx"
     shutil.copy(DIGITS, model)

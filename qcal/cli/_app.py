@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,8 +44,8 @@ def reports_errors(command: F) -> F:
             sys.stderr.flush()
             os._exit(128 + int(signum))
         except QcalError as err:
-            if debug:
-                raise
+            if debug:  # the traceback, and still the error's own exit code: a CI job's step
+                traceback.print_exc()  # run with --debug must not read a bad input as a bug
             # Escaped: a message may hold brackets (a tensor name, `pip install 'qcal[ray]'`).
             stderr.print(f"[bold red]error ({err.title}):[/] {escape(str(err))}", soft_wrap=True)
             raise SystemExit(err.exit_code) from None
