@@ -493,6 +493,14 @@ def test_npz_names_must_match(tmp_path: Path, arrays: dict[str, Any], parts: lis
         collect(source)
 
 
+def test_an_extra_array_of_another_length_is_named_as_no_input(tmp_path: Path) -> None:
+    """Not "arrays hold different numbers of samples": the extra array is the fault."""
+    with pytest.raises(DataError) as err:
+        open_npz(tmp_path, [IMAGE, STEPS], image=images(4), steps=np.zeros(4, np.int64),
+                 junk=np.zeros(3))
+    assert_one_line_naming(err, "data.npz", "'junk' is not a model input")
+
+
 @pytest.mark.parametrize(
     ("array", "parts"),
     [

@@ -45,6 +45,8 @@ class NpzSource:
         self._headers = _read_headers(path, [spec.name for spec in inputs])
         counts = {key: h.shape[0] for key, h in self._headers.items() if h.shape}
         if len(set(counts.values())) > 1:
+            # an array that is no model input is the fault to name, whatever its length
+            _check_names(str(path), self._headers, self._inputs)
             ordered = sorted(counts.items(), key=lambda kv: kv[1])
             (a, na), (b, nb) = ordered[0], ordered[-1]
             raise DataError(
