@@ -318,6 +318,22 @@ def test_model_input_without_a_tensor_type_is_a_model_error() -> None:
         model_inputs(model)
 
 
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_a_bfloat16_input_or_output_is_refused_by_name(side: str) -> None:
+    """numpy has no bfloat16 and onnxruntime's Python API neither takes nor returns one: such a
+    model cannot be run for calibration (a bfloat16 output was blamed on the data)."""
+    nodes = [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT if side == "input"
+                              else TensorProto.BFLOAT16)]
+    types = (TensorProto.BFLOAT16, TensorProto.FLOAT) if side == "input" else \
+        (TensorProto.FLOAT, TensorProto.BFLOAT16)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", types[0], ["N", 4])],
+                              [helper.make_tensor_value_info("y", types[1], ["N", 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    name = "x" if side == "input" else "y"
+    with pytest.raises(ModelError, match=f"model {side} '{name}' is bfloat16"):
+        model_inputs(model)
+
+
 # --------------------------------------------------------------------------------------- plan
 
 

@@ -97,8 +97,9 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
     """The inputs a calibration sample must feed: graph inputs that are not initializers.
 
     Raises:
-        ModelError: naming the input when it is not a tensor or has no element type or rank;
-            when the model declares no outputs.
+        ModelError: naming the input when it is not a tensor, has no element type or rank, or
+            is bfloat16 (no feed can hold it); when the model declares no outputs, or an output
+            of bfloat16 (nor can a result).
     """
     initializers = {t.name for t in model.graph.initializer}
     specs = []
@@ -117,12 +118,24 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
             raise ModelError(
                 f"model input {value.name!r} has no usable element type ({tensor_type.elem_type})"
             ) from None
+        if tensor_type.elem_type == onnx.TensorProto.BFLOAT16:
+            # numpy has no bfloat16, and onnxruntime's Python API takes no ml_dtypes array
+            raise ModelError(
+                f"model input {value.name!r} is bfloat16, which cannot be fed through onnxruntime's "
+                "Python API, so qcal cannot run this model (float32 and float16 inputs can be: a "
+                "Cast from float32 at the input makes it one)")
         if not tensor_type.HasField("shape"):
             raise ModelError(f"model input {value.name!r} has no shape (unknown rank)")
         shape = tuple(_dimension(d) for d in tensor_type.shape.dim)
         specs.append(InputSpec(name=value.name, dtype=np.dtype(dtype), shape=shape))
     if not model.graph.output:
         raise ModelError("the model declares no outputs: there is nothing to calibrate")
+    for value in model.graph.output:
+        if value.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16:
+            raise ModelError(
+                f"model output {value.name!r} is bfloat16, which onnxruntime's Python API cannot "
+                "return, so qcal cannot run this model (a Cast to float32 at the output makes "
+                "it float32)")
     return specs
 
 
