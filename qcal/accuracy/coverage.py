@@ -35,6 +35,7 @@ from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
+    NO_RULE,
     NOT_FLOAT,
     UseIndex,
     all_graphs,
@@ -212,6 +213,9 @@ _FLOAT_WHY = (
                  "integers), and onnxruntime's integer kernels take float32")),
     (PARAMETER_ONLY, ("left float as they compute only what other operators read as exact "
                       "parameters (a comparison's operands, indices, shapes)")),
+    (NO_RULE, ("left float as operators qcal has no quantization rule for (onnxruntime's own "
+               "fused operators, com.microsoft's: give qcal the model as exported, before "
+               "onnxruntime optimised it)")),
 )
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_DOMAINS",
     "FLOAT_TYPES",
     "NOT_FLOAT",
+    "NO_RULE",
     "SHAPE_READERS",
     "SUBGRAPH_SLOT",
     "Use",
@@ -55,6 +56,8 @@ FLOAT_TYPES = frozenset(
 )
 # Why a node whose data input is of another type (double, integer) stays float.
 NOT_FLOAT = "no float input to quantize"
+# Why a node of an operator qcal has no rule for stays float (an onnxruntime contrib operator).
+NO_RULE = "no quantization rule for op"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import onnx
 
 from qcal.graph.plan._rules import OP_RULES, OpRule
 from qcal.graph.plan._walk import _walk_nodes
-from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, attribute_graphs
+from qcal.graph.structure import DEFAULT_DOMAINS, FLOAT_TYPES, NO_RULE, attribute_graphs
 from qcal.numerics.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class _Selection:
         if rules.op_types is not None and op not in rules.op_types:
             return None, f"op type {op} not in --op-types"
         if rule is None:
-            return None, f"no quantization rule for op {op}"
+            return None, f"{NO_RULE} {op}"
         if op in rules.exclude_op_types:
             return None, f"op type {op} excluded by --exclude-op-types"
         for pattern in rules.exclude_nodes:
