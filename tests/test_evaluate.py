@@ -584,6 +584,19 @@ def test_a_sigmoid_output_is_read_as_yes_no_decisions_at_one_half() -> None:
     assert out.top1_agreement == pytest.approx(expected)
 
 
+def test_a_scaled_sigmoid_is_values_not_decisions_at_one_half() -> None:
+    """GLPN's depth is 10 sigmoid(x): its 0.5 is a sigmoid's 0.05, so it holds no yes/no
+    decisions there (they were counted, 501760 of them, with an F1); it is judged by SQNR."""
+    x, _, _ = _sequence_data()
+    x = x * np.float32(10.0)
+    model = _sigmoid_after("Add", 0.0)
+    model.graph.node[-1].output[0] = "p_unit"
+    model.graph.node.append(helper.make_node("Mul", ["p_unit", "depth"], ["p"], name="scale"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(10.0), "depth"))
+    out = compare_models(model, model, [({"x": x}, 4)]).outputs[0]
+    assert out.decisions is None and out.top1_agreement is None and out.yes_f1 is None
+
+
 def test_a_sigmoid_output_of_mostly_undecided_values_is_judged_by_its_sqnr() -> None:
     """An image through a sigmoid (a style-transfer network's) holds values, not decisions:
     with most of its float probabilities between 0.1 and 0.9, small errors move many of them

@@ -294,7 +294,7 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
     from a Sigmoid (a streaming model choosing its path by the sample rate); other ops an If
     returns are read as computed values."""
     node = producer.get(value)
-    reshaped = pooled = transposed = False
+    reshaped = pooled = transposed = scaled = False
     after = ""  # the op on the way after this one
     while node is not None and node.input:
         if node.op_type in _PASS_THROUGH:
@@ -313,9 +313,9 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
             value = node.input[0]
         elif (node.op_type in ("Mul", "Div") and len(node.input) == 2
               and node.input[1] in positive):
-            value = node.input[0]  # a temperature: the same argmax
+            value, scaled = node.input[0], True  # a temperature: the same argmax
         elif node.op_type == "Mul" and len(node.input) == 2 and node.input[0] in positive:
-            value = node.input[1]
+            value, scaled = node.input[1], True
         elif node.op_type == "If":
             index = list(node.output).index(value)
             return _branches_sigmoid(node, index, producer, positive), True, True, transposed
@@ -323,6 +323,9 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
             break
         after = node.op_type
         node = producer.get(value)
+    if scaled and node is not None and node.op_type == "Sigmoid":
+        # a scaled sigmoid is no probability to hold at 0.5: GLPN's depth is 10 sigmoid(x)
+        return None, reshaped, pooled, transposed
     return node, reshaped, pooled, transposed
 
 
