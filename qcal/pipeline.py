@@ -79,7 +79,7 @@ from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
-from qcal.calibration.value_types import complete_value_types
+from qcal.calibration.value_types import complete_value_types, drop_refused_shapes
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
@@ -432,6 +432,9 @@ def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel
 
 
 def _onnxruntime_types(prepared: onnx.ModelProto, config: CalibrationConfig) -> list[PrepStep]:
-    """The preparation step that types, from onnxruntime, what onnx's inference could not."""
+    """The preparation steps that drop the shapes onnxruntime refuses, and type, from
+    onnxruntime, what onnx's inference could not."""
+    dropped = drop_refused_shapes(prepared, providers=config.providers)
     detail = complete_value_types(prepared, providers=config.providers)
-    return [] if detail is None else [PrepStep("onnxruntime-types", detail)]
+    return ([PrepStep("onnxruntime-shapes", dropped)] if dropped else []) + \
+        ([PrepStep("onnxruntime-types", detail)] if detail else [])

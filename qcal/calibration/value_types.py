@@ -7,6 +7,11 @@ the first such operator is left untyped, and qcal quantizes no value of unknown 
 so written kept 10 of its 11 MatMul/Gemm float. onnxruntime resolves the same graph with the
 schemas of every operator it runs, so a session whose outputs are those values, created and
 never run, gives their types and shapes.
+
+And the other way round: onnx's data propagation can state dimensions that are wrong (a CANINE
+exported by torch: an attention Transpose's [b, 4, 32, S] stated [b, 32, S, 4]), and onnxruntime
+then refuses the model it checks them against, where it loads the user's model. Those stated
+dimensions are dropped (`drop_refused_shapes`), the element types kept.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from collections.abc import Sequence
 import onnx
 
 from qcal.calibration.runtime import create_session
-from qcal.graph.structure import DEFAULT_DOMAINS, element_types
+from qcal.graph.structure import DEFAULT_DOMAINS, all_graphs, element_types
 from qcal.numerics.errors import QcalError
 
-__all__ = ["complete_value_types"]
+__all__ = ["complete_value_types", "drop_refused_shapes"]
 
 
 def complete_value_types(
@@ -73,3 +78,34 @@ def _element_type(ort_type: str) -> int | None:
         return int(onnx.TensorProto.DataType.Value(name))
     except ValueError:
         return None
+
+
+def drop_refused_shapes(
+    model: onnx.ModelProto, *, providers: Sequence[str] = ("CPUExecutionProvider",)
+) -> str | None:
+    """Clear, in place, the dimensions stated for intermediate values (every graph's value_info;
+    their element types stay) when onnxruntime refuses the model as stated and loads it
+    without them (module docstring). Returns what it did, or None: the model loaded as it was,
+    or fails either way (the run then says why)."""
+    try:
+        create_session(model, providers=tuple(providers), threads=1, what="model",
+                       optimize=False)
+        return None
+    except QcalError as err:
+        refused = str(err).splitlines()[0]
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    for graph in all_graphs(bare.graph):
+        for value in graph.value_info:
+            value.type.tensor_type.ClearField("shape")
+    try:
+        create_session(bare, providers=tuple(providers), threads=1, what="model",
+                       optimize=False)
+    except QcalError:
+        return None
+    del bare
+    for graph in all_graphs(model.graph):
+        for value in graph.value_info:
+            value.type.tensor_type.ClearField("shape")
+    return ("dimensions onnx's shape inference stated for intermediate values dropped: "
+            f"onnxruntime refused them ({refused})")
