@@ -95,17 +95,20 @@ def drop_refused_shapes(
         refused = str(err).splitlines()[0]
     bare = onnx.ModelProto()
     bare.CopyFrom(model)
-    for graph in all_graphs(bare.graph):
-        for value in graph.value_info:
-            value.type.tensor_type.ClearField("shape")
+    _clear_dimensions(bare)
     try:
         create_session(bare, providers=tuple(providers), threads=1, what="model",
                        optimize=False)
     except QcalError:
         return None
     del bare
+    _clear_dimensions(model)
+    return ("dimensions onnx's shape inference stated for intermediate values dropped: "
+            f"onnxruntime refused them ({refused})")
+
+
+def _clear_dimensions(model: onnx.ModelProto) -> None:
+    """Drop the shapes every graph's value_info states (their element types stay)."""
     for graph in all_graphs(model.graph):
         for value in graph.value_info:
             value.type.tensor_type.ClearField("shape")
-    return ("dimensions onnx's shape inference stated for intermediate values dropped: "
-            f"onnxruntime refused them ({refused})")
