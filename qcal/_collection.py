@@ -30,7 +30,7 @@ from qcal.calibration.statistics import (
     read_statistics,
     split,
 )
-from qcal.calibration.value_types import complete_value_types, drop_refused_shapes
+from qcal.calibration.value_types import onnxruntime_steps
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, write_atomic
 from qcal.graph.files.large import WeightFile
@@ -93,8 +93,7 @@ def prepare_collection(
         weight_file = WeightFile()
         prepared = weight_file.offload(prepared)
         loaded = dataclasses.replace(loaded, model=prepared)
-    drop_refused_shapes(prepared, providers=config.providers)  # as `calibrate` prepares
-    complete_value_types(prepared, providers=config.providers)
+    onnxruntime_steps(prepared, providers=config.providers)  # as `calibrate` prepares
     inputs = model_inputs(prepared)
     source = data_mod.open_data(config.data, model_path=model_path, inputs=inputs,
                                 synthetic=config.synthetic, limit=config.limit, seed=config.seed)

@@ -79,7 +79,7 @@ from qcal.calibration import data as data_mod
 from qcal.calibration.collect import CollectionSummary, OutputSink, collect
 from qcal.calibration.hessians import collect_hessians
 from qcal.calibration.statistics import Statistics
-from qcal.calibration.value_types import complete_value_types, drop_refused_shapes
+from qcal.calibration.value_types import onnxruntime_steps
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import check_output_path, stage_file
 from qcal.graph.files.large import (
@@ -166,7 +166,7 @@ def calibrate(
         if weight_file is not None:
             prepared = weight_file.offload(prepared)
             loaded = dataclasses.replace(loaded, model=prepared)  # the weights in memory go
-        steps += _onnxruntime_types(prepared, config)
+        steps += onnxruntime_steps(prepared, providers=config.providers)
         # a model that imports no ai.onnx opset (ai.onnx.ml only) gets Q/DQ at the one asked for
         opset = default_opset(prepared) or config.opset
         inputs = model_inputs(prepared)
@@ -427,14 +427,6 @@ _TIMED_WEIGHT_BYTES = 1 << 30  # float weights up to which a model is timed
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
     prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
-    steps += _onnxruntime_types(prepared, config)
+    steps += onnxruntime_steps(prepared, providers=config.providers)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
 
-
-def _onnxruntime_types(prepared: onnx.ModelProto, config: CalibrationConfig) -> list[PrepStep]:
-    """The preparation steps that drop the shapes onnxruntime refuses, and type, from
-    onnxruntime, what onnx's inference could not."""
-    dropped = drop_refused_shapes(prepared, providers=config.providers)
-    detail = complete_value_types(prepared, providers=config.providers)
-    return ([PrepStep("onnxruntime-shapes", dropped)] if dropped else []) + \
-        ([PrepStep("onnxruntime-types", detail)] if detail else [])

@@ -21,10 +21,23 @@ from collections.abc import Sequence
 import onnx
 
 from qcal.calibration.runtime import create_session
+from qcal.graph.model import PrepStep
 from qcal.graph.structure import DEFAULT_DOMAINS, all_graphs, element_types
 from qcal.numerics.errors import QcalError
 
-__all__ = ["complete_value_types", "drop_refused_shapes"]
+__all__ = ["complete_value_types", "drop_refused_shapes", "onnxruntime_steps"]
+
+
+def onnxruntime_steps(
+    model: onnx.ModelProto, *, providers: Sequence[str] = ("CPUExecutionProvider",)
+) -> list[PrepStep]:
+    """The preparation steps from onnxruntime's view of `model`, in place: the stated shapes it
+    refuses dropped (`drop_refused_shapes`), then the element types onnx's inference left
+    unknown given (`complete_value_types`)."""
+    dropped = drop_refused_shapes(model, providers=providers)
+    typed = complete_value_types(model, providers=providers)
+    return [PrepStep(name, detail) for name, detail in (
+        ("onnxruntime-shapes", dropped), ("onnxruntime-types", typed)) if detail]
 
 
 def complete_value_types(
