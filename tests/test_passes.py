@@ -13,6 +13,7 @@ from _onnx_testing import (
     build_model,
     conv_bn_relu,
     float_input,
+    residual_classifier,
     run,
     run_optimized,
 )
@@ -452,13 +453,14 @@ def test_an_old_ir_model_is_converted_whole_and_says_so() -> None:
         initializer=[numpy_helper.from_array(w, "w")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
-    result = UpgradeOpset(13)(model)
-    assert result.modified and "IR 3 -> 7" in result.detail
-    assert "1 initializers no longer listed as graph inputs" in result.detail
-    assert [v.name for v in result.model.graph.input] == ["x"]
-    onnx.checker.check_model(result.model, full_check=True)
+    prepared, steps = prepare_model(model)
+    details = {step.name: step.detail for step in steps}
+    assert "IR 3 -> 7" in details["upgrade-opset"]
+    assert details["initializers-not-inputs"] == "1 initializers no longer listed as graph inputs"
+    assert [v.name for v in prepared.graph.input] == ["x"]
+    onnx.checker.check_model(prepared, full_check=True)
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
-    np.testing.assert_allclose(run(result.model, {"x": x})[0], x @ w, rtol=1e-6)
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], x @ w, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------ unshare-biases
@@ -762,9 +764,42 @@ def test_initializers_listed_as_inputs_are_dropped_when_the_opset_is_raised() ->
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=6)
     x = np.random.default_rng(3).standard_normal((1, 3, 4, 4)).astype(np.float32)
     (expected,) = run(model, {"x": x})
-    result = UpgradeOpset(13)(model)
-    assert "3 initializers no longer listed as graph inputs" in result.detail
-    assert [v.name for v in result.model.graph.input] == ["x"]
-    onnx.checker.check_model(result.model, full_check=True)
-    np.testing.assert_allclose(run_optimized(result.model, {"x": x})[0], expected, rtol=1e-5,
+    prepared, steps = prepare_model(model)
+    assert ("initializers-not-inputs", "3 initializers no longer listed as graph inputs") in [
+        (step.name, step.detail) for step in steps]
+    assert [v.name for v in prepared.graph.input] == ["x"]
+    onnx.checker.check_model(prepared, full_check=True)
+    np.testing.assert_allclose(run_optimized(prepared, {"x": x})[0], expected, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_weights_listed_as_inputs_are_quantized_as_the_constants_they_hold(tmp_path: Path) -> None:
+    """An opset-13 model that also lists its initializers as graph inputs (PyTorch's
+    keep_initializers_as_inputs, model-zoo files) is quantized as the same model listing only x:
+    its weights stored as codes (per channel), not quantized at every run as activations, and
+    its quantized model no longer takes them as inputs."""
+    rng = np.random.default_rng(21)
+    model = residual_classifier(rng, in_channels=3, channels=8, classes=5, side=8, second_scale=0.2)
+    listed = onnx.ModelProto()
+    listed.CopyFrom(model)
+    listed.graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in model.graph.initializer)
+    x = rng.standard_normal((12, 1, 3, 8, 8)).astype(np.float32)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "listed").mkdir()
+    plain_result = _calibrated(model, tmp_path / "plain", x=x)
+    listed_result = _calibrated(listed, tmp_path / "listed", x=x)
+    quantized = listed_result.model
+    assert [v.name for v in quantized.graph.input] == ["x"]
+    onnx.checker.check_model(quantized, full_check=True)
+    weights = {n.input[1] for n in quantized.graph.node if n.op_type in ("Conv", "Gemm")}
+    codes = {t.name: t for t in quantized.graph.initializer}
+    for node in quantized.graph.node:
+        if node.op_type == "DequantizeLinear" and node.output[0] in weights:
+            assert codes[node.input[0]].data_type == TensorProto.INT8  # stored codes
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] in {"W1", "W2", "G"}
+                   for n in quantized.graph.node)
+    feeds = {"x": x[:4, 0]}
+    for want, got in zip(run(plain_result.model, feeds), run(quantized, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -25,6 +25,7 @@ from qcal.graph.passes import (
     FoldInputAffine,
     FoldPad,
     InferShapes,
+    InitializersNotInputs,
     InlineFunctions,
     LowerEinsum,
     NameNodes,
@@ -171,10 +172,12 @@ def prepare_model(
     """A copy of `model` ready to quantize, and the steps that changed it.
 
     Passes, in order: inline-functions (model-local functions), upgrade-opset (to `min_opset`
-    when below: per-axis Q/DQ needs 13, int4/int16 need 21), name-nodes, constants-to-initializers, eliminate-identity,
-    widen-half, lower-einsum, fold-constant-shapes, fold-constant-weights, fold-batchnorm,
-    fold-pad, fold-input-affine, unshare-biases, sum-as-add, infer-shapes, pool-spatial-means and
-    shuffle-as-gather (after shape inference: they read ranks and dimensions). Each step that did something (or could not complete, as shape inference may)
+    when below: per-axis Q/DQ needs 13, int4/int16 need 21), initializers-not-inputs,
+    name-nodes, constants-to-initializers, eliminate-identity, widen-half, lower-einsum,
+    fold-constant-shapes, fold-constant-weights, fold-batchnorm, fold-pad, fold-input-affine,
+    unshare-biases, sum-as-add, infer-shapes, pool-spatial-means and shuffle-as-gather (after
+    shape inference: they read ranks and dimensions). Each step that did something (or could
+    not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -189,6 +192,7 @@ def prepare_model(
     passes: list[PrepPass] = [
         InlineFunctions(),
         UpgradeOpset(min_opset),
+        InitializersNotInputs(),
         NameNodes(),
         ConstantsToInitializers(),
         EliminateIdentity(),

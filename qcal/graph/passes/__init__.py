@@ -13,6 +13,7 @@ from qcal.graph.passes.fold_constant_weights import FoldConstantWeights
 from qcal.graph.passes.fold_input_affine import FoldInputAffine
 from qcal.graph.passes.fold_pad import FoldPad
 from qcal.graph.passes.infer_shapes import InferShapes
+from qcal.graph.passes.initializers_not_inputs import InitializersNotInputs
 from qcal.graph.passes.inline_functions import InlineFunctions
 from qcal.graph.passes.lower_einsum import LowerEinsum
 from qcal.graph.passes.name_nodes import NameNodes
@@ -32,6 +33,7 @@ __all__ = [
     "FoldInputAffine",
     "FoldPad",
     "InferShapes",
+    "InitializersNotInputs",
     "InlineFunctions",
     "LowerEinsum",
     "NameNodes",

@@ -84,19 +84,6 @@ class UpgradeOpset:
         if converted.ir_version < ir_version:
             detail += f", IR {converted.ir_version} -> {ir_version}"
             converted.ir_version = ir_version
-        # Old IR versions list every initializer as a graph input too (IR < 4 requires it), and
-        # old exporters did so by default (PyTorch 1.x's keep_initializers_as_inputs). As
-        # inputs they read as values a caller may override, so onnxruntime takes nothing they
-        # hold for a constant: a converted Resize whose scales are an empty initializer listed
-        # so (NanoDet, PyTorch 1.7 at opset 11) fails its shape inference ("either sizes or
-        # scales"), although the original loads. onnx's converter leaves them; qcal drops them.
-        initializers = {t.name for t in converted.graph.initializer}
-        kept = [v for v in converted.graph.input if v.name not in initializers]
-        if len(kept) < len(converted.graph.input):
-            detail += (f" ({len(converted.graph.input) - len(kept)} initializers no longer "
-                       "listed as graph inputs)")
-            del converted.graph.input[:]
-            converted.graph.input.extend(kept)
         return StepResult(converted, True, detail)
 
 
