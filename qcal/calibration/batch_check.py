@@ -117,7 +117,7 @@ def exact_threads(
     runs = []
     for count in (threads, 1):
         session = create_session(exposed, providers=providers, threads=count,
-                                 what="model (thread check)")
+                                 what="model")
         try:
             runs.append(session.run(names, feed))
         except Exception:  # noqa: BLE001  the calibration pass names the sample that fails
