@@ -853,7 +853,7 @@ def test_a_convolutional_classifier_head_is_read_by_its_decisions(head: str, sco
 def test_a_flip_between_classes_the_float_model_scores_alike_is_no_disagreement() -> None:
     """The float model's top two within a hundred float32 steps: a tie it does not hold
     itself (untrained networks, near-uniform softmax); a real margin flips as before."""
-    from qcal.accuracy.decisions import TIE_TOLERANCE, DecisionRule
+    from qcal.accuracy.decision_counts import TIE_TOLERANCE, DecisionRule
 
     rule = DecisionRule()
     x = np.array([[0.2, 0.2 - 1e-7, 0.1], [0.2, 0.19, 0.1]], np.float32)

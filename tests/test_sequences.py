@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from qcal._verdict import agreement_cell
-from qcal.accuracy.decisions import argmax_ties, sequence_axis, sequences_read_alike
+from qcal.accuracy.decision_counts import argmax_ties, sequence_axis, sequences_read_alike
 from qcal.accuracy.evaluate import compare_models
 
 

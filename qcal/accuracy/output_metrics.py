@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.accuracy.decisions import (
+from qcal.accuracy.decision_counts import (
     Argmax,
     DecisionRule,
     agreeing_by_sample,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from qcal.accuracy.decisions import DecisionRule
+from qcal.accuracy.decision_counts import DecisionRule
 from qcal.accuracy.output_parts import OutputPart
 from qcal.calibration.runtime import Feed
 

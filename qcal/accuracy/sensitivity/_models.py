@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qcal.accuracy.decisions import DecisionRule, decision_rules
+from qcal.accuracy.decision_counts import DecisionRule
+from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import numeric_outputs
 from qcal.accuracy.sensitivity._results import _OutputNoise
 from qcal.graph.files.large import tensor_array

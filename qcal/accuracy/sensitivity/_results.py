@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qcal.accuracy.decisions import DecisionRule
+from qcal.accuracy.decision_counts import DecisionRule
 from qcal.numerics.sums import inner_product
 
 __all__ = ["SensitivityResult", "TensorSensitivity", "noise_ratio_db"]
