@@ -14,11 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TIE_TOLERANCE", "Argmax", "DecisionRule", "agreeing_by_sample", "argmax_ties",
+__all__ = ["MAP_CLASSES", "TIE_TOLERANCE", "Argmax", "DecisionRule", "agreeing_by_sample", "argmax_ties",
            "decisions_by_class", "is_classifier_like", "probability_rows", "sequence_axis",
            "sequences_read_alike", "yes_decisions", "yes_of_classes"]
 
 TIE_TOLERANCE = 1e-5
+# Classes a Conv's upsampled maps must have to be read as a segmentation's: two channels so
+# resized are as often a flow's (dx, dy), whose argmax means nothing.
+MAP_CLASSES = 3
 # The float model's argmax, the quantized model's, and where the two are a near-tie of the float
 # model's scores (`argmax_ties`).
 Argmax = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -38,30 +41,48 @@ class DecisionRule:
         softmax_axis: for a softmax (or the version converter's spelling of an old one), the
             axis it normalizes; its positions are decisions when that is the last axis.
         linear: a linear layer's scores over the last axis; its positions are decisions.
+        channel_maps: the classes are on axis 1 of a map, ``[N, classes, ...]``: one decision
+            per position (a segmentation's pixels), as for a softmax over that axis.
     """
 
     threshold: bool = False
     softmax_axis: int | None = None
     linear: bool = False
+    channel_maps: bool = False
 
     def applies(self, shape: tuple[int, ...]) -> bool:
         """Whether an output of this shape holds decisions under the rule."""
         if self.threshold:
             return len(shape) > 0
+        if self.channel_maps and len(shape) >= 3:
+            return shape[1] >= (2 if self.softmax_axis is not None else MAP_CLASSES)
         last = self.linear or (self.softmax_axis is not None
                                and self.softmax_axis in (-1, len(shape) - 1))
         return is_classifier_like(shape, per_position=last and len(shape) > 2)
 
+    def class_last(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """An output's shape with its classes' axis last, as `argmax` reads it."""
+        if self.channel_maps and len(shape) >= 3:
+            return (shape[0], *shape[2:], shape[1])
+        return shape
+
+    def argmax(self, x: np.ndarray, y: np.ndarray) -> Argmax:
+        """`argmax_ties` over the classes' axis: the last, or a map's channels (axis 1), one
+        decision per position."""
+        if self.channel_maps:
+            x, y = np.moveaxis(x, 1, -1), np.moveaxis(y, 1, -1)
+        return argmax_ties(x, y)
+
     def count(self, x: np.ndarray, y: np.ndarray, argmax: Argmax | None = None,
               ) -> tuple[int, int, np.ndarray | None]:
         """(decisions that agree, decisions, the float model's per-sample classes or None);
-        float `x`, quantized `y`, and their `argmax_ties` when already taken. Near-ties of
+        float `x`, quantized `y`, and their `argmax` when already taken. Near-ties of
         the float model agree (module docstring)."""
         if self.threshold:
             fx, fy = x > 0.5, y > 0.5
             tie = np.abs(x.astype(np.float64) - 0.5) <= TIE_TOLERANCE * 0.5
             return int(np.count_nonzero((fx == fy) | tie)), int(fx.size), None
-        fx, fy, tie = argmax if argmax is not None else argmax_ties(x, y)
+        fx, fy, tie = argmax if argmax is not None else self.argmax(x, y)
         agree = int(np.count_nonzero((fx == fy) | tie))
         return agree, int(fx.size), fx if fx.ndim == 1 else None
 

@@ -17,6 +17,10 @@ read how, and at which shapes:
   or a tagger reads alike (a CRNN's ``[T, N, classes]``, a per-frame classifier); at rank 3 each
   sample's positions are also read together, as the sequence a decoder reads
   (`sequences_read_alike`);
+* a softmax over axis 1 of a map ``[N, classes, ...]``, and a Conv's maps of at least
+  MAP_CLASSES channels brought to another size by a Resize (a segmentation's logits
+  upsampled to the image): one argmax over the channels per position, a class per pixel (a
+  detector's heads and a pose model's heatmaps are given at the stride they are computed at);
 * a Sigmoid's output, any shape, also transposed: every element is a yes/no at 0.5 (voice
   activity per frame, multi-label tags, a detector's objectness or class scores, which
   paddle2onnx's PicoDet transposes to anchors x classes); so is a mean of it (a chunk's speech
@@ -51,6 +55,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -62,6 +67,10 @@ from qcal.graph.structure import FLOAT_TYPES, node_subgraphs
 __all__ = ["decision_rules"]
 
 _SCORE_OPS = frozenset({"Gemm", "MatMul", "Conv", "Add", "Softmax", "LogSoftmax"})
+# Upsampling between a Conv's class maps and an output: the logits of a segmentation brought
+# to the image's size. A detector's heads, a pose model's heatmaps and a regression's maps are
+# given at the stride they are computed at.
+_RESIZE_OPS = frozenset({"Resize", "Upsample"})
 _SOFTMAX_OPS = frozenset({"Softmax", "LogSoftmax"})
 # Ops between scores and an output that keep each class's rank: shape changes, casts.
 _PASS_THROUGH = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
@@ -90,13 +99,19 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
     for output in model.graph.output:
         if _NOT_DECISIONS.search(output.name):
             continue
-        node, reshaped, pooled, transposed = _source(output.name, producer, positive)
+        node, reshaped, pooled, transposed, resized = _source(output.name, producer, positive)
         if node is None or (transposed and node.op_type != "Sigmoid"):
             continue  # a transposed argmax would be read over another axis
         if node.op_type == "Sigmoid":
             # Pooled too: a mean (or max) of probabilities is one, thresholded alike (a
             # voice-activity model averaging its per-frame sigmoid over the chunk).
             found[output.name] = DecisionRule(threshold=True)
+        elif (resized and not (reshaped or pooled)
+              and (_class_maps(node, producer, constants)
+                   or _sum_of_heads(node, producer, constants))
+              and _trailing_dims(output) not in reconstructed):
+            # a segmentation's logits brought to the image's size: a class per pixel
+            found[output.name] = DecisionRule(channel_maps=True)
         elif node.op_type == "Add" and not (_linear(node, producer, constants)
                                             or _class_maps(node, producer, constants)
                                             or _sum_of_heads(node, producer, constants)):
@@ -108,9 +123,12 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             continue  # an autoencoder's reconstruction of its input: values, not scores
         elif node.op_type in _SCORE_OPS and not (pooled and not _class_maps(node, producer,
                                                                              constants)):
+            axis = _softmax_axis(node, producer, opset, reshaped)
             found[output.name] = DecisionRule(
-                softmax_axis=_softmax_axis(node, producer, opset, reshaped),
-                linear=not pooled and _linear(node, producer, constants))
+                softmax_axis=axis, linear=not pooled and _linear(node, producer, constants),
+                # over the channels of a map: a segmentation's class probabilities per pixel
+                # (before opset 13 a softmax at axis 1 is one distribution per sample)
+                channel_maps=axis == 1 and opset >= 13 and not (reshaped or pooled))
     if any(r.threshold or r.softmax_axis is not None for r in found.values()):
         # A model giving its decisions as probabilities (a softmax, a sigmoid) gives a linear
         # layer's raw outputs beside them as values: an MTCNN face stage's box offsets and
@@ -143,19 +161,31 @@ def _trailing_dims(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
     return trailing
 
 
-def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[str],
-            ) -> tuple[onnx.NodeProto | None, bool, bool, bool]:
-    """The node whose output reaches `value` through ops that keep decisions, and whether the
-    way reshaped, pooled or transposed it (a Transpose keeps each element's yes/no, not the
-    axis an argmax reads). Through an If, the branches' own ways, when every branch comes
-    from a Sigmoid (a streaming model choosing its path by the sample rate); other ops an If
-    returns are read as computed values."""
+class _Way(NamedTuple):
+    """The node whose output reaches an output through ops that keep decisions, and whether
+    the way reshaped, pooled, transposed (which keeps each element's yes/no, not the axis an
+    argmax reads) or resized it."""
+
+    node: onnx.NodeProto | None
+    reshaped: bool = False
+    pooled: bool = False
+    transposed: bool = False
+    resized: bool = False
+
+
+def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[str]) -> _Way:
+    """The way to `value` (`_Way`). Through an If, the branches' own ways, when every branch
+    comes from a Sigmoid (a streaming model choosing its path by the sample rate); other ops
+    an If returns are read as computed values."""
     node = producer.get(value)
-    reshaped = pooled = transposed = scaled = False
+    reshaped = pooled = transposed = resized = scaled = False
     after = ""  # the op on the way after this one
     while node is not None and node.input:
         if node.op_type in _PASS_THROUGH:
             reshaped = reshaped or node.op_type != "Identity"
+            value = node.input[0]
+        elif node.op_type in _RESIZE_OPS:
+            resized = True
             value = node.input[0]
         elif node.op_type == "Transpose":
             transposed = True
@@ -175,15 +205,16 @@ def _source(value: str, producer: Mapping[str, onnx.NodeProto], positive: set[st
             value, scaled = node.input[1], True
         elif node.op_type == "If":
             index = list(node.output).index(value)
-            return _branches_sigmoid(node, index, producer, positive), True, True, transposed
+            return _Way(_branches_sigmoid(node, index, producer, positive), True, True,
+                        transposed, resized)
         else:
             break
         after = node.op_type
         node = producer.get(value)
     if scaled and node is not None and node.op_type == "Sigmoid":
         # a scaled sigmoid is no probability to hold at 0.5: GLPN's depth is 10 sigmoid(x)
-        return None, reshaped, pooled, transposed
-    return node, reshaped, pooled, transposed
+        node = None
+    return _Way(node, reshaped, pooled, transposed, resized)
 
 
 def _branches_sigmoid(node: onnx.NodeProto, index: int,
@@ -196,7 +227,7 @@ def _branches_sigmoid(node: onnx.NodeProto, index: int,
         if index >= len(branch.output):
             return None
         inner = {**producer, **{v: n for n in branch.node for v in n.output}}
-        source, *_ = _source(branch.output[index].name, inner, positive)
+        source = _source(branch.output[index].name, inner, positive).node
         if source is None or source.op_type != "Sigmoid":
             return None
         found.append(source)

@@ -12,7 +12,6 @@ from qcal.accuracy.decision_counts import (
     Argmax,
     DecisionRule,
     agreeing_by_sample,
-    argmax_ties,
     decisions_by_class,
     probability_rows,
     sequence_axis,
@@ -254,16 +253,17 @@ class OutputAccumulator:
                 self.probabilities += int(x.size)
                 self.undecided += int(np.count_nonzero((x > low) & (x < high)))
             # taken once for the positions and the sequences they make
-            argmax = None if self.rule.threshold else argmax_ties(x, y)
+            argmax = None if self.rule.threshold else self.rule.argmax(x, y)
             agree, decisions, classes = self.rule.count(x, y, argmax)
             self.agree += agree
             self.rows += decisions
+            shape = self.rule.class_last(x.shape)
             if argmax is not None:
                 self._count_by_sample(argmax, samples)
             if argmax is not None and x.ndim == 3:
-                self._count_sequences(argmax, x.shape, samples)
+                self._count_sequences(argmax, shape, samples)
             if argmax is not None and x.ndim >= 3:
-                self._count_classes(argmax, x.shape[-1])
+                self._count_classes(argmax, shape[-1])
             if labels is not None and classes is not None:
                 if labels.shape[0] != classes.shape[0]:
                     raise DataError(
