@@ -122,7 +122,7 @@ def test_a_sequences_positions_count_together_in_the_bound() -> None:
     their count the frames would show at most 98.8 % agree, below the floor; taken by sequence
     (the frames of one go together, however the samples are batched), the bound reaches past
     99 %, and nothing is clearly missed. Spread over most sequences, the same share is."""
-    from qcal.accuracy.decisions import DecisionRule
+    from qcal.accuracy.decision_counts import DecisionRule
     from qcal.accuracy.evaluate import Comparison
     from qcal.accuracy.output_metrics import OutputAccumulator
     from qcal.config import CalibrationConfig

@@ -11,7 +11,7 @@ decisions that are the same; for probabilities (a sigmoid's map, a concatenated 
 probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
 |quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes; for a
 per-position output of rank 3, the share of samples whose sequence reads the same
-(`qcal.accuracy.decisions.sequences_read_alike`). With labels
+(`qcal.accuracy.decision_counts.sequences_read_alike`). With labels
 (one per sample), top-1 accuracy of both models on the per-sample classifier outputs. Only
 running sums are kept, never the outputs.
 

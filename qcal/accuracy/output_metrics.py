@@ -83,7 +83,7 @@ class OutputMetrics:
     # F1 of the yes decisions of its probabilities (module docstring); None: none, or too few.
     yes_f1: float | None = None
     # A per-position output's share of samples whose sequence reads the same
-    # (`qcal.accuracy.decisions.sequences_read_alike`); None: no sequences.
+    # (`qcal.accuracy.decision_counts.sequences_read_alike`); None: no sequences.
     sequence_agreement: float | None = None
     # Values of one row per sample ([N, ...]; a linear layer's scores, [N] or [N, k]): their
     # SQNR against how the rows vary between samples (`OutputAccumulator.variation_energy`);
