@@ -157,11 +157,12 @@ _CONFIRM_SAMPLES = 768
 def _confirm_on_calibration(
     model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
     config: CalibrationConfig, reference: FloatReference | None, progress: Progress | None,
+    held_out: Comparison,
 ) -> tuple[int, str] | None:
-    """The target the held-out samples met, checked on the calibration samples `calib` (their
-    float outputs kept from the collection in `reference`, released here, or computed again):
-    their count and what they show missed beyond doubt (`AccuracyTarget.clearly_missed`), or
-    None. A quarter held out is often a dozen samples, and the fallback stops at the first
+    """The target the held-out samples met (`held_out`), checked on the calibration samples
+    `calib` (their float outputs kept from the collection in `reference`, released here, or
+    computed again): their count and what they show missed (`AccuracyTarget.clearly_missed`),
+    or None. A quarter held out is often a dozen samples, and the fallback stops at the first
     model they accept."""
     comparison = compare_models(
         model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
@@ -169,7 +170,7 @@ def _confirm_on_calibration(
         on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
     if reference is not None:
         reference.release()
-    missed = config.accuracy_target().clearly_missed(comparison)
+    missed = config.accuracy_target().clearly_missed(comparison, held_out)
     return None if missed is None else (calib.num_samples(), missed)
 
 

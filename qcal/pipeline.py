@@ -340,7 +340,8 @@ def calibrate(
             accuracy.fallback is not None and accuracy.fallback.reached)):
         with timings.stage("confirm"):
             unconfirmed = _confirm_on_calibration(
-                prepared, quant_model, confirm_on, inputs, config, calib_reference, progress)
+                prepared, quant_model, confirm_on, inputs, config, calib_reference, progress,
+                comparison)
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
     integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)

@@ -160,3 +160,30 @@ def test_a_sequences_positions_count_together_in_the_bound() -> None:
     spread, _ = accumulated([8] * 45 + [0] * 3)
     assert spread.metrics("frames").top1_agreement == pytest.approx(p)
     assert target.clearly_missed(Comparison(48, (spread.metrics("frames"),))) is not None
+
+
+def test_a_share_below_the_floor_on_both_sets_of_samples_together_is_missed() -> None:
+    """An OPT decoder step met the 99 % floor on the 384 positions of its 12 held-out samples
+    (99.21 %) and agreed on 98.87 % of 1152 on its calibration samples, not beyond doubt, and
+    on 98.3 % of 2048 other positions: together, 98.96 % of 1536, it is missed. Where the floor
+    allows fewer than 5 differing decisions among them all (64 digits, one differing), one or
+    two decisions would decide, and only a share missed beyond doubt counts."""
+    from qcal.accuracy.evaluate import Comparison
+    from qcal.accuracy.output_metrics import OutputMetrics
+    from qcal.config import CalibrationConfig
+
+    def comparison(samples: int, agree: int, count: int) -> Comparison:
+        return Comparison(samples, (OutputMetrics(
+            "logits", 20.0, 0.99, 1.0, agree / count, decisions="argmax", decision_count=count),))
+
+    target = CalibrationConfig().accuracy_target()
+    held_out, calibration = comparison(12, 381, 384), comparison(36, 1139, 1152)
+    assert agreement_upper_bound(1139 / 1152, 1152) > 0.99  # no proof on its own
+    assert target.clearly_missed(calibration) is None
+    missed = target.clearly_missed(calibration, held_out)
+    assert missed is not None and "of 1536 decisions of logits" in missed
+    assert f"{100 * (381 + 1139) / 1536:.2f} %"[:4] in missed
+    # the same shares on both, above the floor: nothing missed
+    assert target.clearly_missed(comparison(36, 1145, 1152), held_out) is None
+    # one digit of 64 differing: 98.4 % together, but too few decisions to hold to it
+    assert target.clearly_missed(comparison(48, 47, 48), comparison(16, 16, 16)) is None

@@ -54,9 +54,17 @@ class AccuracyTarget:
                 gaps.append(self.min_yes_f1 - f1 - 1e-9)
         return max(gaps)
 
-    def clearly_missed(self, comparison: Comparison) -> str | None:
+    def clearly_missed(self, comparison: Comparison, held_out: Comparison | None = None,
+                       ) -> str | None:
         """What `comparison`, made on the samples the model was calibrated on, shows missed of
-        this target beyond doubt, in words, or None: a share of agreeing decisions whose upper
+        this target, in words, or None. With `held_out`, the comparison that met the target on
+        the samples held out: a share of agreeing decisions below the target on both sets of
+        samples together. Those of calibration favour the model, so the share on both is the
+        likelier of the two to hold on other data (an OPT decoder step met the 99 % floor on
+        the 384 positions of its 12 held-out samples, 99.21 %, with 98.87 % of 1152 on its
+        calibration samples, and agreed on 98.3 % of 2048 other positions), once the target
+        allows _TOGETHER_ALLOWED of them to differ. And beyond doubt: a share of agreeing
+        decisions whose upper
         95 % bound is below the target (one differing decision in 48 is no proof; the bound
         takes each batch's decisions together, as a sequence's positions are no independent
         draws: an EEG model's 28752 frames of 48 windows agreed at 98.72 %, a bound of 98.83 %
@@ -71,7 +79,9 @@ class AccuracyTarget:
         if comparison.broken_outputs:
             return "non-finite outputs the float model does not compute"
         missed = []
-        if self.max_agreement_drop is not None:
+        if self.max_agreement_drop is not None and held_out is not None:
+            missed += self._missed_together(comparison, held_out)
+        if self.max_agreement_drop is not None and not missed:
             for output in comparison.outputs:
                 agreement, count = output.top1_agreement, output.decision_count
                 if agreement is None or not count:
@@ -89,6 +99,25 @@ class AccuracyTarget:
             if sqnr is not None and sqnr < self.min_sqnr_db - _CLEAR_SQNR_DB:
                 missed.append(f"worst SQNR {shown_down(sqnr, 2)} dB")
         return "; ".join(missed) or None
+
+    def _missed_together(self, calibration: Comparison, held_out: Comparison) -> list[str]:
+        """Outputs whose decisions agree below the target on `held_out`'s samples and
+        `calibration`'s together, in words."""
+        assert self.max_agreement_drop is not None
+        held = {o.name: o for o in held_out.outputs}
+        missed = []
+        for output in calibration.outputs:
+            other = held.get(output.name)
+            shares = [(o.top1_agreement, o.decision_count) for o in (output, other)
+                      if o is not None and o.top1_agreement is not None and o.decision_count]
+            count = sum(n for _, n in shares)
+            if len(shares) < 2 or count * self.max_agreement_drop < _TOGETHER_ALLOWED:
+                continue
+            together = sum(a * n for a, n in shares) / count
+            if together < 1.0 - self.max_agreement_drop - 1e-9:
+                missed.append(f"{shown_down(100 * together, 2)} % of {count} decisions of "
+                              f"{output.name} agree on these and the held-out samples together")
+        return missed
 
     def describe(self, comparison: Comparison | None = None) -> str:
         """The target in words; the F1 of yes decisions only where `comparison` (a model
@@ -120,6 +149,11 @@ def worst_yes_f1(comparison: Comparison) -> float | None:
 # How far below the target an SQNR on the calibration samples must be to count as missed: a
 # margin, as a figure of error energy has no bound of its own here.
 _CLEAR_SQNR_DB = 1.0
+# Differing decisions the target must allow among the held-out and calibration samples
+# together before their share is held to it: with fewer, one or two decisions decide (one
+# digit of 64 differed for the benchmark's PReLU network, 98.4 %, while all 50 of its
+# evaluation digits agree), and only a share missed beyond doubt counts.
+_TOGETHER_ALLOWED = 5
 # the z of a one-sided 95 % bound
 _Z95 = 1.6448536
 
