@@ -441,6 +441,8 @@ def test_a_model_with_nothing_to_quantize_says_so_and_fails_a_coverage_gate(tmp_
     report = json.loads((tmp_path / "q.json").read_text())
     assert any(w.startswith("nothing was quantized") for w in report["warnings"])
     assert "nothing was quantized" in " ".join(plain.output.split())
+    # the output is the float model: the two are not timed against each other
+    assert not any(key.startswith("latency_") for key in report["timings_seconds"])
     gated = run(*base, "--fail-if-coverage-below", "1")
     _assert_error(gated, errors.AccuracyGateError.exit_code, "quantized share")
 
