@@ -506,9 +506,9 @@ def test_the_summary_counts_reasons_that_differ_only_in_names_as_one() -> None:
 def test_a_missed_accuracy_floor_reads_as_a_verdict() -> None:
     from qcal.accuracy.gates import GateResult
 
-    line = GateResult("accuracy-floor", "accuracy floor (see README) reached above the coverage "
-                      "floor (1 yes, 0 no)", 0.0, 0.0, False).describe()
-    assert line == ("accuracy floor (see README) reached above the coverage floor "
+    line = GateResult("accuracy-floor", "accuracy floor above the coverage floor (see README) "
+                      "(1 yes, 0 no)", 0.0, 0.0, False).describe()
+    assert line == ("accuracy floor above the coverage floor (see README) "
                     "(always checked): FAILED")
 
 

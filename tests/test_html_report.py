@@ -298,8 +298,8 @@ def test_gates_are_worded_as_the_terminal_words_them(entropy_run: Path) -> None:
     from qcal.html_report import render_html
 
     report = json.loads(entropy_run.read_text())
-    floor = GateResult("accuracy-floor", "accuracy floor (see README; 62.50 % of the decisions "
-                       "agree) reached above the coverage floor (1 yes, 0 no)", 1.0, 0.0, False)
+    floor = GateResult("accuracy-floor", "accuracy floor above the coverage floor (see README; "
+                       "62.50 % of the decisions agree) (1 yes, 0 no)", 1.0, 0.0, False)
     slower = GateResult("not-slower", "quantized/float latency on this machine, slower at 1 "
                         "thread (x)", 1.0, 1.2345, False)
     report["gates"] = [floor.to_json(), slower.to_json()]
