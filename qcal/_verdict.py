@@ -174,7 +174,17 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     if (config["fallback"] and config.get("weight_only") is None and not config["target_sqnr"]
             and config["max_agreement_drop"] is None):
         return Verdict("within-floor", "quality: within the accuracy floor", said)
+    if config.get("weight_only") is not None and not _gated(report):
+        # nothing held the figures to a floor: say so where a user reads them
+        return Verdict("measured", "quality (weight-only: no accuracy floor is checked; "
+                       "--fail-under-agreement or --fail-under-sqnr sets one)", said)
     return Verdict("measured", "quality", said)
+
+
+def _gated(report: Mapping[str, Any]) -> bool:
+    """Whether an option's gate held the quality figures to a limit."""
+    return any(g["option"] in ("fail-under-agreement", "fail-under-sqnr")
+               for g in report["gates"])
 
 
 def other_warnings(report: Mapping[str, Any]) -> list[str]:
