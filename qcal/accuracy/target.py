@@ -64,11 +64,10 @@ class AccuracyTarget:
         the 384 positions of its 12 held-out samples, 99.21 %, with 98.87 % of 1152 on its
         calibration samples, and agreed on 98.3 % of 2048 other positions), once the target
         allows _TOGETHER_ALLOWED of them to differ. And beyond doubt: a share of agreeing
-        decisions whose upper
-        95 % bound is below the target (one differing decision in 48 is no proof; the bound
-        takes each batch's decisions together, as a sequence's positions are no independent
-        draws: an EEG model's 28752 frames of 48 windows agreed at 98.72 %, a bound of 98.83 %
-        by their count, while 64 other windows agreed at 99.6 %), an SQNR
+        decisions whose upper 95 % bound is below the target (one differing decision in 48 is
+        no proof; the bound takes each batch's decisions together, as a sequence's positions
+        are no independent draws: an EEG model's 28752 frames of 48 windows agreed at 98.72 %,
+        a bound of 98.83 % by their count, while 64 other windows agreed at 99.6 %), an SQNR
         more than _CLEAR_SQNR_DB below it. Those samples favour the model (its ranges were
         fitted on them), so what they miss other data misses too. The check on a quarter of the
         samples held out cannot see as much: 16 of 16 alike show only that at least 85.5 %

@@ -16,13 +16,14 @@ class InitializersNotInputs:
 
     IR 3 requires every initializer to be listed as a graph input too, and old exporters did so
     by default (PyTorch 1.x's keep_initializers_as_inputs, many model-zoo files). From IR 4 on
-    such an input is a default a caller may override, so onnxruntime takes nothing it holds for a
-    constant: it folds no BatchNorm into the Conv, fuses no bias, and a Resize whose scales are
-    an empty initializer listed so fails to load once converted to opset 13; and a weight that
-    may be overridden cannot be stored as integer codes, only quantized at every run, per
-    tensor, as an activation is. A quantized model's weights are its codes, which no float input could replace: qcal
-    quantizes the values the model holds, and its model no longer lists them as inputs. A model
-    below IR 4 (kept at an opset that old by `--opset`) becomes IR 4, where they need not be.
+    such an input is a default a caller may override, so onnxruntime takes nothing it holds for
+    a constant: it folds no BatchNorm into the Conv, fuses no bias, and a Resize whose scales
+    are an empty initializer listed so fails to load once converted to opset 13. Nor can a
+    weight that may be overridden be stored as integer codes: it would be quantized at every
+    run, per tensor, as an activation is. A quantized model's weights are its codes, which no
+    float input could replace: qcal quantizes the values the model holds, and its model no
+    longer lists them as inputs. A model below IR 4 (kept at an opset that old by `--opset`)
+    becomes IR 4, where they need not be.
     """
 
     name: ClassVar[str] = "initializers-not-inputs"
