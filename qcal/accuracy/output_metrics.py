@@ -91,6 +91,9 @@ class OutputMetrics:
     variation_sqnr_db: float | None = None
     # How many decisions `top1_agreement` counts (None: no decisions).
     decision_count: int | None = None
+    # What `yes_f1` is computed from: the float model's yes decisions, the quantized model's
+    # and both's (None where it is); not in the report.
+    yes_counts: tuple[int, int, int] | None = None
     # The standard error of `top1_agreement`, each batch's decisions together (a sequence's
     # frames are no independent draws); not in the report. None: no decisions, or one batch.
     agreement_error: float | None = None
@@ -400,6 +403,8 @@ class OutputAccumulator:
                             else self.elements if self.integer else self.rows),
             yes_f1=(2 * yes[2] / (yes[0] + yes[1])
                     if yes[0] >= MIN_YES_DECISIONS and not soft else None),
+            yes_counts=(yes[0], yes[1], yes[2])
+            if yes[0] >= MIN_YES_DECISIONS and not soft else None,
             agreement_error=self._agreement_error() if decisions == "argmax" else None,
         )
 
