@@ -599,7 +599,7 @@ def test_a_scaled_sigmoid_is_values_not_decisions_at_one_half() -> None:
 
 def test_a_sigmoid_output_of_mostly_undecided_values_is_judged_by_its_sqnr() -> None:
     """An image through a sigmoid (a style-transfer network's) holds values, not decisions:
-    with most of its float probabilities between 0.1 and 0.9, small errors move many of them
+    with most of its float probabilities between 0.2 and 0.8, small errors move many of them
     across 0.5. It is compared by SQNR alone, and a small error meets the floor."""
     x = np.random.default_rng(8).uniform(-1.5, 1.5, (64, 3, 5)).astype(np.float32)
     shift = np.float32(0.02)
@@ -613,6 +613,23 @@ def test_a_sigmoid_output_of_mostly_undecided_values_is_judged_by_its_sqnr() -> 
     expected = 10.0 * np.log10(np.sum(p * p) / np.sum((p - q) ** 2))
     assert out.sqnr_db == pytest.approx(expected, abs=0.01)
     assert CalibrationConfig().accuracy_target().is_met(comparison)
+
+
+def test_a_mask_whose_background_sits_near_0_1_is_read_as_decisions() -> None:
+    """A binary segmentation's background at 0.11-0.15 (93 % of its probabilities between 0.1
+    and 0.9) is a clear no at every pixel: its mask is read as yes/no decisions at 0.5, as an
+    independent count says, not as an image judged by its SQNR."""
+    rng = np.random.default_rng(9)
+    background = rng.normal(-1.9, 0.1, (64, 3, 4))  # sigmoid 0.11-0.15
+    foreground = rng.normal(1.5, 1.0, (64, 3, 1))
+    x = np.concatenate([background, foreground], axis=2).astype(np.float32)
+    shift = np.float32(-0.5)  # some foreground pixels cross 0.5, no background pixel does
+    expected = float(np.mean((x > 0) == (x + shift > 0)))
+    assert 0.0 < expected < 1.0
+    out = compare_models(_sigmoid_after("Add", 0.0), _sigmoid_after("Add", shift),
+                         [({"x": x}, 64)]).outputs[0]
+    assert out.decisions == "threshold"
+    assert out.top1_agreement == pytest.approx(expected)
 
 
 def test_a_sparse_sigmoid_map_is_held_to_the_sqnr_floor_as_well() -> None:

@@ -377,6 +377,7 @@ class OutputAccumulator:
                      else "argmax")
         yes = (yes_of_classes(self.classes) if decisions == "argmax" and not self.yes[0]
                else self.yes)
+        counted = yes[0] >= MIN_YES_DECISIONS and not soft  # enough yes decisions for an F1
         sequences = None
         if decisions == "argmax" and self.rule is not None and self.sequences and not self.unsplit:
             sequences = (self.sequences_alike / self.sequences
@@ -401,10 +402,8 @@ class OutputAccumulator:
             variation_sqnr_db=variation_sqnr,  # no rows of an integer output are summed
             decision_count=(None if agreement is None
                             else self.elements if self.integer else self.rows),
-            yes_f1=(2 * yes[2] / (yes[0] + yes[1])
-                    if yes[0] >= MIN_YES_DECISIONS and not soft else None),
-            yes_counts=(yes[0], yes[1], yes[2])
-            if yes[0] >= MIN_YES_DECISIONS and not soft else None,
+            yes_f1=2 * yes[2] / (yes[0] + yes[1]) if counted else None,
+            yes_counts=(yes[0], yes[1], yes[2]) if counted else None,
             agreement_error=self._agreement_error() if decisions == "argmax" else None,
         )
 
@@ -429,13 +428,14 @@ class OutputAccumulator:
 
 
 _MEASURED_SOFTMAX = DecisionRule(softmax_axis=-1)
-# A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: the
-# maps and scores of trained detectors and voice-activity models hold 0-2 % of their
-# probabilities between 0.1 and 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's four score maps 0-1.6 %,
-# a VAD 0 %). An output with most of them there is an image or a soft map whose values are
-# what is read (a style-transfer network's sigmoid image: 100 %; 98 % of its pixels kept their
-# side of 0.5 at 35.7 dB), and is judged by its SQNR instead.
-_UNDECIDED = (0.1, 0.9)
+# A sigmoid's output is read as yes/no decisions at 0.5 where the float model decides: trained
+# detectors' and voice-activity models' maps hold 0-2 % of their probabilities between 0.1 and
+# 0.9 (PP-OCRv6 det 2.1 %, PP-PicoDet's score maps 0-1.6 %, a VAD 0 %), fewer between 0.2 and
+# 0.8. An output with most there is an image or a soft map whose values are read (a style
+# transfer's sigmoid image 100 % between 0.1 and 0.9; photos' pixels 69 % between 0.2 and
+# 0.8), judged by its SQNR. Not a mask whose background sits at 0.11-0.15 (a binary
+# segmentation's: 93 % between 0.1 and 0.9, 6 % between 0.2 and 0.8): those are clear noes.
+_UNDECIDED = (0.2, 0.8)
 _MOSTLY_UNDECIDED = 0.5
 
 
