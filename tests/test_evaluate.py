@@ -854,6 +854,14 @@ def test_a_convolutional_classifier_head_is_read_by_its_decisions(head: str, sco
     if not scores:
         assert out.top1_agreement is None
         return
+    expected = _argmax_agreement(_conv_head(w, head), _conv_head(noisy, head), x)
+    assert 0 < expected < 1
+    assert out.top1_agreement == pytest.approx(expected)
+
+
+def _argmax_agreement(a: onnx.ModelProto, b: onnx.ModelProto, x: np.ndarray) -> float:
+    """The share of positions where two models' outputs on `x` have the same argmax over axis
+    1, run in onnxruntime and counted with numpy."""
     import onnxruntime as ort
 
     def run(model: onnx.ModelProto) -> np.ndarray:
@@ -861,10 +869,7 @@ def test_a_convolutional_classifier_head_is_read_by_its_decisions(head: str, sco
                                        providers=["CPUExecutionProvider"])
         return np.asarray(session.run(None, {"x": x})[0])
 
-    expected = float(np.mean(run(_conv_head(w, head)).argmax(1)
-                             == run(_conv_head(noisy, head)).argmax(1)))
-    assert 0 < expected < 1
-    assert out.top1_agreement == pytest.approx(expected)
+    return float(np.mean(run(a).argmax(1) == run(b).argmax(1)))
 
 
 def test_a_flip_between_classes_the_float_model_scores_alike_is_no_disagreement() -> None:
@@ -951,15 +956,7 @@ def test_a_segmentations_maps_are_read_as_a_class_per_pixel(head: str, classes: 
     if not decisions:
         assert out.top1_agreement is None
         return
-    import onnxruntime as ort
-
-    def run(model: onnx.ModelProto) -> np.ndarray:
-        session = ort.InferenceSession(model.SerializeToString(),
-                                       providers=["CPUExecutionProvider"])
-        return np.asarray(session.run(None, {"x": x})[0])
-
-    expected = float(np.mean(run(_map_head(w, head)).argmax(1)
-                             == run(_map_head(noisy, head)).argmax(1)))
+    expected = _argmax_agreement(_map_head(w, head), _map_head(noisy, head), x)
     assert 0 < expected < 1
     assert out.decisions == "argmax"
     assert out.top1_agreement == pytest.approx(expected)
