@@ -268,8 +268,8 @@ def _show_latency(report: Mapping[str, Any]) -> None:
         ratio = max(ratio, two_quant / two_float)
         if disturbed(float_s, two_float):  # timed twice so (`qcal.accuracy.latency`)
             line += (f" (the float model took {two_float / float_s:.2f}x its 1-thread time, "
-                     "timed twice: other work on this machine likely held a core, so that ratio "
-                     "may say little)")
+                     "timed twice: other work on this machine may have held a core, or two "
+                     "threads slow this model itself, so that ratio may say little)")
     # Which of them costs more is not measured here: Q/DQ pairs around float ops on one model,
     # integer depthwise kernels slower than float ones on another.
     why = ("unpacking 4-bit weights costs more than reading them saves"
