@@ -921,10 +921,12 @@ def test_a_figure_just_under_a_floor_never_shows_as_the_floor(
 def _map_head(weight: np.ndarray, head: str) -> onnx.ModelProto:
     """x [N, 4, 6, 6] -> a 1x1 Conv of `weight` (classes x 4) -> per `head`: "resized" (a
     Resize to 12 x 12, a segmentation's logits brought to the image), "softmax" (a softmax over
-    the channels) or "stride" (the Conv's maps as they are, a detector's head)."""
+    the channels) or "stride" (the Conv's maps as they are, a detector's head), output "y";
+    "logits": those maps as they are, output "logits"."""
     classes = weight.shape[0]
-    nodes = [helper.make_node("Conv", ["x", "w"], ["maps" if head != "stride" else "y"],
-                              name="head")]
+    out = "logits" if head == "logits" else "y"
+    nodes = [helper.make_node("Conv", ["x", "w"], [out if head in ("stride", "logits")
+                                                   else "maps"], name="head")]
     if head == "resized":
         nodes.append(helper.make_node("Resize", ["maps", "", "scales"], ["y"], name="up",
                                       mode="linear"))
@@ -933,21 +935,23 @@ def _map_head(weight: np.ndarray, head: str) -> onnx.ModelProto:
     side = 12 if head == "resized" else 6
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", classes, side, side])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", classes, side, side])],
         initializer=[onnx.numpy_helper.from_array(weight, "w"), onnx.numpy_helper.from_array(
             np.array([1, 1, 2, 2], np.float32), "scales")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
 @pytest.mark.parametrize(("head", "classes", "decisions"), [
-    ("resized", 5, True), ("softmax", 2, True), ("stride", 5, False), ("resized", 2, False)])
+    ("resized", 5, True), ("softmax", 2, True), ("stride", 5, False), ("resized", 2, False),
+    ("logits", 5, True)])
 def test_a_segmentations_maps_are_read_as_a_class_per_pixel(head: str, classes: int,
                                                             decisions: bool) -> None:
     """A segmentation's logits upsampled by a Resize, or a softmax over a map's channels, hold
     one decision per pixel: the argmax over axis 1, as an independent argmax says (LRASPP and
-    DeepLabV3 passed the SQNR floor on values while 15-25 % of their pixels changed class). A
-    Conv's maps at its own stride (a detector's heads) stay values, and so do two channels
-    resized (a flow's dx and dy)."""
+    DeepLabV3 passed the SQNR floor on values while 15-25 % of their pixels changed class), and
+    so do a Conv's maps named logits (a UNet's, a SegFormer's). A Conv's maps at its own stride
+    otherwise named (a detector's heads, a pose model's heatmaps) stay values, and so do two
+    channels resized (a flow's dx and dy)."""
     rng = np.random.default_rng(41)
     x = rng.standard_normal((8, 4, 6, 6)).astype(np.float32)
     w = rng.standard_normal((classes, 4, 1, 1)).astype(np.float32)

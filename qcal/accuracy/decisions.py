@@ -19,8 +19,9 @@ read how, and at which shapes:
   (`sequences_read_alike`);
 * a softmax over axis 1 of a map ``[N, classes, ...]``, and a Conv's maps of at least
   MAP_CLASSES channels brought to another size by a Resize (a segmentation's logits
-  upsampled to the image): one argmax over the channels per position, a class per pixel (a
-  detector's heads and a pose model's heatmaps are given at the stride they are computed at);
+  upsampled to the image), or named logits by their exporter: one argmax over the channels per
+  position, a class per pixel (a detector's heads and a pose model's heatmaps are given at the
+  stride they are computed at);
 * a Sigmoid's output, any shape, also transposed: every element is a yes/no at 0.5 (voice
   activity per frame, multi-label tags, a detector's objectness or class scores, which
   paddle2onnx's PicoDet transposes to anchors x classes); so is a mean of it (a chunk's speech
@@ -84,6 +85,10 @@ _CLASS_MAP_OPS = frozenset({"GlobalAveragePool", "GlobalMaxPool", "ReduceMean", 
 # probabilities do, yet their argmax or threshold means nothing.
 _NOT_DECISIONS = re.compile(r"embed|hidden|feature|pool|box|coord|landmark|keypoint|depth",
                             re.IGNORECASE)
+# And a Conv's maps their exporter names logits are a segmentation's at the size it computes
+# them (Hugging Face's SegFormer, MobileViT and BEiT heads at a quarter of the image, a UNet's
+# at its full size), where nothing in the graph tells them from a pose model's heatmaps.
+_LOGITS = re.compile(r"logit", re.IGNORECASE)
 
 
 def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
@@ -106,11 +111,11 @@ def decision_rules(model: onnx.ModelProto) -> dict[str, DecisionRule]:
             # Pooled too: a mean (or max) of probabilities is one, thresholded alike (a
             # voice-activity model averaging its per-frame sigmoid over the chunk).
             found[output.name] = DecisionRule(threshold=True)
-        elif (resized and not (reshaped or pooled)
-              and (_class_maps(node, producer, constants)
-                   or _sum_of_heads(node, producer, constants))
+        elif ((resized or _LOGITS.search(output.name)) and not (reshaped or pooled)
+              and _conv_maps(node, producer, constants)
               and _trailing_dims(output) not in reconstructed):
-            # a segmentation's logits brought to the image's size: a class per pixel
+            # a segmentation's logits brought to the image's size, or named so: a class per
+            # pixel
             found[output.name] = DecisionRule(channel_maps=True)
         elif node.op_type == "Add" and not (_linear(node, producer, constants)
                                             or _class_maps(node, producer, constants)
@@ -245,6 +250,16 @@ def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
                 constants: set[str]) -> bool:
     """A Conv's output, or its bias added on its own (as paddle2onnx writes it)."""
     return node.op_type == "Conv" or _bias_of(node, producer, constants, "Conv")
+
+
+def _conv_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+               constants: set[str]) -> bool:
+    """A Conv's class maps (`_class_maps`), or an Add of two (LRASPP's two heads)."""
+    if _class_maps(node, producer, constants):
+        return True
+    heads = [producer.get(v) for v in node.input] if node.op_type == "Add" else []
+    return len(heads) == 2 and all(
+        h is not None and _class_maps(h, producer, constants) for h in heads)
 
 
 def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
