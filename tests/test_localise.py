@@ -100,3 +100,40 @@ def test_an_error_where_the_float_model_computes_zeros_is_the_largest_ratio() ->
     x = rng.standard_normal((1, 8)).astype(np.float32)
     harm = {s.tensor: s.harm for s in localise_error(model, broken, plan, [({"x": x}, 1)]).tensors}
     assert harm["w1"] == 1.0
+
+
+def test_a_quantized_graph_output_is_blamed_for_its_own_rounding() -> None:
+    """x -> Conv -> Relu -> Conv -> y, a graph output the plan quantizes (a Conv's, so that it
+    runs in integers): no node reads y, so no jump shows its rounding, and a UNet's logits,
+    rounded to 8 bits, were no candidate to keep float. Its harm is its own rounding, as numpy
+    computes it from the float model's y on the quantized model's grid."""
+    rng = np.random.default_rng(23)
+    weights = {"w1": (rng.standard_normal((32, 16, 3, 3)) * 0.1).astype(np.float32),
+               "w2": (rng.standard_normal((8, 32, 1, 1)) * 0.2).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="head")]
+    model, _ = prepare_model(build_model(nodes, [float_input("x", ["N", 16, 6, 6])], ["y"],
+                                         weights))
+    plan = plan_quantization(model, SelectionRules())
+    assert "y" in {a.tensor for a in plan.activations}
+
+    x = rng.standard_normal((4, 16, 6, 6)).astype(np.float32)
+    y = run(model, {"x": x})[0]
+    scale = np.float32(np.abs(y).max() / 6)  # a coarse grid: 13 steps over the range
+    rounded_model = onnx.ModelProto()
+    rounded_model.CopyFrom(model)
+    graph = rounded_model.graph
+    next(n for n in graph.node if n.name == "head").output[0] = "y_pre"
+    graph.initializer.extend([numpy_helper.from_array(np.array(scale, np.float32), "s"),
+                              numpy_helper.from_array(np.array(0, np.int8), "z")])
+    graph.node.extend([helper.make_node("QuantizeLinear", ["y_pre", "s", "z"], ["y_q"]),
+                       helper.make_node("DequantizeLinear", ["y_q", "s", "z"], ["y"])])
+
+    batches = [({"x": x[i:i + 1]}, 1) for i in range(4)]
+    harm = {s.tensor: s.harm for s in localise_error(model, rounded_model, plan, batches).tensors}
+    y64 = y.astype(np.float64).reshape(4, -1)
+    rounded = np.clip(np.rint(y / scale), -128, 127).astype(np.float64).reshape(4, -1) * float(scale)
+    expected = np.mean(np.sum((rounded - y64) ** 2, axis=1) / np.sum(y64 ** 2, axis=1))
+    assert 0.001 < expected < 0.1
+    assert harm["y"] == pytest.approx(expected, rel=1e-6)
