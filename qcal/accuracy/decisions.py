@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -255,11 +255,8 @@ def _class_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
 def _conv_maps(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
                constants: set[str]) -> bool:
     """A Conv's class maps (`_class_maps`), or an Add of two (LRASPP's two heads)."""
-    if _class_maps(node, producer, constants):
-        return True
-    heads = [producer.get(v) for v in node.input] if node.op_type == "Add" else []
-    return len(heads) == 2 and all(
-        h is not None and _class_maps(h, producer, constants) for h in heads)
+    return _class_maps(node, producer, constants) or _adds_two(
+        node, producer, lambda head: _class_maps(head, producer, constants))
 
 
 def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
@@ -267,10 +264,15 @@ def _sum_of_heads(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
     """An Add of two heads' scores: a linear layer (or Conv) each, as a distilled classifier
     averages its two heads (LeViT, EfficientFormer). A residual connection adds a layer's
     output to what that layer read, a value computed otherwise."""
-    heads = [producer.get(v) for v in node.input]
-    return len(heads) == 2 and all(
-        h is not None and (_linear(h, producer, constants) or _class_maps(h, producer, constants))
-        for h in heads)
+    return _adds_two(node, producer, lambda head: _linear(head, producer, constants)
+                     or _class_maps(head, producer, constants))
+
+
+def _adds_two(node: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto],
+              is_head: Callable[[onnx.NodeProto], bool]) -> bool:
+    """An Add of two computed values, each written by a node `is_head` accepts."""
+    heads = [producer.get(v) for v in node.input] if node.op_type == "Add" else []
+    return len(heads) == 2 and all(h is not None and is_head(h) for h in heads)
 
 
 # Between a global pooling and the Conv that scores its output as a classifier head.

@@ -344,7 +344,7 @@ def _quantized_outputs(quant_model: onnx.ModelProto, grids: Mapping[str, _Grid],
                        ) -> dict[str, _Grid]:
     """Graph outputs a DequantizeLinear writes from a QuantizeLinear of a gridded value, each
     with that grid."""
-    producer = {v: n for n in quant_model.graph.node for v in n.output}
+    producer = UseIndex.build(quant_model.graph).producer
     found = {}
     for output in quant_model.graph.output:
         dq = producer.get(output.name)

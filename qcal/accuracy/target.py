@@ -110,10 +110,9 @@ class AccuracyTarget:
         """Outputs whose decisions agree below the target on `held_out`'s samples and
         `calibration`'s together, in words."""
         assert self.max_agreement_drop is not None
-        held = {o.name: o for o in held_out.outputs}
         missed = []
-        for output in calibration.outputs:
-            shares = [(o.top1_agreement, o.decision_count) for o in (output, held.get(output.name))
+        for output, other in _paired(calibration, held_out):
+            shares = [(o.top1_agreement, o.decision_count) for o in (output, other)
                       if o is not None and o.top1_agreement is not None and o.decision_count]
             count = sum(n for _, n in shares)
             if len(shares) < 2 or count * self.max_agreement_drop < _TOGETHER_ALLOWED:
@@ -129,10 +128,9 @@ class AccuracyTarget:
         is below the target by more than its standard error, in words."""
         if self.min_yes_f1 is None:
             return []
-        held = {o.name: o for o in held_out.outputs}
         missed = []
-        for output in calibration.outputs:
-            f1 = _yes_f1_together(output, held.get(output.name))
+        for output, other in _paired(calibration, held_out):
+            f1 = _yes_f1_together(output, other)
             if f1 is not None and f1[0] + f1[1] < self.min_yes_f1 - 1e-9:
                 missed.append(f"F1 {shown_down(f1[0], 3)} of the yes decisions of "
                               f"{output.name} on these and the held-out samples together")
@@ -153,6 +151,14 @@ class AccuracyTarget:
             parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions (probabilities above "
                          "0.5, positions of another class than most are)")
         return " and ".join(parts)
+
+
+def _paired(calibration: Comparison, held_out: Comparison,
+            ) -> list[tuple[OutputMetrics, OutputMetrics | None]]:
+    """Each output's metrics on the calibration samples, with its metrics on the held-out ones
+    (None: not compared there)."""
+    held = {o.name: o for o in held_out.outputs}
+    return [(output, held.get(output.name)) for output in calibration.outputs]
 
 
 def _yes_f1_together(one: OutputMetrics, other: OutputMetrics | None,
