@@ -124,7 +124,7 @@ def test_a_sequences_positions_count_together_in_the_bound() -> None:
     99 %, and nothing is clearly missed. Spread over most sequences, the same share is."""
     from qcal.accuracy.decision_counts import DecisionRule
     from qcal.accuracy.evaluate import Comparison
-    from qcal.accuracy.output_metrics import OutputAccumulator
+    from qcal.accuracy.output_sums import OutputAccumulator
     from qcal.config import CalibrationConfig
 
     def accumulated(differing: list[int]) -> tuple[OutputAccumulator, np.ndarray]:

@@ -11,8 +11,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from qcal.accuracy.evaluate import compare_models
-from qcal.accuracy.output_metrics import OutputAccumulator
 from qcal.accuracy.output_parts import OutputPart, Part, measured_groups, output_parts
+from qcal.accuracy.output_sums import OutputAccumulator
 
 _W_BOX = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32) * 100
 _W_CLS = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)

@@ -35,12 +35,12 @@ from qcal.accuracy._ahead import runs_ahead
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.output_metrics import (
     MIN_YES_DECISIONS,
-    OutputAccumulator,
     OutputMetrics,
     floor_sqnr_applies,
     floor_sqnr_value,
 )
 from qcal.accuracy.output_parts import output_parts
+from qcal.accuracy.output_sums import OutputAccumulator
 from qcal.accuracy.reference import FloatReference
 from qcal.calibration.runtime import Feed, create_session
 from qcal.numerics.errors import DataError, ModelError, one_line
