@@ -5,7 +5,9 @@ made of the sums `qcal.accuracy.output_sums` keeps; what each figure means is sa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from qcal.accuracy.crossed import DecisionRows
 
 __all__ = ["MIN_YES_DECISIONS", "OutputMetrics", "floor_sqnr_applies", "floor_sqnr_value"]
 
@@ -76,6 +78,8 @@ class OutputMetrics:
     # The standard error of `top1_agreement`, each batch's decisions together (a sequence's
     # frames are no independent draws); not in the report. None: no decisions, or one batch.
     agreement_error: float | None = None
+    # A classifier's rows of scores and errors (`qcal.accuracy.crossed`); not in the report.
+    decision_rows: DecisionRows | None = field(default=None, compare=False, repr=False)
 
     @property
     def floor_sqnr(self) -> bool:

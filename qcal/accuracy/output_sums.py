@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qcal.accuracy.crossed import DecisionRows
 from qcal.accuracy.decision_counts import (
     Argmax,
     DecisionRule,
@@ -90,6 +91,7 @@ class OutputAccumulator:
     row_count: int = 0
     rows_apart: bool = False
     row_rank: int = 0
+    crossed: DecisionRows = field(default_factory=DecisionRows)  # one decision per sample
 
     def add(self, x: np.ndarray, y: np.ndarray, labels: np.ndarray | None,
             samples: int | None = None) -> None:
@@ -153,6 +155,8 @@ class OutputAccumulator:
             shape = self.rule.class_last(x.shape)
             if argmax is not None:
                 self._count_by_sample(argmax, samples)
+                if x.ndim == 2 and x.shape[0] == samples and all_finite and not self.integer:
+                    self.crossed.add(x, y, probabilities=self.rule.softmax_axis is not None)
             if argmax is not None and x.ndim == 3:
                 self._count_sequences(argmax, shape, samples)
             if argmax is not None and x.ndim >= 3:
@@ -295,6 +299,8 @@ class OutputAccumulator:
             yes_f1=2 * yes[2] / (yes[0] + yes[1]) if counted else None,
             yes_counts=(yes[0], yes[1], yes[2]) if counted else None,
             agreement_error=self._agreement_error() if decisions == "argmax" else None,
+            decision_rows=(self.crossed if decisions == "argmax" and self.crossed.scores
+                           and not self.other_shape else None),
         )
 
     def _count_by_sample(self, argmax: Argmax, samples: int | None) -> None:

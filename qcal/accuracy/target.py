@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from qcal.accuracy.crossed import crossed_agreement
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.output_metrics import OutputMetrics
 
@@ -74,7 +75,10 @@ class AccuracyTarget:
         samples held out cannot see as much: 16 of 16 alike show only that at least 85.5 %
         agree, and the fallback stops at the first model they accept (an EfficientNet-Lite0
         met the floor on its 16 held-out photos, and agreed on 42 of its 48 calibration photos
-        and on 81 % of 300 others). The F1 of yes decisions, with `held_out`, on both sets of
+        and on 81 % of 300 others). Nor a heavy tail of rare large errors, which counting
+        decisions misses where every sample agrees: a classifier's errors met with the other
+        samples' scores (`qcal.accuracy.crossed`), on both sets together, changing more
+        decisions than the target allows beyond doubt. The F1 of yes decisions, with `held_out`, on both sets of
         samples together, below the target by more than its standard error: a detector's yes
         elements are often too few to tell (ddddocr's YOLOX read 0.968 on its calibration
         samples alone, where its boxes agree at 0.995), a text detector's pixels are not
@@ -87,6 +91,7 @@ class AccuracyTarget:
                     else self._agreement_missed_together(comparison, held_out))
         missed += together
         if self.max_agreement_drop is not None and not together:
+            counted: set[str] = set()
             for output in comparison.outputs:
                 agreement, count = output.top1_agreement, output.decision_count
                 if agreement is None or not count:
@@ -99,6 +104,8 @@ class AccuracyTarget:
                     missed.append(f"{shown_down(100 * agreement, 2)} % of {count} decisions of "
                                   f"{output.name} agree (at most {shown_down(100 * upper, 2)} % at 95 % "
                                   "confidence)")
+                    counted.add(output.name)
+            missed += self._agreement_missed_crossed(comparison, held_out, counted)
         if self.min_sqnr_db is not None:
             sqnr = comparison.worst_finite_sqnr_db(floor=self.floor_sqnr)
             if sqnr is not None and sqnr < self.min_sqnr_db - _CLEAR_SQNR_DB:
@@ -121,6 +128,30 @@ class AccuracyTarget:
             if together < 1.0 - self.max_agreement_drop - 1e-9:
                 missed.append(f"{shown_down(100 * together, 2)} % of {count} decisions of "
                               f"{output.name} agree on these and the held-out samples together")
+        return missed
+
+    def _agreement_missed_crossed(self, calibration: Comparison, held_out: Comparison | None,
+                                  counted: set[str]) -> list[str]:
+        """Classifier outputs (other than those `counted` missed) whose errors, met with the
+        other samples' scores on the held-out and calibration samples together, change more
+        decisions than the target allows beyond doubt (`qcal.accuracy.crossed`), in words."""
+        assert self.max_agreement_drop is not None
+        missed = []
+        for output, other in (_paired(calibration, held_out) if held_out is not None
+                              else [(o, None) for o in calibration.outputs]):
+            if output.name in counted:
+                continue
+            crossed = crossed_agreement([output.decision_rows,
+                                         None if other is None else other.decision_rows])
+            if crossed is None:
+                continue
+            agreement, error = crossed
+            upper = min(1.0, agreement + _Z95 * error)
+            if upper < 1.0 - self.max_agreement_drop - 1e-9:
+                missed.append(f"the errors of these and the held-out samples, each met with "
+                              f"the others' scores, leave {shown_down(100 * agreement, 2)} % of "
+                              f"the decisions of {output.name} alike (at most "
+                              f"{shown_down(100 * upper, 2)} % at 95 % confidence)")
         return missed
 
     def _yes_missed_together(self, calibration: Comparison, held_out: Comparison) -> list[str]:
