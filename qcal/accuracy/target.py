@@ -78,7 +78,7 @@ class AccuracyTarget:
         and on 81 % of 300 others). Nor a heavy tail of rare large errors, which counting
         decisions misses where every sample agrees: a classifier's errors met with the other
         samples' scores (`qcal.accuracy.crossed`), on both sets together, changing more
-        decisions than the target allows beyond doubt. The F1 of yes decisions, with `held_out`, on both sets of
+        decisions than the target allows without any one of the samples. The F1 of yes decisions, with `held_out`, on both sets of
         samples together, below the target by more than its standard error: a detector's yes
         elements are often too few to tell (ddddocr's YOLOX read 0.968 on its calibration
         samples alone, where its boxes agree at 0.995), a text detector's pixels are not
@@ -134,7 +134,8 @@ class AccuracyTarget:
                                   counted: set[str]) -> list[str]:
         """Classifier outputs (other than those `counted` missed) whose errors, met with the
         other samples' scores on the held-out and calibration samples together, change more
-        decisions than the target allows beyond doubt (`qcal.accuracy.crossed`), in words."""
+        decisions than the target allows, whichever one sample is left out
+        (`qcal.accuracy.crossed`), in words."""
         assert self.max_agreement_drop is not None
         missed = []
         for output, other in (_paired(calibration, held_out) if held_out is not None
@@ -145,13 +146,12 @@ class AccuracyTarget:
                                          None if other is None else other.decision_rows])
             if crossed is None:
                 continue
-            agreement, error = crossed
-            upper = min(1.0, agreement + _Z95 * error)
-            if upper < 1.0 - self.max_agreement_drop - 1e-9:
+            agreement, without_one = crossed
+            if without_one < 1.0 - self.max_agreement_drop - 1e-9:
                 missed.append(f"the errors of these and the held-out samples, each met with "
                               f"the others' scores, leave {shown_down(100 * agreement, 2)} % of "
                               f"the decisions of {output.name} alike (at most "
-                              f"{shown_down(100 * upper, 2)} % at 95 % confidence)")
+                              f"{shown_down(100 * without_one, 2)} % without any one sample)")
         return missed
 
     def _yes_missed_together(self, calibration: Comparison, held_out: Comparison) -> list[str]:
