@@ -89,7 +89,8 @@ def test_auto_keeps_the_extremes_of_tensors_the_outputs_read(tmp_path: Path, pre
     model_path = _two_heads(tmp_path)
     result = CliRunner().invoke(main, [
         "calibrate", "--min-product-macs", "0", str(model_path), "--synthetic", "64", "--method", "auto", "--preset",
-        preset, "-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "r.json"), "-q"])
+        preset, "-o", str(tmp_path / "q.onnx"), "--report", str(tmp_path / "r.json"), "-q",
+        "--no-fallback"])  # ranges are what is checked, not a random network's accuracy
     assert result.exit_code == 0, result.output
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
     report = json.loads((tmp_path / "r.json").read_text())

@@ -1013,8 +1013,10 @@ def test_without_evaluation_data_the_floor_is_checked_on_held_out_samples(
         held, kept = sorted(by_digest[:16]), sorted(by_digest[16:])
         if rows[kept].max() != rows[:48].max() and rows[kept].min() != rows[:48].min():
             break
+    # the gates' verdict is not what is checked here (a random MLP's near-level scores)
     result = calibrate(path, CalibrationConfig(min_product_macs=0, data=tmp_path / "mlp.calib.npz",
-                                               fallback=True, min_coverage=50.0))
+                                               fallback=True, min_coverage=50.0),
+                       enforce_gates=False)
     report = result.report
     assert report["data"]["samples"] == 48
     assert report["evaluation"]["samples"] == 16

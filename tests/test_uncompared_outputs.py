@@ -44,18 +44,20 @@ def test_a_sequence_output_is_named_as_not_compared(
     onnx.save(_model(with_tensor_output), model_path)
     data = np.random.default_rng(6).standard_normal((32, 16)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", x=data)
+    # --no-fallback: a random MLP's 4 scores are near one another, and the floor's checks find
+    # it short of 99 % agreement (98.5 % of 5000 other samples); compared here is what is named
     result = CliRunner().invoke(main, [
         "calibrate", "--min-product-macs", "0", str(model_path), "--data", str(tmp_path / "calib.npz"), "-o",
-        str(tmp_path / "q.onnx"), "--report", str(tmp_path / "q.json"), "--allow-slower"],
-        catch_exceptions=False)
+        str(tmp_path / "q.onnx"), "--report", str(tmp_path / "q.json"), "--allow-slower",
+        "--no-fallback"], catch_exceptions=False)
     report = json.loads((tmp_path / "q.json").read_text())
     assert [o["name"] for o in report["evaluation"]["outputs"]] == (
         ["y"] if with_tensor_output else [])
     assert any("'parts' is a sequence" in w and "not compared" in w
                for w in report["warnings"]), report["warnings"]
-    if with_tensor_output:
+    if with_tensor_output:  # measured and said
         assert result.exit_code == 0, result.output
-        assert "within the accuracy floor" in result.output
+        assert "of the decisions agree with the float model" in result.output
     else:  # nothing measured: no "within the floor" said of it
         assert result.exit_code == 0, result.output
         assert "quality: not measured" in result.output
