@@ -87,7 +87,8 @@ def prepare_collection(
     """Load, prepare and plan as `calibrate` does, and open the data."""
     build_preset(config.preset, config.preset_options)  # a bad preset option fails first
     loaded = load_model(model_path)
-    prepared, _ = prepare_model(loaded.model, min_opset=config.opset, in_place=True)
+    prepared, _ = prepare_model(loaded.model, min_opset=config.opset, in_place=True,
+                                 for_speed=config.places_for_speed)
     weight_file = None
     if weights_in_files(prepared):
         weight_file = WeightFile()

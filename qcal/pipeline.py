@@ -158,7 +158,8 @@ def calibrate(
         preset = build_preset(config.preset, config.preset_options)
         loaded = load_model(model_path)
         # In place: only the loaded model's path and hash are used from here on.
-        prepared, steps = prepare_model(loaded.model, min_opset=_min_opset(config), in_place=True)
+        prepared, steps = prepare_model(loaded.model, min_opset=_min_opset(config), in_place=True,
+                                       for_speed=config.places_for_speed)
         # A large model is calibrated with its large weights in files (its own external data,
         # or a temporary file for those in memory): onnxruntime maps them and qcal reads one
         # at a time, so memory stays close to one copy of the weights.
@@ -431,7 +432,8 @@ _TIMED_WEIGHT_BYTES = 1 << 30  # float weights up to which a model is timed
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
     loaded = load_model(model_path)
-    prepared, steps = prepare_model(loaded.model, min_opset=config.opset)
+    prepared, steps = prepare_model(loaded.model, min_opset=config.opset,
+                                   for_speed=config.places_for_speed)
     steps += onnxruntime_steps(prepared, providers=config.providers)
     return loaded, prepared, steps, plan_quantization(prepared, _selection_rules(config))
 

@@ -18,6 +18,7 @@ import onnx
 
 from qcal.graph.passes import (
     ConstantsToInitializers,
+    ConvTransposeAsConv,
     EliminateIdentity,
     FoldBatchNorm,
     FoldConstantShapes,
@@ -167,7 +168,8 @@ class PrepStep:
 
 
 def prepare_model(
-    model: onnx.ModelProto, *, min_opset: int = 13, in_place: bool = False
+    model: onnx.ModelProto, *, min_opset: int = 13, in_place: bool = False,
+    for_speed: bool = False,
 ) -> tuple[onnx.ModelProto, list[PrepStep]]:
     """A copy of `model` ready to quantize, and the steps that changed it.
 
@@ -176,8 +178,9 @@ def prepare_model(
     name-nodes, constants-to-initializers, eliminate-identity, widen-half, lower-einsum,
     fold-constant-shapes, fold-constant-weights, fold-batchnorm, fold-pad, fold-input-affine,
     unshare-biases, sum-as-add, infer-shapes, pool-spatial-means and shuffle-as-gather (after
-    shape inference: they read ranks and dimensions). Each step that did something (or could
-    not complete, as shape inference may)
+    shape inference: they read ranks and dimensions); with `for_speed` (Q/DQ placed for
+    onnxruntime's integer kernels, not to emulate a target), conv-transpose-as-conv before
+    infer-shapes. Each step that did something (or could not complete, as shape inference may)
     is reported. `model` itself is never changed, unless `in_place`
     (which saves a copy of the weights when the caller has no further use for `model`).
 
@@ -205,6 +208,7 @@ def prepare_model(
         FoldInputAffine(),
         UnshareBiases(),
         SumAsAdd(),
+        *([ConvTransposeAsConv()] if for_speed else []),
         InferShapes(),
         PoolSpatialMeans(),
         ShuffleAsGather(),

@@ -6,6 +6,7 @@ when it cannot do its job; `qcal.graph.model.prepare_model` runs them in order.
 
 from qcal.graph.passes._base import PrepPass, StepResult
 from qcal.graph.passes.constants_to_initializers import ConstantsToInitializers
+from qcal.graph.passes.conv_transpose_as_conv import ConvTransposeAsConv
 from qcal.graph.passes.eliminate_identity import EliminateIdentity
 from qcal.graph.passes.fold_batchnorm import FoldBatchNorm
 from qcal.graph.passes.fold_constant_shapes import FoldConstantShapes
@@ -26,6 +27,7 @@ from qcal.graph.passes.widen_half import WidenHalf
 
 __all__ = [
     "ConstantsToInitializers",
+    "ConvTransposeAsConv",
     "EliminateIdentity",
     "FoldBatchNorm",
     "FoldConstantShapes",
