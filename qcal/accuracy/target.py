@@ -78,12 +78,13 @@ class AccuracyTarget:
         and on 81 % of 300 others). Nor a heavy tail of rare large errors, which counting
         decisions misses where every sample agrees: a classifier's errors met with the other
         samples' scores (`qcal.accuracy.crossed`), on both sets together, changing more
-        decisions than the target allows without any one of the samples. The F1 of yes decisions, with `held_out`, on both sets of
-        samples together, below the target by more than its standard error: a detector's yes
-        elements are often too few to tell (ddddocr's YOLOX read 0.968 on its calibration
-        samples alone, where its boxes agree at 0.995), a text detector's pixels are not
-        (PP-OCRv5's DB map read 0.972 on 16 held-out pages, 0.969 with its 48 calibration
-        pages, and its boxes agree at 0.949 on 64 others)."""
+        decisions than the target allows without any one of the samples. The F1 of yes
+        decisions, with `held_out`, on both sets of samples together, below the target by
+        more than its standard error: a detector's yes elements are often too few to tell
+        (ddddocr's YOLOX read 0.968 on its calibration samples alone, where its boxes agree
+        at 0.995), a text detector's pixels are not (PP-OCRv5's DB map read 0.972 on 16
+        held-out pages, 0.969 with its 48 calibration pages, and its boxes agree at 0.949 on
+        64 others)."""
         if comparison.broken_outputs:
             return "non-finite outputs the float model does not compute"
         missed = [] if held_out is None else self._yes_missed_together(comparison, held_out)
@@ -148,7 +149,9 @@ class AccuracyTarget:
                 continue
             agreement, without_one = crossed
             if without_one < 1.0 - self.max_agreement_drop - 1e-9:
-                missed.append(f"the errors of these and the held-out samples, each met with "
+                samples = "these samples" if held_out is None else (
+                    "these and the held-out samples")
+                missed.append(f"the errors of {samples}, each met with "
                               f"the others' scores, leave {shown_down(100 * agreement, 2)} % of "
                               f"the decisions of {output.name} alike (at most "
                               f"{shown_down(100 * without_one, 2)} % without any one sample)")
