@@ -88,8 +88,37 @@ def test_the_conv_of_phases_computes_the_conv_transpose(
                                atol=1e-5 * np.abs(_run(model, other)).max())
 
 
+@pytest.mark.parametrize(("rank", "kernel", "stride", "extra", "mode"), [
+    (2, 4, 2, 0, "SAME_UPPER"), (2, 3, 1, 0, "SAME_LOWER"), (2, 2, 2, 0, "SAME_UPPER"),
+    (1, 16, 8, 0, "SAME_UPPER"), (1, 5, 2, 1, "SAME_LOWER"),
+])
+def test_same_pads_of_an_even_total_are_written_as_convs(
+        rank: int, kernel: int, stride: int, extra: int, mode: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto_pad SAME (paddle2onnx's padding="same"): an output of input x stride, padded by
+    kernel - stride + output padding, half on each side where that is even."""
+    import qcal.graph.passes.conv_transpose_as_conv as module
+
+    monkeypatch.setattr(module, "_pays", lambda channels, axes: True)
+    rng = np.random.default_rng(kernel * 10 + stride)
+    model = _model(rank, (4, 6), kernel, stride, (0, 0), extra, 1, True, rng)
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "pads"]
+    del node.attribute[:]
+    node.attribute.extend([*kept, helper.make_attribute("auto_pad", mode)])
+    x = rng.standard_normal((1, 4, *[6, 5][:rank])).astype(np.float32)
+    expected = _run(model, x)
+    assert expected.shape[2:] == tuple(d * stride for d in x.shape[2:])
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert ConvTransposeAsConv()(rewritten).modified
+    np.testing.assert_allclose(_run(rewritten, x), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("attributes", [
-    {"auto_pad": "SAME_UPPER", "pads": None}, {"output_shape": [11, 11], "pads": None},
+    {"auto_pad": "SAME_UPPER", "pads": None},  # kernel 3, stride 2: an odd total pad
+    {"output_shape": [11, 11], "pads": None},
     {"dilations": [2, 2]}, {"strides": [1, 2]},
 ])
 def test_forms_it_does_not_cover_stay(attributes: dict) -> None:  # type: ignore[type-arg]

@@ -34,8 +34,8 @@ at one thread with them rewritten, 0.47x without).
 Only where placement serves onnxruntime's integer kernels (`prepare_model`'s `for_speed`): an
 emulated target runs its own ConvTranspose, its weight quantized per output channel of the
 ConvTranspose, not per phase. And only the forms this covers: a constant float weight, 1-D, or
-2-D with one stride on both axes, no dilation, pads given (not auto_pad SAME or an
-output_shape), and a constant bias or none.
+2-D with one stride on both axes, no dilation, pads given or auto_pad SAME with an even
+total (`_pads`), no output_shape, and a constant bias or none.
 """
 
 from __future__ import annotations
@@ -132,18 +132,17 @@ def _form(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto],
         return None
     if any(a.name == "output_shape" for a in node.attribute):
         return None
-    if string_attribute(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        return None
     kernel = list(weight.shape[2:])
     if ints_attribute(node, "kernel_shape", kernel) != kernel:
         return None
     strides = ints_attribute(node, "strides", [1] * rank)
     dilations = ints_attribute(node, "dilations", [1] * rank)
-    pads = ints_attribute(node, "pads", [0] * 2 * rank)
-    if string_attribute(node, "auto_pad", "NOTSET") == "VALID":
-        pads = [0] * 2 * rank
     extra = ints_attribute(node, "output_padding", [0] * rank)
-    if (len(strides) != rank or len(pads) != 2 * rank or len(extra) != rank
+    if len(strides) != rank or len(extra) != rank:
+        return None
+    pads = _pads(string_attribute(node, "auto_pad", "NOTSET"),
+                 ints_attribute(node, "pads", [0] * 2 * rank), kernel, strides, extra)
+    if (pads is None or len(pads) != 2 * rank
             or any(d != 1 for d in dilations) or min(strides) < 1 or min(pads) < 0
             or min(extra) < 0 or (rank == 2 and strides[0] != strides[1])):
         return None
@@ -153,6 +152,25 @@ def _form(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto],
     if not _pays(weight.shape[0] // group, axes):
         return None
     return weight, bias, axes, group
+
+
+def _pads(auto_pad: str, pads: list[int], kernel: list[int], strides: list[int],
+          extra: list[int]) -> list[int] | None:
+    """The pads a ConvTranspose's `auto_pad` makes (None where this pass does not cover them).
+    SAME gives an output of input x stride, padded by kernel − stride + output padding in all,
+    whatever the input's size (paddle2onnx writes Conv2DTranspose(padding="same") so); where
+    that is odd, onnxruntime and the ONNX specification have put the extra one on different
+    sides, so only even totals are written as Convs, half on each side."""
+    if auto_pad == "NOTSET":
+        return pads
+    if auto_pad == "VALID":
+        return [0] * 2 * len(kernel)
+    if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        return None
+    totals = [k - s + e for k, s, e in zip(kernel, strides, extra)]
+    if any(t < 0 or t % 2 for t in totals):
+        return None
+    return [t // 2 for t in totals] * 2
 
 
 def _pays(channels_per_group: int, axes: list[_Axis]) -> bool:
