@@ -18,7 +18,7 @@ passes. The fallback then confirms on the real QDQ model, as with per-tensor sen
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -76,13 +76,11 @@ def localise_error(
     # node, and the quantized model gives it rounded: its own rounding is measured on the
     # float model's value (a UNet's logits, rounded to 8 bits, changed 4 % of its pixels'
     # classes, and were no candidate to keep float).
-    rounded_outputs = _quantized_outputs(quant_model, grids)
-    grids.update(rounded_outputs)
+    grids.update(_quantized_outputs(quant_model, grids))
     ratios, shapes, samples, rounding = _error_ratios(
         _exposing_branches(float_model, in_branches),
         _exposing_branches(quant_model, in_branches),
-        watched + list(in_branches.values()), batches, providers, grids,
-        set(rounded_outputs))
+        watched + list(in_branches.values()), batches, providers, grids)
     for value, name in in_branches.items():
         ratios[value] = ratios.pop(name)
         shapes[value] = shapes.pop(name)
@@ -290,7 +288,7 @@ def _noise_ratio(f: np.ndarray, q: np.ndarray) -> float:
 def _error_ratios(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, names: list[str],
     batches: Iterable[tuple[Feed, int]], providers: tuple[str, ...],
-    grids: Mapping[str, _Grid], rounded_in_float: set[str],
+    grids: Mapping[str, _Grid],
 ) -> tuple[dict[str, float], dict[str, tuple[int, ...]], int, dict[str, float]]:
     """Tensor -> the mean over the batches (one sample each) of the quantized value's noise
     energy over its signal energy (`_noise_ratio`); tensor -> its shape in the first run (the
@@ -299,7 +297,7 @@ def _error_ratios(
     ones (a voice-activity model's silent chunks, where its decisions are made, carried 80
     times the relative error of its speech). Last, tensor -> the mean ratio of the rounding
     its grid in `grids` makes of the quantized model's value (the error it adds itself), or of
-    the float model's for those in `rounded_in_float` (graph outputs the quantized model gives
+    the float model's for a grid `of_float` (graph outputs the quantized model gives
     rounded)."""
     float_session = create_session(exposing(float_model, names), providers=providers,
                                    threads=COMPARE_THREADS, what="float model")
@@ -319,7 +317,7 @@ def _error_ratios(
                 shapes[name] = tuple(np.shape(f))
             totals[name] += _noise_ratio(f, q)
             if name in rounded:
-                value = f if name in rounded_in_float else q
+                value = f if grids[name].of_float else q
                 rounded[name] += _noise_ratio(value, grids[name].round(value))
         samples += n
         runs += 1
@@ -335,6 +333,9 @@ class _Grid:
     zero_point: int
     low: int
     high: int
+    # Rounds the float model's value: a graph output the quantized model gives rounded, whose
+    # quantized value is on the grid already (`_quantized_outputs`).
+    of_float: bool = False
 
     def round(self, x: np.ndarray) -> np.ndarray:
         return qdq_round_trip(x, self.scale, self.zero_point, self.low, self.high)
@@ -343,7 +344,7 @@ class _Grid:
 def _quantized_outputs(quant_model: onnx.ModelProto, grids: Mapping[str, _Grid],
                        ) -> dict[str, _Grid]:
     """Graph outputs a DequantizeLinear writes from a QuantizeLinear of a gridded value, each
-    with that grid."""
+    with that grid, rounding the float model's value (`_Grid.of_float`)."""
     producer = UseIndex.build(quant_model.graph).producer
     found = {}
     for output in quant_model.graph.output:
@@ -351,7 +352,7 @@ def _quantized_outputs(quant_model: onnx.ModelProto, grids: Mapping[str, _Grid],
         q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
             else None
         if q is not None and q.op_type == "QuantizeLinear" and q.input[0] in grids:
-            found[output.name] = grids[q.input[0]]
+            found[output.name] = replace(grids[q.input[0]], of_float=True)
     return found
 
 

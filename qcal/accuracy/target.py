@@ -139,8 +139,7 @@ class AccuracyTarget:
         (`qcal.accuracy.crossed`), in words."""
         assert self.max_agreement_drop is not None
         missed = []
-        for output, other in (_paired(calibration, held_out) if held_out is not None
-                              else [(o, None) for o in calibration.outputs]):
+        for output, other in _paired(calibration, held_out):
             if output.name in counted:
                 continue
             crossed = crossed_agreement([output.decision_rows,
@@ -187,11 +186,11 @@ class AccuracyTarget:
         return " and ".join(parts)
 
 
-def _paired(calibration: Comparison, held_out: Comparison,
+def _paired(calibration: Comparison, held_out: Comparison | None,
             ) -> list[tuple[OutputMetrics, OutputMetrics | None]]:
     """Each output's metrics on the calibration samples, with its metrics on the held-out ones
-    (None: not compared there)."""
-    held = {o.name: o for o in held_out.outputs}
+    (None: not compared there, or no held-out samples)."""
+    held = {} if held_out is None else {o.name: o for o in held_out.outputs}
     return [(output, held.get(output.name)) for output in calibration.outputs]
 
 

@@ -243,14 +243,11 @@ def _as_conv(node: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None,
     base = node.output[0]
     channels = weight.shape[1] * group
     phases = math.prod(a.stride for a in axes)
-    weight_name = names.allocate(f"{node.input[1]}_phases")
-    graph.initializer.append(numpy_helper.from_array(_phase_weight(weight, axes, group),
-                                                     weight_name))
-    inputs = [node.input[0], weight_name]
+    inputs = [node.input[0], _constant(graph, names, f"{node.input[1]}_phases",
+                                       _phase_weight(weight, axes, group))]
     if bias is not None:
-        bias_name = names.allocate(f"{node.input[2]}_phases")
-        graph.initializer.append(numpy_helper.from_array(np.repeat(bias, phases), bias_name))
-        inputs.append(bias_name)
+        inputs.append(_constant(graph, names, f"{node.input[2]}_phases",
+                                np.repeat(bias, phases)))
     cut = any(a.start or a.short_of_end for a in axes)
     conv_out = names.allocate(f"{base}_phases") if phases > 1 or cut else base
     nodes = [helper.make_node(
@@ -263,15 +260,13 @@ def _as_conv(node: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None,
         nodes += _interleave(current, shuffled, channels, axes, graph, names)
         current = shuffled
     if cut:
-        starts = names.allocate(f"{base}_starts")
-        ends = names.allocate(f"{base}_ends")
-        slice_axes = names.allocate(f"{base}_axes")
         end_values = [-a.short_of_end if a.short_of_end else np.iinfo(np.int64).max
                       for a in axes]
-        graph.initializer.extend([
-            numpy_helper.from_array(np.array([a.start for a in axes], np.int64), starts),
-            numpy_helper.from_array(np.array(end_values, np.int64), ends),
-            numpy_helper.from_array(np.arange(2, 2 + len(axes), dtype=np.int64), slice_axes)])
+        starts = _constant(graph, names, f"{base}_starts",
+                           np.array([a.start for a in axes], np.int64))
+        ends = _constant(graph, names, f"{base}_ends", np.array(end_values, np.int64))
+        slice_axes = _constant(graph, names, f"{base}_axes",
+                               np.arange(2, 2 + len(axes), dtype=np.int64))
         nodes.append(helper.make_node("Slice", [current, starts, ends, slice_axes], [base],
                                       name=names.allocate(f"{base}_cut")))
     return nodes
@@ -284,12 +279,11 @@ def _interleave(source: str, target: str, channels: int, axes: list[_Axis],
         return [helper.make_node("DepthToSpace", [source], [target], blocksize=axes[0].stride,
                                  mode="CRD", name=names.allocate(f"{target}_interleave"))]
     stride = axes[0].stride
-    split, joined = names.allocate(f"{target}_split"), names.allocate(f"{target}_joined")
-    by_phase, by_position = names.allocate(f"{target}_by_phase"), names.allocate(
-        f"{target}_by_position")
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([0, channels, stride, -1], np.int64), split),
-        numpy_helper.from_array(np.array([0, channels, -1], np.int64), joined)])
+    split = _constant(graph, names, f"{target}_split",
+                      np.array([0, channels, stride, -1], np.int64))
+    joined = _constant(graph, names, f"{target}_joined", np.array([0, channels, -1], np.int64))
+    by_phase = names.allocate(f"{target}_by_phase")
+    by_position = names.allocate(f"{target}_by_position")
     return [
         helper.make_node("Reshape", [source, split], [by_phase],
                          name=names.allocate(f"{target}_phase_axis")),
@@ -298,3 +292,11 @@ def _interleave(source: str, target: str, channels: int, axes: list[_Axis],
         helper.make_node("Reshape", [by_position, joined], [target],
                          name=names.allocate(f"{target}_join")),
     ]
+
+
+def _constant(graph: onnx.GraphProto, names: NameAllocator, base: str, value: np.ndarray,
+              ) -> str:
+    """A new initializer of `value`, named from `base`; its name."""
+    name = names.allocate(base)
+    graph.initializer.append(numpy_helper.from_array(value, name))
+    return name
