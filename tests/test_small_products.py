@@ -82,6 +82,8 @@ def test_a_model_of_small_products_alone_fails_the_coverage_floor_saying_why(
     assert "coverage floor" in result.output
     assert "2 of 2 compute nodes (100.0% of the MACs) left float as too small for an integer " \
         "kernel to pay" in " ".join(result.output.split())
+    # ...and how to go on where the model will run on larger batches
+    assert "--min-product-macs 0 quantizes them" in " ".join(result.output.split())
     assert out.is_file() and report.is_file()  # the evidence is written
     # Asked for, they are quantized: the coverage floor holds (a near-tie of these random
     # weights flipping is not the point).

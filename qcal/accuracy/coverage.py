@@ -201,7 +201,8 @@ class CoverageMeter:
 # choosing (a selection, an exclusion, the fallback) but the model's sizes and forms give.
 _FLOAT_WHY = (
     (SMALL_PRODUCT, ("left float as too small for an integer kernel to pay at the calibration "
-                     "data's shapes")),
+                     "data's shapes (if the model will run on larger batches than the data's, "
+                     "--min-product-macs 0 quantizes them)")),
     (NO_INTEGER_FORM, ("left float as onnxruntime has no integer kernel for their form (as "
                        "for a ConvTranspose) and ran them in float")),
     (PRODUCT_OF_ACTIVATIONS, ("left float as products of two activations (attention), which "
