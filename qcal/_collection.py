@@ -146,15 +146,19 @@ def collect_statistics(
     """
     if checkpoint_every < 1:
         raise ConfigError(f"checkpoint-every: {checkpoint_every} must be at least 1")
+
+    def check_outputs(read: list[Path]) -> None:
+        if output is not None:
+            same = checkpoint is not None and output.resolve() == checkpoint.resolve()
+            check_output_path(output, inputs=read, force=force or same, what="output")
+        if checkpoint is not None:
+            check_output_path(checkpoint, inputs=read, force=True, what="checkpoint")
+
+    check_outputs([model_path])  # before a large model takes seconds to load
     run = prepare_collection(model_path, config)
     config = _exact_runs(run.model, run.source, run.inputs, config)[0]
     read = [model_path, *run.loaded.external_files]
-    read += [p for p in (run.source.path,) if p is not None]
-    if output is not None:
-        same = checkpoint is not None and output.resolve() == checkpoint.resolve()
-        check_output_path(output, inputs=read, force=force or same, what="output")
-    if checkpoint is not None:
-        check_output_path(checkpoint, inputs=read, force=True, what="checkpoint")
+    check_outputs(read + [p for p in (run.source.path,) if p is not None])
     plan = plan_header(config, histograms)
     observers = _new_observers(run.plan, config, histograms)
     methods = {t: range_method(config.method_for(t)) for t in observers}

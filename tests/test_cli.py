@@ -288,6 +288,28 @@ def test_output_errors(tmp_path: Path) -> None:
         _assert_error(run("calibrate", model, "-o", ro / "q.onnx"), code, "not writable")
 
 
+
+def test_an_output_that_cannot_be_written_fails_before_the_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A large model takes seconds and gigabytes to load: a typo in -o costs neither.
+    import qcal._collection
+    import qcal.pipeline
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(qcal.pipeline, "load_model", never)
+    monkeypatch.setattr(qcal._collection, "load_model", never)
+    for command in ("calibrate", "collect"):
+        result = CliRunner().invoke(main, [command, str(DIGITS), "-o", str(tmp_path / "no" / "q.onnx")])
+        assert result.exit_code == errors.OutputError.exit_code, (command, result.output)
+        assert "does not exist" in result.output
+    existing = tmp_path / "q.qcal.json"
+    existing.write_text("keep me")
+    result = CliRunner().invoke(main, ["calibrate", str(DIGITS), "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == errors.OutputError.exit_code, result.output
+    assert "--force" in result.output and existing.read_text() == "keep me"
+
 def test_a_failing_stage_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import qcal.pipeline
 
