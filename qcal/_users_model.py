@@ -1,4 +1,4 @@
-"""The float model as the user gave it, read again after the run: the prepared model, which
+"""The float model as the user gave it, kept beside the prepared one: the prepared model, which
 every figure compares the quantized model with, is checked against it (the built-in
 prepared-model gate), and the quantized model is timed against it (the not-slower gate)."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -17,13 +16,11 @@ from qcal.accuracy.gates import GateResult
 from qcal.accuracy.latency import SideBySide, time_side_by_side
 from qcal.calibration.runtime import create_session, run_feed
 from qcal.config import CalibrationConfig
-from qcal.graph.files.load import LoadedModel, load_model
+from qcal.graph.files.load import LoadedModel
 from qcal.graph.structure import keep_declared_shapes
-from qcal.numerics.errors import QcalError
 from qcal.numerics.sums import inner_product
 
-__all__ = ["PREPARED_CHECK_SAMPLES", "prepared_model_drift", "time_against_users_model",
-           "users_model"]
+__all__ = ["PREPARED_CHECK_SAMPLES", "prepared_model_drift", "time_against_users_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +31,6 @@ PREPARED_CHECK_SAMPLES = 4
 # any of that costs and far above a preparation that changed the model (a linear Upsample
 # converted with half-pixel coordinates: 29 dB).
 PREPARED_MIN_SQNR_DB = 40.0
-
-
-def users_model(model_path: Path) -> onnx.ModelProto | None:
-    """The float model as the user gave it, read again (the prepared one replaced it in
-    memory), or None where it cannot be read."""
-    try:
-        return load_model(model_path).model
-    except QcalError:
-        return None
 
 
 def prepared_model_drift(
