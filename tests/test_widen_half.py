@@ -111,3 +111,50 @@ def test_bfloat16_weights_widen_and_float32_models_are_left_alone() -> None:
         assert model.graph.initializer[0].data_type == TensorProto.FLOAT
         (y,) = _run(model, {"x": np.array([[1.0, 2.0]], np.float32)})
         np.testing.assert_array_equal(y, [[2.0, 6.0]])  # 1.5 + 0.5, -2 + 8: exact in bfloat16
+
+
+def _converted_block() -> onnx.ModelProto:
+    """As onnxconverter-common writes a float32 model converted to float16 with its interface
+    kept and an Add left in float32: the Conv's weight and bias are float16 initializers cast to
+    float32 (a mixed model), the Add's inputs cast up from float16 and its output back down."""
+    rng = np.random.default_rng(7)
+    half = {"W": rng.standard_normal((4, 3, 3, 3)) / 4, "B": rng.standard_normal(4) / 4,
+            "W2": rng.standard_normal((4, 4, 1, 1)) / 2}
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x16"], name="in16", to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["W"], ["W32"], name="w32", to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["B"], ["B32"], name="b32", to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["x16"], ["x32"], name="x32", to=TensorProto.FLOAT),
+        helper.make_node("Conv", ["x32", "W32", "B32"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Cast", ["c"], ["c16"], name="c16", to=TensorProto.FLOAT16),
+        helper.make_node("Conv", ["c16", "W2"], ["d16"], name="conv2"),
+        helper.make_node("Cast", ["c16"], ["c_add"], name="c_up", to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["d16"], ["d_add"], name="d_up", to=TensorProto.FLOAT),
+        helper.make_node("Add", ["c_add", "d_add"], ["s"], name="add"),
+        helper.make_node("Cast", ["s"], ["y"], name="out32", to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes, "converted", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [numpy_helper.from_array(v.astype(np.float16), k) for k, v in half.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_casts_between_float_types_go() -> None:
+    # Widened, each is a float32 -> float32 Cast: one between a Conv's output and an Add keeps
+    # onnxruntime from running the Add in integers, one on a bias leaves no constant to quantize.
+    model = _converted_block()
+    widened = onnx.ModelProto()
+    widened.CopyFrom(model)
+    result = WidenHalf()(widened)
+    assert result.detail.endswith("; 7 Casts between them dropped"), result.detail
+    onnx.checker.check_model(widened, full_check=True)
+    # the one writing the graph output stays: its name is the interface's
+    assert [n.name for n in widened.graph.node if n.op_type == "Cast"] == ["out32"]
+    conv = next(n for n in widened.graph.node if n.name == "conv")
+    assert list(conv.input) == ["x", "W", "B"]
+    add = next(n for n in widened.graph.node if n.name == "add")
+    assert list(add.input) == ["c", "d16"]
+    x = np.random.default_rng(8).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    (expected,), (got,) = _run(model, {"x": x}), _run(widened, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)  # float16 rounding gone

@@ -19,7 +19,14 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.graph.files.large import tensor_array
 from qcal.graph.names import NameAllocator
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, all_graphs, drop_value_info
+from qcal.graph.passes._inference import infer_shapes
+from qcal.graph.structure import (
+    DEFAULT_DOMAINS,
+    UseIndex,
+    all_graphs,
+    drop_value_info,
+    element_types,
+)
 
 __all__ = ["HALF_TYPES", "WidenHalf", "half_precision_types"]
 
@@ -44,6 +51,7 @@ class WidenHalf:
         graph = model.graph
         names = NameAllocator.from_model(model)
         parameters = {t.name for t in graph.initializer}
+        between_floats = _casts_between_floats(model)
         for g in all_graphs(graph):
             _widen_initializers(g)
             for node in g.node:
@@ -54,6 +62,7 @@ class WidenHalf:
         for value in graph.input:  # an initializer listed as an input is a parameter: widened
             if value.name in parameters:
                 _widen_value(value)
+        dropped = _drop_casts(graph, between_floats)
         entry = _cast_inputs(graph, names, parameters)
         exit_ = _cast_outputs(graph, names)
         edges = {c.input[0] for c in entry} | {c.output[0] for c in exit_}
@@ -62,8 +71,48 @@ class WidenHalf:
         nodes = [*entry, *graph.node, *exit_]
         del graph.node[:]
         graph.node.extend(nodes)
+        casts = f"; {dropped} Cast{'s' * (dropped != 1)} between them dropped" if dropped else ""
         return StepResult(model, True, f"{' and '.join(found)} computed in float32 "
-                                       "(inputs and outputs keep their types)")
+                                       f"(inputs and outputs keep their types){casts}")
+
+
+_FLOATS = frozenset({TensorProto.FLOAT, *HALF_TYPES})
+
+
+def _casts_between_floats(model: onnx.ModelProto) -> set[int]:
+    """Positions of the main graph's Casts from one float type (float32, float16, bfloat16) to
+    another: widened, each is a Cast from float32 to float32. Left in, it sits between a
+    DequantizeLinear and the operator reading it, which onnxruntime then runs in float (a
+    converted ResNet's residual Adds), and a bias read through one is no constant to quantize."""
+    graph = model.graph
+    candidates = {p for p, n in enumerate(graph.node)
+                  if n.op_type == "Cast" and n.domain in DEFAULT_DOMAINS and n.input
+                  and any(a.name == "to" and a.i in _FLOATS for a in n.attribute)}
+    if not candidates:
+        return set()
+    types = element_types(graph)
+    if any(graph.node[p].input[0] not in types for p in candidates):
+        try:  # the types of values no value_info declares
+            types = {**element_types(infer_shapes(model, strict=False).graph), **types}
+        except (onnx.shape_inference.InferenceError, RuntimeError, ValueError):
+            pass
+    return {p for p in candidates if types.get(graph.node[p].input[0]) in _FLOATS}
+
+
+def _drop_casts(graph: onnx.GraphProto, positions: set[int]) -> int:
+    """Remove the Casts at `positions` (`_casts_between_floats`), their readers reading their
+    inputs; one whose output is a graph output stays (its name is the interface's). Their count."""
+    index = UseIndex.build(graph)
+    dropped = {p for p in positions if graph.node[p].output[0] not in index.graph_outputs}
+    for position in sorted(dropped):  # graph order: a chain resolves to its first input
+        cast = graph.node[position]
+        index.replace_uses(cast.output[0], cast.input[0])
+    if dropped:
+        kept = [n for p, n in enumerate(graph.node) if p not in dropped]
+        drop_value_info(graph, {graph.node[p].output[0] for p in dropped})
+        del graph.node[:]
+        graph.node.extend(kept)
+    return len(dropped)
 
 
 def half_precision_types(graph: onnx.GraphProto) -> list[str]:
