@@ -22,6 +22,7 @@ from qcal.accuracy.macs import compute_macs
 from qcal.calibration import data as data_mod
 from qcal.calibration.batch_check import exact_batch_size, exact_threads
 from qcal.config import CalibrationConfig
+from qcal.graph.files.atomic import check_output_path
 from qcal.graph.model import QuantPlan, SelectionRules, plan_quantization
 from qcal.graph.weight_only import QDQ_OPSET
 from qcal.numerics.errors import ConfigError, DataError
@@ -225,3 +226,11 @@ def _min_opset(config: CalibrationConfig) -> int:
         return max(config.opset, QDQ_OPSET)
     return config.opset
 
+
+def check_outputs(outputs: tuple[Path | None, Path | None], read: list[Path],
+                   force: bool) -> None:
+    """The output model's and the report's paths (None: not written), against the files the run
+    reads (`check_output_path`)."""
+    for path, what in zip(outputs, ("output", "report")):
+        if path is not None:
+            check_output_path(path, inputs=read, force=force, what=what)

@@ -38,6 +38,7 @@ from qcal._inputs import (
     _min_opset,
     _replan,
     _selection_rules,
+    check_outputs,
     data_described,
     load_labels,
     with_product_sizes,
@@ -157,7 +158,7 @@ def calibrate(
         preset = build_preset(config.preset, config.preset_options)
         # Before the model loads (a large one takes seconds and gigabytes): the outputs against
         # the files known now; once loaded, against its external data files too (below).
-        _check_outputs((output, report_path), [model_path], force)
+        check_outputs((output, report_path), [model_path], force)
         loaded = load_model(model_path)
         # A large model is calibrated with its large weights in files (its own external data,
         # or a temporary file for those in memory): onnxruntime maps them and qcal reads one
@@ -212,7 +213,7 @@ def calibrate(
         read = [model_path, *loaded.external_files]
         read += [p for p in (calib.path, eval_path, labels_path) if p is not None]
         read += [statistics] if isinstance(statistics, Path) else []
-        _check_outputs((output, report_path), read, force)
+        check_outputs((output, report_path), read, force)
         if output is not None and loaded.external_files:  # written with external data too
             check_output_path(data_path(output), inputs=read, force=force, what="output data")
         if len(written) == 2 and written[0].resolve() == written[1].resolve():
@@ -430,15 +431,6 @@ def _output_sink(model: onnx.ModelProto, reference: FloatReference) -> OutputSin
 
 
 _TIMED_WEIGHT_BYTES = 1 << 30  # float weights up to which a model is timed
-
-
-def _check_outputs(outputs: tuple[Path | None, Path | None], read: list[Path],
-                   force: bool) -> None:
-    """The output model's and the report's paths (None: not written), against the files the run
-    reads (`check_output_path`)."""
-    for path, what in zip(outputs, ("output", "report")):
-        if path is not None:
-            check_output_path(path, inputs=read, force=force, what=what)
 
 
 def plan_model(model_path: Path, config: CalibrationConfig) -> tuple[LoadedModel, onnx.ModelProto, list[PrepStep], QuantPlan]:
