@@ -18,6 +18,7 @@ from qcal.calibration.runtime import create_session, run_feed
 from qcal.config import CalibrationConfig
 from qcal.graph.files.load import LoadedModel
 from qcal.graph.structure import keep_declared_shapes
+from qcal.numerics.errors import one_line
 from qcal.numerics.sums import inner_product
 
 __all__ = ["PREPARED_CHECK_SAMPLES", "prepared_model_drift", "time_against_users_model"]
@@ -80,22 +81,28 @@ def time_against_users_model(
     users: onnx.ModelProto | None, prepared: onnx.ModelProto, loaded: LoadedModel,
     quant_model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
     config: CalibrationConfig,
-) -> SideBySide:
+) -> tuple[SideBySide, str | None]:
     """The quantized model timed against the float model the user gave, not the one qcal
     prepared from it: "slower than float" is about the user's model (a model whose Einsum qcal
     writes as MatMuls ran 0.52x the user's and 1.15x the prepared one, and failed the gate).
-    The prepared one stands in where onnxruntime cannot run the user's as it is."""
+    The prepared one stands in where onnxruntime cannot run the user's as it is, and the
+    second value then says so, and why (a float16 BERT exported by torch, whose
+    LayerNormalization mixes float16 and float32, runs widened to float32 only)."""
     def timed(float_model: onnx.ModelProto) -> SideBySide:
         return time_side_by_side(float_model, quant_model, feeds, providers=config.providers,
                                  threads=(1, 2), for_gate=config.fail_if_slower is not None)
 
+    stand_in = None
     if users is not None:
         try:
-            return timed(users)
+            return timed(users), None
         except Exception as err:  # noqa: BLE001  onnxruntime's own errors too; the quantized
             # model ran before, so what fails here again is raised as it always was
+            stand_in = (f"your float model does not run in onnxruntime as it is "
+                        f"({one_line(err)}): the float model qcal prepared from it does, and "
+                        "the quantized model is compared with it and timed against it")
             logger.info("timed against the prepared model: %s", err)
     # As timed, the prepared model states the shapes the quantized one does (in place: the
     # prepared model's last use, and a copy would hold its weights twice).
     keep_declared_shapes(prepared.graph, loaded.declared_shapes)
-    return timed(prepared)
+    return timed(prepared), stand_in

@@ -369,9 +369,10 @@ def calibrate(
         if coverage.anything_quantized or weight_only is not None \
                 or config.fail_if_slower is not None:
             with timings.stage("latency"):
-                speed = time_against_users_model(users, prepared, loaded, quant_model,
-                                                 order.leading, config)
+                speed, stand_in = time_against_users_model(users, prepared, loaded, quant_model,
+                                                           order.leading, config)
             timings.seconds.update(speed.figures)
+            exactness_notes += [stand_in] if stand_in else []
     del users, first_feed
     gates = check_gates(config.gates(), comparison, coverage,
                         None if accuracy.fallback is None else accuracy.fallback.reached, speed,

@@ -454,6 +454,39 @@ def test_float16_model_is_computed_in_float32_inside_and_keeps_its_interface(
     assert worst_sqnr(report) > 20
 
 
+def test_a_float16_model_onnxruntime_cannot_load_is_compared_with_its_widened_copy_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """torch.onnx writes a half-precision LayerNormalization with float32 scale and bias, which
+    onnxruntime refuses to load; widened to float32 it runs, and the run says what it compared
+    and timed the quantized model with."""
+    rng = np.random.default_rng(9)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["t"], name="mm"),
+        helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["n"], name="ln", axis=-1),
+        helper.make_node("MatMul", ["n", "V"], ["y"], name="mm_out"),
+    ]
+    model = build_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 8])],
+        {"W": (rng.standard_normal((64, 64)) / 8).astype(np.float16),
+         "gamma": np.ones(64, np.float32), "beta": np.zeros(64, np.float32),
+         "V": (rng.standard_normal((64, 8)) / 8).astype(np.float16)},
+        opset=17,
+    )
+    with pytest.raises(Exception, match="LayerNormalization"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 64)).astype(np.float16))
+    report = calibrate_cli(tmp_path, model, data, "--eval-data", str(data))
+    (said,) = [w for w in report["warnings"] if w.startswith("your float model does not run")]
+    assert "LayerNormalization" in said and "the float model qcal prepared from it does" in said
+    assert "your float model does not run in onnxruntime" in report["console"]
+    assert "latency_quantized_1_thread" in report["timings_seconds"]
+    (y,) = run(quantized(tmp_path), {"x": rng.standard_normal((2, 64)).astype(np.float16)})
+    assert y.dtype == np.float16 and np.isfinite(y).all()
+
+
 # ------------------------------------------------------------------------------- providers
 
 
