@@ -286,3 +286,25 @@ def test_the_coverage_floor_names_operators_without_a_rule(tmp_path: Path) -> No
     said = _coverage_floor_failed(model, rng.standard_normal((8, 16, 24, 24)), tmp_path)
     assert ("1 of 2 compute nodes (100.0% of the MACs) left float as operators qcal has no "
             "quantization rule for" in said), said
+
+
+def test_products_in_double_are_float_for_their_type_not_their_size(tmp_path: Path) -> None:
+    # The type is what keeps them float: a size, and --min-product-macs 0 as a way on, would
+    # send the user the wrong way (a torch .double() MLP).
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="second")]
+    model = build_model(
+        nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, ["N", 8, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, ["N", 8, 64])],
+        {name: rng.standard_normal((64, 64)) * 0.15 for name in ("w1", "w2")})
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((24, 8, 64)))
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path / "m.onnx"), "--data",
+                                       str(tmp_path / "calib.npz"), "-o", str(tmp_path / "q.onnx")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 7, said
+    assert "2 of 2 compute nodes (100.0% of the MACs) left as they are: they compute in another " \
+        "type than float" in said, said
+    assert "too small" not in said and "--min-product-macs" not in said

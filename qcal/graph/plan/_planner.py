@@ -121,6 +121,8 @@ class _Planner(_Selection):
                 refused = rule.refuses(node, self._constant)
                 if refused is not None:
                     rule, reason = None, refused
+            if rule is not None and (other := self._not_float(node, rule)) is not None:
+                rule, reason = None, other  # before placement: no size says why (a double MLP)
             if rule is None:
                 self._skips[node.name] = reason
                 continue
@@ -302,12 +304,18 @@ class _Planner(_Selection):
             return None
         return 1.0 / value if rule.by_reciprocal else value
 
-    def _targets(self, node: onnx.NodeProto, rule: OpRule) -> _NodeTargets | str:
-        """What `node` quantizes under `rule`, or why it cannot be quantized."""
-        found = _NodeTargets()
+    def _not_float(self, node: onnx.NodeProto, rule: OpRule) -> str | None:
+        """Why a node with a weight computes in no float type qcal quantizes, or None."""
         main = node.input[0] if node.input else ""
         if rule.weight is not None and main and self._types.get(main) not in FLOAT_TYPES:
             return f"{NOT_FLOAT}: input {main!r} is {self._type_name(main)}"
+        return None
+
+    def _targets(self, node: onnx.NodeProto, rule: OpRule) -> _NodeTargets | str:
+        """What `node` quantizes under `rule`, or why it cannot be quantized."""
+        found = _NodeTargets()
+        if (other := self._not_float(node, rule)) is not None:
+            return other
         if rule.divides_by_constant and self._divisor(node) is None:
             return "the divisor is not a positive constant scalar"
         for slot, tensor in enumerate(node.input):
