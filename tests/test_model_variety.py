@@ -487,6 +487,53 @@ def test_a_float16_model_onnxruntime_cannot_load_is_compared_with_its_widened_co
     assert y.dtype == np.float16 and np.isfinite(y).all()
 
 
+# ---------------------------------------------------------------------------- training mode
+
+
+def _exported_for_training(tmp_path: Path, dropout: bool) -> tuple[Path, Path]:
+    """A Conv, a BatchNormalization in training mode (batch statistics) and, with `dropout`,
+    a Dropout whose training_mode input is a constant true, as torch.onnx's TRAINING export
+    writes them."""
+    rng = np.random.default_rng(11)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"],
+                              ["n", "running_mean", "running_var"], name="bn", training_mode=1),
+             helper.make_node("Relu", ["n"], ["r" if dropout else "y"], name="relu")]
+    if dropout:
+        nodes += [helper.make_node("Constant", [], ["ratio"], name="ratio_c",
+                                   value=numpy_helper.from_array(np.array(0.5, np.float32))),
+                  helper.make_node("Constant", [], ["train"], name="train_c",
+                                   value=numpy_helper.from_array(np.array(True))),
+                  helper.make_node("Dropout", ["r", "ratio", "train"], ["y"], name="drop")]
+    model = build_model(
+        nodes, [float_input("x", ["N", 8, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, 16, 16])],
+        {"W": (rng.standard_normal((16, 8, 3, 3)) / 8).astype(np.float32),
+         "g": np.ones(16, np.float32), "b": np.zeros(16, np.float32),
+         "m": np.zeros(16, np.float32), "v": np.ones(16, np.float32)}, opset=15)
+    onnx.save(model, tmp_path / "model.onnx")
+    data = npz(tmp_path / "d.npz", x=rng.standard_normal((16, 1, 8, 16, 16)).astype(np.float32))
+    return tmp_path / "model.onnx", data
+
+
+def test_a_model_exported_for_training_is_refused_where_random_and_said_where_not(
+    tmp_path: Path,
+) -> None:
+    model, data = _exported_for_training(tmp_path, dropout=True)
+    result = CliRunner().invoke(main, ["calibrate", str(model), "--data", str(data),
+                                       "-o", str(tmp_path / "q.onnx")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 4, said
+    assert "Dropout 'drop' runs in training mode" in said and "model.eval()" in said
+    assert not (tmp_path / "q.onnx").exists()
+    # Batch statistics are the sample's own: deterministic, calibrated as they are, and said.
+    model, data = _exported_for_training(tmp_path, dropout=False)
+    onnx.save(onnx.load(model), tmp_path / "bn.onnx")
+    report = calibrate_cli(tmp_path, onnx.load(tmp_path / "bn.onnx"), data)
+    (note,) = [w for w in report["warnings"] if w.startswith("BatchNormalization 'bn'")]
+    assert "in training mode" in note and "in training mode" in report["console"]
+
+
 # ------------------------------------------------------------------------------- providers
 
 

@@ -53,6 +53,7 @@ from qcal.graph.plan import (
     rules_table,
 )
 from qcal.graph.structure import check_wiring
+from qcal.graph.training_mode import refuse_random_dropout
 from qcal.numerics.errors import ModelError, QcalError
 
 __all__ = [
@@ -220,6 +221,7 @@ def prepare_model(
     problem = check_wiring(work.graph)
     if problem is not None:
         raise ModelError(f"cannot prepare the model: {problem}")
+    refuse_random_dropout(work.graph)
     steps: list[PrepStep] = []
     done: list[str] = []
     for prep in passes:
