@@ -196,7 +196,7 @@ def _after_both(blocks: FallbackResult, jumps: FallbackResult) -> FallbackResult
     chosen = jumps if jumps.reached else blocks
     steps = (*blocks.steps, *(s for s in jumps.steps if s.kept))
     message = (f"{jumps.message} ({_JUMPS}; {_BLOCKS}, they fell short)" if jumps.reached
-               else f"{blocks.message} ({_BLOCKS}; nor {_JUMPS})")
+               else f"{blocks.message} ({_BLOCKS}, then {_JUMPS}: neither reached it)")
     return replace(chosen, steps=steps, message=message)
 
 
