@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ __all__ = ["collect_on_ray"]
 
 SHARDS_PER_WORKER = 2
 _RETRIES = 2
+# Signals a job is stopped by that Ray's core would take over (`collect_on_ray`).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # For the tests of retries: the first shard to find no file at this path creates it and kills
 # its worker process, as a machine lost mid-shard would.
 _CRASH_ONCE = "QCAL_RAY_CRASH_ONCE"
@@ -112,10 +116,18 @@ def collect_on_ray(
             kwargs["num_cpus"] = workers
         else:
             kwargs["address"] = address
+        # Ray's core takes SIGTERM for itself (it logs a stack and exits 1, mid-write): the
+        # handlers the caller had (the command line's stop cleanly, exit 143) are put back.
+        handlers = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
         try:
             ray.init(**kwargs)
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise ConfigError(f"--ray {address}: cannot reach the Ray cluster ({err})") from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(signum, handler)
     try:
         count = workers or max(1, int(ray.available_resources().get("CPU", 1)))
         if config.threads == 0:  # one onnxruntime thread per worker: the workers share the cores

@@ -33,7 +33,8 @@ def reports_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except KeyboardInterrupt as stop:
-            signum = getattr(stop, "signum", signal.SIGINT)
+            # a library may raise its own interrupt where ours came in (Ray's wait does)
+            signum = getattr(stop, "signum", _received[-1] if _received else signal.SIGINT)
             err = CalibrationInterrupted(
                 f"interrupted by {signal.Signals(signum).name}; no output was written")
             stderr.print(f"[bold red]error:[/] {err}")
@@ -72,7 +73,11 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_received: list[int] = []  # the stop signals that came, in order
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
+    _received.append(signum)
     raise _Stopped(signum)
 
 
