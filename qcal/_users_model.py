@@ -78,7 +78,7 @@ def prepared_model_drift(
 
 
 def time_against_users_model(
-    users: onnx.ModelProto | None, prepared: onnx.ModelProto, loaded: LoadedModel,
+    users: onnx.ModelProto, prepared: onnx.ModelProto, loaded: LoadedModel,
     quant_model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
     config: CalibrationConfig,
 ) -> tuple[SideBySide, str | None]:
@@ -92,16 +92,14 @@ def time_against_users_model(
         return time_side_by_side(float_model, quant_model, feeds, providers=config.providers,
                                  threads=(1, 2), for_gate=config.fail_if_slower is not None)
 
-    stand_in = None
-    if users is not None:
-        try:
-            return timed(users), None
-        except Exception as err:  # noqa: BLE001  onnxruntime's own errors too; the quantized
-            # model ran before, so what fails here again is raised as it always was
-            stand_in = (f"your float model does not run in onnxruntime as it is "
-                        f"({one_line(err)}): the float model qcal prepared from it does, and "
-                        "the quantized model is compared with it and timed against it")
-            logger.info("timed against the prepared model: %s", err)
+    try:
+        return timed(users), None
+    except Exception as err:  # noqa: BLE001  onnxruntime's own errors too; the quantized model
+        # ran before, so what fails here again is raised as it always was
+        stand_in = (f"your float model does not run in onnxruntime as it is "
+                    f"({one_line(err)}): the float model qcal prepared from it does, and the "
+                    "quantized model is compared with it and timed against it")
+        logger.info("timed against the prepared model: %s", err)
     # As timed, the prepared model states the shapes the quantized one does (in place: the
     # prepared model's last use, and a copy would hold its weights twice).
     keep_declared_shapes(prepared.graph, loaded.declared_shapes)

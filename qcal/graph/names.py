@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
-__all__ = ["NameAllocator", "model_names"]
+__all__ = ["NameAllocator", "add_initializer", "model_names"]
 
 
 class NameAllocator:
@@ -47,6 +49,14 @@ class NameAllocator:
         self._next_suffix[base] = suffix
         self._taken.add(name)
         return name
+
+
+def add_initializer(names: NameAllocator, graph: onnx.GraphProto, base: str,
+                    value: np.ndarray) -> str:
+    """A new initializer of `graph` holding `value`, named from `base`; its name."""
+    name = names.allocate(base)
+    graph.initializer.append(numpy_helper.from_array(value, name))
+    return name
 
 
 def model_names(model: onnx.ModelProto) -> set[str]:

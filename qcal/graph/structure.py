@@ -24,6 +24,7 @@ __all__ = [
     "UseIndex",
     "all_graphs",
     "attribute_graphs",
+    "bypass_nodes",
     "check_wiring",
     "computed_from_constants",
     "default_opset",
@@ -249,6 +250,23 @@ def drop_value_info(graph: onnx.GraphProto, names: Container[str]) -> None:
     stale = [v for v in graph.value_info if v.name in names]
     for value_info in stale:
         graph.value_info.remove(value_info)
+
+
+def bypass_nodes(graph: onnx.GraphProto, positions: Iterable[int]) -> None:
+    """Remove the nodes of `graph` at `positions`, each of one input and one output, their
+    readers (inside subgraphs too) reading their inputs instead; in graph order, so a chain of
+    them resolves to its first input. The callers keep any whose output is a graph output."""
+    removed = set(positions)
+    if not removed:
+        return
+    index = UseIndex.build(graph)
+    for position in sorted(removed):
+        node = graph.node[position]
+        index.replace_uses(node.output[0], node.input[0])
+    drop_value_info(graph, {graph.node[p].output[0] for p in removed})
+    kept = [n for p, n in enumerate(graph.node) if p not in removed]
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def drop_unread_initializers(graph: onnx.GraphProto, candidates: Container[str]) -> None:

@@ -89,9 +89,9 @@ def run_detached(
 
     `model` itself is never changed.
     """
-    light, detached = light_copy(model, min_bytes=DETACH_MIN_BYTES)
-    if not detached:
+    if not any(_detachable(t, DETACH_MIN_BYTES) for t in model.graph.initializer):
         return tool(model.SerializeToString())  # onnx's C++ tools take bytes: serialized once
+    light, detached = light_copy(model, min_bytes=DETACH_MIN_BYTES)
     result = tool(light)
     if not reattach:
         return result
@@ -123,8 +123,7 @@ def light_copy(
     detached: set[str] = set()
     for tensor in model.graph.initializer:
         copy = light.graph.initializer.add()
-        wanted = names is None or tensor.name in names
-        if not (wanted and tensor.HasField("raw_data") and tensor.ByteSize() >= min_bytes):
+        if not ((names is None or tensor.name in names) and _detachable(tensor, min_bytes)):
             copy.CopyFrom(tensor)
             continue
         for field in tensor.DESCRIPTOR.fields:  # never reads raw_data (a copy of the bytes)
@@ -136,6 +135,11 @@ def light_copy(
                 _copy_field(copy, field, getattr(tensor, field.name))
         detached.add(tensor.name)
     return light, detached
+
+
+def _detachable(tensor: onnx.TensorProto, min_bytes: int) -> bool:
+    """Whether `light_copy` leaves out `tensor`'s bytes: raw data of at least `min_bytes`."""
+    return bool(tensor.HasField("raw_data") and tensor.ByteSize() >= min_bytes)
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:

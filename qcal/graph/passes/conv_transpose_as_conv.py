@@ -48,7 +48,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qcal.graph.names import NameAllocator
+from qcal.graph.files.large import is_external
+from qcal.graph.names import NameAllocator, add_initializer
 from qcal.graph.passes._base import StepResult
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
@@ -185,8 +186,7 @@ def _pays(channels_per_group: int, axes: list[_Axis]) -> bool:
 
 def _float_values(tensor: onnx.TensorProto | None) -> np.ndarray | None:
     """The values of a float32 initializer the model holds (not in an external file)."""
-    if (tensor is None or tensor.data_type != onnx.TensorProto.FLOAT
-            or tensor.data_location == onnx.TensorProto.EXTERNAL):
+    if tensor is None or tensor.data_type != onnx.TensorProto.FLOAT or is_external(tensor):
         return None
     return numpy_helper.to_array(tensor)
 
@@ -243,11 +243,11 @@ def _as_conv(node: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None,
     base = node.output[0]
     channels = weight.shape[1] * group
     phases = math.prod(a.stride for a in axes)
-    inputs = [node.input[0], _constant(graph, names, f"{node.input[1]}_phases",
-                                       _phase_weight(weight, axes, group))]
+    inputs = [node.input[0], add_initializer(names, graph, f"{node.input[1]}_phases",
+                                             _phase_weight(weight, axes, group))]
     if bias is not None:
-        inputs.append(_constant(graph, names, f"{node.input[2]}_phases",
-                                np.repeat(bias, phases)))
+        inputs.append(add_initializer(names, graph, f"{node.input[2]}_phases",
+                                      np.repeat(bias, phases)))
     cut = any(a.start or a.short_of_end for a in axes)
     conv_out = names.allocate(f"{base}_phases") if phases > 1 or cut else base
     nodes = [helper.make_node(
@@ -262,11 +262,11 @@ def _as_conv(node: onnx.NodeProto, weight: np.ndarray, bias: np.ndarray | None,
     if cut:
         end_values = [-a.short_of_end if a.short_of_end else np.iinfo(np.int64).max
                       for a in axes]
-        starts = _constant(graph, names, f"{base}_starts",
-                           np.array([a.start for a in axes], np.int64))
-        ends = _constant(graph, names, f"{base}_ends", np.array(end_values, np.int64))
-        slice_axes = _constant(graph, names, f"{base}_axes",
-                               np.arange(2, 2 + len(axes), dtype=np.int64))
+        starts = add_initializer(names, graph, f"{base}_starts",
+                                 np.array([a.start for a in axes], np.int64))
+        ends = add_initializer(names, graph, f"{base}_ends", np.array(end_values, np.int64))
+        slice_axes = add_initializer(names, graph, f"{base}_axes",
+                                     np.arange(2, 2 + len(axes), dtype=np.int64))
         nodes.append(helper.make_node("Slice", [current, starts, ends, slice_axes], [base],
                                       name=names.allocate(f"{base}_cut")))
     return nodes
@@ -279,9 +279,10 @@ def _interleave(source: str, target: str, channels: int, axes: list[_Axis],
         return [helper.make_node("DepthToSpace", [source], [target], blocksize=axes[0].stride,
                                  mode="CRD", name=names.allocate(f"{target}_interleave"))]
     stride = axes[0].stride
-    split = _constant(graph, names, f"{target}_split",
-                      np.array([0, channels, stride, -1], np.int64))
-    joined = _constant(graph, names, f"{target}_joined", np.array([0, channels, -1], np.int64))
+    split = add_initializer(names, graph, f"{target}_split",
+                            np.array([0, channels, stride, -1], np.int64))
+    joined = add_initializer(names, graph, f"{target}_joined",
+                             np.array([0, channels, -1], np.int64))
     by_phase = names.allocate(f"{target}_by_phase")
     by_position = names.allocate(f"{target}_by_position")
     return [
@@ -293,10 +294,3 @@ def _interleave(source: str, target: str, channels: int, axes: list[_Axis],
                          name=names.allocate(f"{target}_join")),
     ]
 
-
-def _constant(graph: onnx.GraphProto, names: NameAllocator, base: str, value: np.ndarray,
-              ) -> str:
-    """A new initializer of `value`, named from `base`; its name."""
-    name = names.allocate(base)
-    graph.initializer.append(numpy_helper.from_array(value, name))
-    return name

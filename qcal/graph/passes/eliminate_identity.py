@@ -8,7 +8,7 @@ from typing import ClassVar
 import onnx
 
 from qcal.graph.passes._base import StepResult
-from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex, drop_value_info
+from qcal.graph.structure import DEFAULT_DOMAINS, bypass_nodes
 
 __all__ = ["EliminateIdentity"]
 
@@ -24,27 +24,13 @@ class EliminateIdentity:
 
     def __call__(self, model: onnx.ModelProto) -> StepResult:
         graph = model.graph
-        index = UseIndex.build(graph)
-        removed: set[int] = set()  # node positions
-        for position, node in enumerate(graph.node):
-            if (
-                node.op_type != "Identity"
-                or node.domain not in DEFAULT_DOMAINS
-                or len(node.input) != 1
-                or len(node.output) != 1
-                or node.output[0] in index.graph_outputs
-            ):
-                continue
-            # Graph order: an Identity's input was already redirected if it was itself an
-            # Identity output, so chains resolve to their first real value.
-            index.replace_uses(node.output[0], node.input[0])
-            removed.add(position)
+        outputs = {v.name for v in graph.output}
+        removed = [position for position, node in enumerate(graph.node)
+                   if node.op_type == "Identity" and node.domain in DEFAULT_DOMAINS
+                   and len(node.input) == 1 and len(node.output) == 1
+                   and node.output[0] not in outputs]
         if not removed:
             return StepResult(model, False)
-        kept = [n for p, n in enumerate(graph.node) if p not in removed]
-        dropped = {graph.node[p].output[0] for p in removed}
-        del graph.node[:]
-        graph.node.extend(kept)
-        drop_value_info(graph, dropped)
+        bypass_nodes(graph, removed)
         count = len(removed)
         return StepResult(model, True, f"removed {count} Identity node{'s' * (count != 1)}")

@@ -24,6 +24,7 @@ from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     UseIndex,
     all_graphs,
+    bypass_nodes,
     drop_value_info,
     element_types,
 )
@@ -102,16 +103,9 @@ def _casts_between_floats(model: onnx.ModelProto) -> set[int]:
 def _drop_casts(graph: onnx.GraphProto, positions: set[int]) -> int:
     """Remove the Casts at `positions` (`_casts_between_floats`), their readers reading their
     inputs; one whose output is a graph output stays (its name is the interface's). Their count."""
-    index = UseIndex.build(graph)
-    dropped = {p for p in positions if graph.node[p].output[0] not in index.graph_outputs}
-    for position in sorted(dropped):  # graph order: a chain resolves to its first input
-        cast = graph.node[position]
-        index.replace_uses(cast.output[0], cast.input[0])
-    if dropped:
-        kept = [n for p, n in enumerate(graph.node) if p not in dropped]
-        drop_value_info(graph, {graph.node[p].output[0] for p in dropped})
-        del graph.node[:]
-        graph.node.extend(kept)
+    outputs = {v.name for v in graph.output}
+    dropped = {p for p in positions if graph.node[p].output[0] not in outputs}
+    bypass_nodes(graph, dropped)
     return len(dropped)
 
 

@@ -313,9 +313,7 @@ class _Planner(_Selection):
 
     def _targets(self, node: onnx.NodeProto, rule: OpRule) -> _NodeTargets | str:
         """What `node` quantizes under `rule`, or why it cannot be quantized."""
-        found = _NodeTargets()
-        if (other := self._not_float(node, rule)) is not None:
-            return other
+        found = _NodeTargets()  # (a node of no float type was never selected: `_not_float`)
         if rule.divides_by_constant and self._divisor(node) is None:
             return "the divisor is not a positive constant scalar"
         for slot, tensor in enumerate(node.input):

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.names import NameAllocator
+from qcal.graph.names import NameAllocator, add_initializer
 from qcal.graph.qdq._codes import _BYTE_TYPES, _INTEGER_TYPES, integer_tensor
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
 
-__all__ = ["between_pair", "code_initializer", "constant_code", "float_initializer", "requantize",
+__all__ = ["between_pair", "code_initializer", "constant_code", "requantize",
            "scalar_params"]
 
 
@@ -58,7 +58,7 @@ def requantize(quantize: onnx.NodeProto, value: str, scale: float, names: NameAl
                 graph: onnx.GraphProto) -> None:
     """Make the output's QuantizeLinear quantize `value` with `scale` (its zero point kept)."""
     quantize.input[0] = value
-    quantize.input[1] = float_initializer(names, graph, f"{value}_scale", np.asarray(scale, np.float32))
+    quantize.input[1] = add_initializer(names, graph, f"{value}_scale", np.asarray(scale, np.float32))
 
 
 def constant_code(names: NameAllocator, graph: onnx.GraphProto, node: str, value: float,
@@ -69,7 +69,7 @@ def constant_code(names: NameAllocator, graph: onnx.GraphProto, node: str, value
     scale = abs(value) / (high - low) if value else 1.0
     codes = code_initializer(names, graph, f"{node}_constant_quantized", code, dtype)
     zero_point = code_initializer(names, graph, f"{node}_constant_zero_point", zero, dtype)
-    scale_name = float_initializer(names, graph, f"{node}_constant_scale", np.asarray(scale, np.float32))
+    scale_name = add_initializer(names, graph, f"{node}_constant_scale", np.asarray(scale, np.float32))
     return helper.make_node(
         "DequantizeLinear", [codes, scale_name, zero_point], [names.allocate(f"{node}_constant")],
         name=names.allocate(f"{node}_constant_DequantizeLinear"))
@@ -82,8 +82,3 @@ def code_initializer(names: NameAllocator, graph: onnx.GraphProto, base: str,
     return name
 
 
-def float_initializer(names: NameAllocator, graph: onnx.GraphProto, base: str,
-                      value: np.ndarray) -> str:
-    name = names.allocate(base)
-    graph.initializer.append(numpy_helper.from_array(value, name))
-    return name

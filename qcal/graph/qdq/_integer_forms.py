@@ -54,13 +54,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from qcal.graph.names import NameAllocator
+from qcal.graph.names import NameAllocator, add_initializer
 from qcal.graph.qdq._codes import _INTEGER_TYPES
 from qcal.graph.qdq._form_parts import (
     between_pair,
     code_initializer,
     constant_code,
-    float_initializer,
     requantize,
 )
 from qcal.graph.qdq._prelu_form import prelu_codes
@@ -168,7 +167,7 @@ def _spell(
     shifted = names.allocate(f"{node.name}_shifted")
     add = helper.make_node("Add", [x, three.output[0]], [shifted],
                            name=names.allocate(f"{node.name}_Add"))
-    gate_scale = float_initializer(names, graph, f"{node.name}_gate_scale",
+    gate_scale = add_initializer(names, graph, f"{node.name}_gate_scale",
                               np.asarray(top / (high - low), np.float32))
     gate_zero = code_initializer(names, graph, f"{node.name}_gate_zero_point", low, dtype)
     gate_codes = names.allocate(f"{node.name}_gate_quantized")
@@ -242,7 +241,7 @@ def _pool_as_convolution(
     taps = int(np.prod(kernel))
     ones = code_initializer(names, graph, f"{node.name}_weight_quantized",
                             np.ones((channels, 1, *kernel)), TensorProto.INT8)
-    scale = float_initializer(names, graph, f"{node.name}_weight_scale",
+    scale = add_initializer(names, graph, f"{node.name}_weight_scale",
                               np.asarray(1.0 / taps, np.float32))
     zero = code_initializer(names, graph, f"{node.name}_weight_zero_point", 0, TensorProto.INT8)
     weight = helper.make_node(
@@ -269,7 +268,7 @@ def _pool_as_convolution(
     codes = code_initializer(names, graph, f"{node.name}_divisors_quantized", np.rint(ratios * steps),
                   dtype)
     map_zero = code_initializer(names, graph, f"{node.name}_divisors_zero_point", 0, dtype)
-    map_scale = float_initializer(names, graph, f"{node.name}_divisors_scale",
+    map_scale = add_initializer(names, graph, f"{node.name}_divisors_scale",
                              np.asarray(1.0 / steps, np.float32))
     divisors = helper.make_node(
         "DequantizeLinear", [codes, map_scale, map_zero],

@@ -23,12 +23,11 @@ import onnx
 from onnx import TensorProto, helper
 
 from qcal.graph.files.large import tensor_array
-from qcal.graph.names import NameAllocator
+from qcal.graph.names import NameAllocator, add_initializer
 from qcal.graph.qdq._codes import _INTEGER_TYPES
 from qcal.graph.qdq._form_parts import (
     between_pair,
     code_initializer,
-    float_initializer,
 )
 from qcal.graph.structure import UseIndex
 
@@ -92,7 +91,7 @@ def _negative_part(name: str, codes: str, zero: str, x_scale: str, x_zero: str,
     y_scale, y_zero = quantize.input[1], quantize.input[2]
     weight_inputs = [
         code_initializer(names, graph, f"{name}_slope_quantized", weight_codes, TensorProto.INT8),
-        float_initializer(names, graph, f"{name}_slope_scale", weight_scales),
+        add_initializer(names, graph, f"{name}_slope_scale", weight_scales),
         code_initializer(names, graph, f"{name}_slope_zero_point", np.zeros(channels),
                          TensorProto.INT8)]
     nodes = [
