@@ -98,6 +98,7 @@ from qcal.graph.model import (
     prepare_model,
 )
 from qcal.graph.output_side import output_side_tensors
+from qcal.graph.random_draws import random_draws_note
 from qcal.graph.structure import default_opset
 from qcal.graph.training_mode import batch_statistics_note
 from qcal.numerics.errors import ConfigError, DataError, OutputError
@@ -221,7 +222,8 @@ def calibrate(
             raise ConfigError(f"report: {report_path} is the same path as the output")
 
     config, exactness_notes = _exact_runs(prepared, calib, inputs, config, macs)
-    exactness_notes += [note] if (note := batch_statistics_note(prepared.graph)) else []
+    for note_of in (batch_statistics_note, random_draws_note):
+        exactness_notes += [note] if (note := note_of(prepared.graph)) else []
     calib_batches = partial(data_mod.iter_batches, calib, inputs, config.batch_size)
     # The first sample: the quantized model's runnable check (a node onnxruntime cannot run
     # quantized is kept float) and the latency measurement run on it.

@@ -17,6 +17,7 @@ from qcal.graph.files.large import (
     serialized_size,
 )
 from qcal.graph.files.save import stage_model
+from qcal.graph.random_draws import with_fixed_draws
 from qcal.numerics.errors import ConfigError, DataError, ModelError
 
 __all__ = ["Feed", "available_providers", "create_session", "run_batches", "run_feed", "share_one_pool"]
@@ -111,7 +112,11 @@ def create_session(
     written, without its QDQ fusions (for graphs that compute integer codes). In a process
     that has one pool (`share_one_pool`), the session runs on it: `threads` and `spin` are the
     pool's.
+
+    A model that draws random values runs with fixed draws of them instead, the same on every
+    run (`qcal.graph.random_draws`).
     """
+    model = with_fixed_draws(model) or model
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
         raise ConfigError(
