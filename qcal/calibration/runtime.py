@@ -17,7 +17,7 @@ from qcal.graph.files.large import (
     serialized_size,
 )
 from qcal.graph.files.save import stage_model
-from qcal.graph.random_draws import with_fixed_draws
+from qcal.graph.random_draws import kernel_probes, with_fixed_draws
 from qcal.numerics.errors import ConfigError, DataError, ModelError
 
 __all__ = ["Feed", "available_providers", "create_session", "run_batches", "run_feed", "share_one_pool"]
@@ -116,13 +116,16 @@ def create_session(
     A model that draws random values runs with fixed draws of them instead, the same on every
     run (`qcal.graph.random_draws`).
     """
-    model = with_fixed_draws(model) or model
     missing = [p for p in providers if p not in ort.get_available_providers()]
     if missing:
         raise ConfigError(
             f"provider: {', '.join(missing)} not available in this onnxruntime "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
+    fixed = with_fixed_draws(model)
+    if fixed is not None:
+        _check_random_kernels(model, providers, what)
+        model = fixed
     options = _session_options(threads, node_order=node_order, optimize=optimize, spin=spin,
                                literal_qdq=literal_qdq)
     if optimized_to is not None:
@@ -148,6 +151,29 @@ def create_session(
             ort.capi.onnxruntime_pybind11_state.NotImplemented) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
+
+
+# The kinds of random node onnxruntime was found to load (`kernel_probes`), with its providers.
+_LOADED_PROBES: set[tuple[bytes, tuple[str, ...]]] = set()
+
+
+def _check_random_kernels(model: onnx.ModelProto, providers: Sequence[str], what: str) -> None:
+    """Raise ModelError, as for the model itself, when onnxruntime cannot load one of `model`'s
+    random nodes: the model's copy with fixed draws (`create_session`) has none of them to
+    fail on, and the model qcal writes keeps them."""
+    for key in kernel_probes(model):
+        if (key, tuple(providers)) in _LOADED_PROBES:
+            continue
+        options = _session_options(1, optimize=False)
+        try:
+            ort.InferenceSession(key, sess_options=options, providers=list(providers))
+        except (ort.capi.onnxruntime_pybind11_state.Fail,
+                ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+                ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                ort.capi.onnxruntime_pybind11_state.NotImplemented) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else "failed"
+            raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
+        _LOADED_PROBES.add((key, tuple(providers)))
 
 
 def _mapping_weights(

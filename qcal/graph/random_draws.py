@@ -33,7 +33,7 @@ from qcal.graph.structure import (
     node_subgraphs,
 )
 
-__all__ = ["RANDOM_OPS", "random_draws_note", "random_nodes", "with_fixed_draws"]
+__all__ = ["RANDOM_OPS", "kernel_probes", "random_draws_note", "random_nodes", "with_fixed_draws"]
 
 # Operators drawing values at random (Dropout is not one of them at inference; in training
 # mode it is refused: `qcal.graph.training_mode`; Multinomial's draws are left as they are).
@@ -86,6 +86,29 @@ def with_fixed_draws(model: onnx.ModelProto) -> onnx.ModelProto | None:
     count = [0]
     _replace_in(fixed.graph, fixed.graph, types, cast_like, count)
     return fixed
+
+
+def kernel_probes(model: onnx.ModelProto) -> list[bytes]:
+    """One model of a single node per kind of random node of `model` (its operator, attributes
+    and input type, at the model's opsets), serialized: the fixed draws stand
+    in for the node in every session, so whether onnxruntime implements it is asked of these
+    (opset 22's RandomUniformLike it does not)."""
+    types = graph_element_types(model.graph)
+    probes: list[bytes] = []
+    for node in random_nodes(model.graph):
+        inputs = [helper.make_tensor_value_info(v, types.get(v, TensorProto.FLOAT), None)
+                  for v in node.input if v]
+        alone = helper.make_node(node.op_type, [v.name for v in inputs], ["drawn"],
+                                 domain=node.domain)
+        alone.attribute.extend(node.attribute)
+        probe = helper.make_model(
+            helper.make_graph([alone], "probe", inputs, [helper.make_value_info(
+                "drawn", onnx.TypeProto())]),
+            opset_imports=model.opset_import, ir_version=model.ir_version)
+        serialized = probe.SerializeToString(deterministic=True)
+        if serialized not in probes:
+            probes.append(serialized)
+    return probes
 
 
 def _replace_in(graph: onnx.GraphProto, main: onnx.GraphProto, types: dict[str, int],
