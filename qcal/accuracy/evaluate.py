@@ -11,7 +11,9 @@ decisions that are the same; for probabilities (a sigmoid's map, a concatenated 
 probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|float yes| +
 |quantized yes|), once the float model calls at least MIN_YES_DECISIONS of them yes; for a
 per-position output of rank 3, the share of samples whose sequence reads the same
-(`qcal.accuracy.decision_counts.sequences_read_alike`). With labels
+(`qcal.accuracy.decision_counts.sequences_read_alike`). The outputs of a set of detections (the
+boxes a NonMaxSuppression kept, with their scores and labels) are compared as a set instead,
+by the F1 of their detections matched by IoU (`qcal.accuracy.detection_sets`). With labels
 (one per sample), top-1 accuracy of both models on the per-sample classifier outputs. Only
 running sums are kept, never the outputs.
 
@@ -33,6 +35,7 @@ import onnx
 
 from qcal.accuracy._ahead import runs_ahead
 from qcal.accuracy.decisions import decision_rules
+from qcal.accuracy.detection_sets import DetectionCounts, as_detections
 from qcal.accuracy.output_metrics import (
     MIN_YES_DECISIONS,
     OutputMetrics,
@@ -43,6 +46,7 @@ from qcal.accuracy.output_parts import output_parts
 from qcal.accuracy.output_sums import OutputAccumulator
 from qcal.accuracy.reference import FloatReference
 from qcal.calibration.runtime import Feed, create_session
+from qcal.graph.detections import detection_sets
 from qcal.numerics.errors import DataError, ModelError, one_line
 
 __all__ = [
@@ -115,6 +119,7 @@ def compare_models(
                                            threads=COMPARE_THREADS, what="float model")
         reference.rules = decision_rules(float_model)
         reference.parts = output_parts(float_model)
+        reference.detections = detection_sets(float_model)
     float_session = reference.session
     if quant_session is None:
         quant_session = create_session(quant_model, providers=providers,
@@ -126,6 +131,8 @@ def compare_models(
     accumulators = {name: OutputAccumulator(rule=rules.get(name), measure=name not in rules,
                                        parts=reference.parts.get(name, ()))
                     for name in names}
+    sets = [d for d in reference.detections if {d.boxes, *d.others} <= set(names)]
+    detections = {d.boxes: DetectionCounts() for d in sets}
     samples, batch, replay = 0, -1, reference.holds_data
     runs = runs_ahead(quant_session, names, reference.feeds if replay else batches)
     try:
@@ -148,6 +155,9 @@ def compare_models(
                 batch_labels = labels[samples : samples + n]
             for name, x, y in zip(names, x_outputs, y_outputs):
                 accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels, n)
+            for found in sets:
+                detections[found.boxes].add(found, dict(zip(names, map(np.asarray, x_outputs))),
+                                            dict(zip(names, map(np.asarray, y_outputs))), n)
             if not replay:
                 reference.hold(batch, feed, n)
             samples += n
@@ -160,7 +170,10 @@ def compare_models(
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
     reference.holds_data = len(reference.feeds) == batch + 1 == len(reference.outputs)
-    return Comparison(samples, tuple(accumulators[n].metrics(n) for n in names))
+    in_sets = {name for d in sets for name in (d.boxes, *d.others)}
+    return Comparison(samples, tuple(
+        as_detections(accumulators[n].metrics(n), detections.get(n)) if n in in_sets
+        else accumulators[n].metrics(n) for n in names))
 
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:

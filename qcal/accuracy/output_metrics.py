@@ -25,7 +25,10 @@ def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
     values read as a classifier's by their shape and their linear layer (speech-quality
     ratings, signal, background and overall, whose argmax stays on the first) agree by their
     argmax however scrambled they are. Per-position scores are read by their decoder, argmax
-    by argmax."""
+    by argmax. Not a set of detections: its rows are compared as a set
+    (`qcal.accuracy.detection_sets`)."""
+    if decisions == "detections":
+        return False
     return (top1_agreement is None or decisions == "threshold"
             or variation_sqnr_db is not None)
 

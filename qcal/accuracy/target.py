@@ -182,7 +182,7 @@ class AccuracyTarget:
         if self.min_yes_f1 is not None and (comparison is None
                                             or worst_yes_f1(comparison) is not None):
             parts.append(f"F1 >= {self.min_yes_f1:g} of the yes decisions (probabilities above "
-                         "0.5, positions of another class than most are)")
+                         "0.5, positions of another class than most are, detections)")
         return " and ".join(parts)
 
 
