@@ -18,11 +18,14 @@ from qcal.graph.detections import detection_sets
 ANCHORS = 64
 
 
-def _detector(logit_shift: dict[int, float], *, in_branch: bool = False) -> onnx.ModelProto:
+def _detector(logit_shift: dict[int, float], *, in_branch: bool = False,
+              columns: str | None = None) -> onnx.ModelProto:
     """x [1, 64, 5]: per anchor a box (x1, y1, x2, y2) and a score's logit; the boxes and the
     sigmoid scores go through NonMaxSuppression (IoU 0.5, score 0.5, at most 20), and the kept
     boxes, scores and labels (the class of each, from the selection) are the outputs. The
-    logits of `logit_shift`'s anchors are shifted, as quantization error would."""
+    logits of `logit_shift`'s anchors are shifted, as quantization error would. With
+    `columns`, one output [1, K, 6] of rows (x1, y1, x2, y2, score, and `columns`: "class",
+    the class, or "area", a figure of a box's size where the class would be), as ultralytics writes it."""
     shift = np.zeros((1, 1, ANCHORS), np.float32)
     for anchor, value in logit_shift.items():
         shift[0, 0, anchor] = value
@@ -67,12 +70,28 @@ def _detector(logit_shift: dict[int, float], *, in_branch: bool = False) -> onnx
         make("Flatten", ["class2"], ["class_flat"], name="fl2", axis=0),
         make("Squeeze", ["class_flat"], ["kept_labels"], name="sq2"),
     ]
+    outputs = [helper.make_tensor_value_info("kept_boxes", TensorProto.FLOAT, ["K", 4]),
+               helper.make_tensor_value_info("kept_scores", TensorProto.FLOAT, ["K"]),
+               helper.make_tensor_value_info("kept_labels", TensorProto.INT64, ["K"])]
+    if columns is not None:
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+        inits.append(numpy_helper.from_array(np.array(3.0, np.float32), "three"))
+        last = "class_f" if columns == "class" else "area"
+        nodes += [
+            make("Cast", ["kept_labels"], ["class_f"], name="cast", to=TensorProto.FLOAT),
+            make("ReduceSum", ["kept_boxes", "one"], ["corners"], name="sum", keepdims=0),
+            make("Div", ["corners", "three"], ["area"], name="area"),
+            make("Unsqueeze", ["kept_scores", "one"], ["score_col"], name="u1"),
+            make("Unsqueeze", [last, "one"], ["last_col"], name="u2"),
+            make("Concat", ["kept_boxes", "score_col", "last_col"], ["rows"], name="cat", axis=1),
+            make("Unsqueeze", ["rows", "col2"], ["rows_b"], name="u3"),
+        ]
+        nodes[-1].input[1] = "zero"
+        inits.append(numpy_helper.from_array(np.array([0], np.int64), "zero"))
+        outputs = [helper.make_tensor_value_info("rows_b", TensorProto.FLOAT, [1, "K", 6])]
     graph = helper.make_graph(
         nodes, "detector", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                          [1, ANCHORS, 5])],
-        [helper.make_tensor_value_info("kept_boxes", TensorProto.FLOAT, ["K", 4]),
-         helper.make_tensor_value_info("kept_scores", TensorProto.FLOAT, ["K"]),
-         helper.make_tensor_value_info("kept_labels", TensorProto.INT64, ["K"])], inits)
+                                                          [1, ANCHORS, 5])], outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
@@ -115,6 +134,19 @@ def test_detections_are_compared_as_sets(shift: dict[int, float], f1: float) -> 
         assert output.sqnr_db is None and output.top1_agreement is None
         assert not floor_sqnr_applies(output.top1_agreement, output.decisions,
                                       output.variation_sqnr_db)
+
+
+def test_rows_of_box_score_and_class_are_a_set_where_their_values_read_so() -> None:
+    batches = [({"x": _anchors()}, 1)]
+    (found,) = detection_sets(_detector({}, columns="class"))
+    assert found.boxes == "rows_b" and found.columns
+    (rows,) = compare_models(_detector({}, columns="class"),
+                             _detector({4: -0.02, 7: -0.05}, columns="class"), batches).outputs
+    assert rows.decisions == "detections" and rows.yes_counts == (10, 9, 9)
+    # a last column of areas, not classes: the rows are compared row by row, as before
+    (rows,) = compare_models(_detector({}, columns="area"),
+                             _detector({4: -0.02}, columns="area"), batches).outputs
+    assert rows.decisions != "detections" and rows.sqnr_db is not None and rows.sqnr_db < 30
 
 
 def test_matching_takes_overlap_labels_order_and_padding() -> None:

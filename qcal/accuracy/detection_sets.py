@@ -25,33 +25,59 @@ MIN_IOU = 0.5
 
 @dataclasses.dataclass
 class DetectionCounts:
-    """Detections of the float model, of the quantized model, and matched, summed over batches."""
+    """Detections of the float model, of the quantized model, and matched, summed over batches;
+    `unread`: a batch's rows were not what the set's layout says (a set of `columns` whose class
+    column held no class numbers), so the outputs are compared row by row after all."""
 
     float_count: int = 0
     quantized_count: int = 0
     matched: int = 0
+    unread: bool = False
 
     def add(self, detections: DetectionSet, x: Mapping[str, np.ndarray],
             y: Mapping[str, np.ndarray], samples: int) -> None:
         """One batch's outputs of the set, float `x` and quantized `y`, by name."""
         fx, fy = x[detections.boxes], y[detections.boxes]
-        if fx.ndim < 2 or fx.shape[-1] != 4 or fy.ndim < 2 or fy.shape[-1] != 4:
+        width = 6 if detections.columns else 4
+        if (fx.ndim < 2 or fy.ndim < 2 or fx.shape[-1] != fy.shape[-1]
+                or fx.shape[-1] < width or not detections.columns and fx.shape[-1] != 4):
+            self.unread = True
             return
-        # [samples, K, 4]: a set per sample; otherwise the batch's rows are one set
+        # [samples, K, ...]: a set per sample; otherwise the batch's rows are one set
         per_sample = samples > 1 and fx.ndim == 3 and fx.shape[0] == fy.shape[0] == samples
         groups = samples if per_sample else 1
-        lx = _labels(detections, x, fx.size // 4)
-        ly = _labels(detections, y, fy.size // 4)
-        boxes_x, boxes_y = fx.reshape(groups, -1, 4), fy.reshape(groups, -1, 4)
-        labels_x = None if lx is None or ly is None else lx.reshape(groups, -1)
-        labels_y = None if lx is None or ly is None else ly.reshape(groups, -1)
+        rows_x = fx.reshape(groups, -1, fx.shape[-1])
+        rows_y = fy.reshape(groups, -1, fy.shape[-1])
+        labels_x: np.ndarray | None
+        labels_y: np.ndarray | None
+        if detections.columns:  # box, score, class: the class is the label
+            if not (_columns_read(rows_x) and _columns_read(rows_y)):
+                self.unread = True
+                return
+            labels_x, labels_y = rows_x[..., 5], rows_y[..., 5]
+        else:
+            lx = _labels(detections, x, rows_x.shape[0] * rows_x.shape[1])
+            ly = _labels(detections, y, rows_y.shape[0] * rows_y.shape[1])
+            labels_x = None if lx is None or ly is None else lx.reshape(groups, -1)
+            labels_y = None if lx is None or ly is None else ly.reshape(groups, -1)
         for g in range(groups):
-            counts = count_matches(boxes_x[g], boxes_y[g],
+            counts = count_matches(rows_x[g, :, :4], rows_y[g, :, :4],
                                    None if labels_x is None else labels_x[g],
                                    None if labels_y is None else labels_y[g])
             self.float_count += counts[0]
             self.quantized_count += counts[1]
             self.matched += counts[2]
+
+
+def _columns_read(rows: np.ndarray) -> bool:
+    """Whether rows [groups, K, 6 or more] read as box, score and class: in the rows that are
+    not padding, a score between 0 and 1 and a class that is a whole number of 0 or more."""
+    real = rows[(rows != 0.0).any(axis=2)].astype(np.float64)
+    if not np.isfinite(real[:, :6]).all():
+        return False
+    scores, classes = real[:, 4], real[:, 5]
+    return bool(((scores >= 0.0) & (scores <= 1.0)).all()
+                and ((classes >= 0.0) & (classes == np.round(classes))).all())
 
 
 def _labels(detections: DetectionSet, outputs: Mapping[str, np.ndarray],

@@ -170,7 +170,8 @@ def compare_models(
     if labels is not None and labels.shape[0] != samples:
         raise DataError(f"labels: {labels.shape[0]} labels for {samples} samples")
     reference.holds_data = len(reference.feeds) == batch + 1 == len(reference.outputs)
-    in_sets = {name for d in sets for name in (d.boxes, *d.others)}
+    in_sets = {name for d in sets if not detections[d.boxes].unread
+               for name in (d.boxes, *d.others)}
     return Comparison(samples, tuple(
         as_detections(accumulators[n].metrics(n), detections.get(n)) if n in in_sets
         else accumulators[n].metrics(n) for n in names))

@@ -9,7 +9,11 @@ detections are the same (a trained Faster R-CNN whose detections matched the flo
 F1 of 0.94 kept the same count on 61-73 % of its images, and its boxes read 6-12 dB). So they
 are compared as sets (`qcal.accuracy.detection_sets`), and found here by data flow: the graph
 outputs computed from a NonMaxSuppression's selection, in the main graph or inside an `If` or
-`Loop` body (torchvision's exports hold theirs in an `If`), whatever they are named.
+`Loop` body (torchvision's exports hold theirs in an `If`), whatever they are named. A set is
+either a boxes output of rows of four corners with the other outputs beside it, or one output
+whose rows hold a box's four corners, its score and its class (ultralytics' NMS export writes
+[1, 300, 6], its segmentation and pose exports more columns after those six), read as such only
+where its values show it (`qcal.accuracy.detection_sets`).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
 @dataclass(frozen=True)
 class DetectionSet:
     """The boxes output of a set of detections (rows of 4 coordinates, [..., K, 4]) and the
-    other outputs computed from the same selection (scores, labels, masks)."""
+    other outputs computed from the same selection (scores, labels, masks); with `columns`,
+    an output of rows of box, score, class and more ([..., K, 6 or more]), alone."""
 
     boxes: str
     others: tuple[str, ...]
+    columns: bool = False
 
 
 def detection_sets(model: onnx.ModelProto) -> list[DetectionSet]:
@@ -45,7 +51,9 @@ def detection_sets(model: onnx.ModelProto) -> list[DetectionSet]:
         if _selects(node) or selected.intersection(node.input) or selected.intersection(subgraph_reads(node)):
             selected.update(v for v in node.output if v)
     outputs = [o for o in graph.output if o.name in selected]
-    boxes = [o.name for o in outputs if _rows_of_four(o)]
+    boxes = [o.name for o in outputs if _rows_of(o) == 4]
+    if not boxes:
+        return [DetectionSet(o.name, (), columns=True) for o in outputs if _rows_of(o) >= 6]
     return [DetectionSet(b, tuple(o.name for o in outputs if o.name != b)) for b in boxes]
 
 
@@ -56,10 +64,11 @@ def _selects(node: onnx.NodeProto) -> bool:
     return any(_selects(inner) for graph in node_subgraphs(node) for inner in graph.node)
 
 
-def _rows_of_four(value: onnx.ValueInfoProto) -> bool:
-    """A float output declared [..., 4] (boxes' corners): rank 2 or more, last dimension 4."""
+def _rows_of(value: onnx.ValueInfoProto) -> int:
+    """The declared length of a float output's rows (its last dimension) where it has rank 2 or
+    more; 0 otherwise."""
     tensor = value.type.tensor_type
     if not value.type.HasField("tensor_type") or tensor.elem_type not in _FLOAT_TYPES:
-        return False
+        return 0
     dims = tensor.shape.dim
-    return tensor.HasField("shape") and len(dims) >= 2 and dims[-1].dim_value == 4
+    return dims[-1].dim_value if tensor.HasField("shape") and len(dims) >= 2 else 0
