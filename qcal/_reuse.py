@@ -19,6 +19,7 @@ from qcal.calibration.statistics import HISTOGRAM, Statistics, read_ranges, read
 from qcal.config import CalibrationConfig
 from qcal.graph.files.atomic import sha256_of_file
 from qcal.graph.model import QuantPlan
+from qcal.graph.names import first_and_more
 from qcal.numerics.errors import StatisticsError
 from qcal.numerics.observers import FixedRangeObserver, Observer, PerTensor
 from qcal.numerics.presets import Preset
@@ -128,9 +129,8 @@ def _reuse_ranges(path: Path, plan: QuantPlan, config: CalibrationConfig) -> Reu
         observers[target.tensor] = FixedRangeObserver(lo, hi)
     if missing:
         raise StatisticsError(
-            f"{path}: no range for tensor {missing[0]!r}"
-            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-            + " that these options quantize; keep them float with --exclude-tensors, or give "
+            f"{path}: no range for tensor {first_and_more(missing)}"
+            " that these options quantize; keep them float with --exclude-tensors, or give "
               "a file that covers them")
     summary = CollectionSummary(0, 0, 0.0, ())
     source = {"path": str(path), "sha256": sha256_of_file(path), "samples": 0, "format": kind}

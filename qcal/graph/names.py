@@ -14,7 +14,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["NameAllocator", "add_initializer", "model_names"]
+__all__ = ["NameAllocator", "add_initializer", "first_and_more", "model_names"]
+
+
+def first_and_more(names: list[str]) -> str:
+    """The first of `names` quoted, and how many more there are: "'conv1' and 3 more"."""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"{names[0]!r}{more}"
 
 
 class NameAllocator:

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qcal.graph.names import first_and_more
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     default_opset,
@@ -62,8 +63,7 @@ def random_draws_note(graph: onnx.GraphProto) -> str | None:
     nodes = [n.name or n.output[0] for n in random_nodes(graph)]
     if not nodes:
         return None
-    more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
-    return (f"{nodes[0]!r}{more} draws random values on every run: qcal's runs give it the same "
+    return (f"{first_and_more(nodes)} draws random values on every run: qcal's runs give it the same "
             "fixed draws of its distribution on each run instead (float and quantized alike, so "
             "the statistics and figures do not change from one run to the next, and the "
             "comparison measures quantization, not two draws); the model written draws at "

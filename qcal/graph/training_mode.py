@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qcal.graph.names import first_and_more
 from qcal.graph.structure import DEFAULT_DOMAINS, int_attribute
 from qcal.numerics.errors import ModelError
 
@@ -35,9 +36,8 @@ def refuse_random_dropout(graph: onnx.GraphProto) -> None:
               and n.input[2] in constants and n.input[2] not in inputs
               and bool(np.any(numpy_helper.to_array(constants[n.input[2]])))]
     if random:
-        more = f" and {len(random) - 1} more" if len(random) > 1 else ""
         raise ModelError(
-            f"Dropout {random[0]!r}{more} runs in training mode (its training_mode input is "
+            f"Dropout {first_and_more(random)} runs in training mode (its training_mode input is "
             "true): it drops values at random on every run, so nothing can be calibrated "
             "against it; export the model for inference (in PyTorch: model.eval(), and "
             "torch.onnx.export(..., training=torch.onnx.TrainingMode.EVAL))")
@@ -51,8 +51,7 @@ def batch_statistics_note(graph: onnx.GraphProto) -> str | None:
              and int_attribute(n, "training_mode", 0)]
     if not nodes:
         return None
-    more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
-    return (f"BatchNormalization {nodes[0]!r}{more} in training mode: it normalizes by each "
+    return (f"BatchNormalization {first_and_more(nodes)} in training mode: it normalizes by each "
             "batch's own statistics, not the running ones, so the model computes what it did "
             "in training (exported with torch.onnx.TrainingMode.TRAINING, or a module left in "
             "train mode?); qcal calibrates and compares it as it is")
