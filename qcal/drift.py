@@ -21,6 +21,7 @@ THRESHOLDS: dict[str, tuple[float, str]] = {
     "coverage": (1.0, "drop of the quantized share of Conv/MatMul/Gemm compute, points of %"),
     "sqnr": (1.0, "drop of an output's SQNR, dB"),
     "agreement": (0.5, "drop of an output's top-1 agreement, points of %"),
+    "f1": (1.0, "drop of an output's F1 of yes decisions (a map's, detections'), points of %"),
 }
 
 
@@ -87,7 +88,7 @@ class Drift:
 
 
 UNITS = {"scale": " %", "zero-point": " steps", "tensors": "", "coverage": " points",
-         "sqnr": " dB", "agreement": " points"}
+         "sqnr": " dB", "agreement": " points", "f1": " points"}
 
 
 def _change_text(move: Move) -> str:
@@ -189,10 +190,11 @@ def _output_moves(old: Mapping[str, Any], new: Mapping[str, Any],
                 -math.inf if math.isinf(sqnr_b) else round(sqnr_a - sqnr_b, 6))
             moves.append(Move(name, "sqnr", _db(a["sqnr_db"]), _db(b["sqnr_db"]), drop,
                               limits["sqnr"]))
-        agree_a, agree_b = a["top1_agreement"], b["top1_agreement"]
-        if agree_a is not None and agree_b is not None and agree_a != agree_b:
-            moves.append(Move(name, "agreement", f"{agree_a:.2%}", f"{agree_b:.2%}",
-                              round(100.0 * (agree_a - agree_b), 6), limits["agreement"]))
+        for measure, key in (("agreement", "top1_agreement"), ("f1", "yes_f1")):
+            share_a, share_b = a.get(key), b.get(key)
+            if share_a is not None and share_b is not None and share_a != share_b:
+                moves.append(Move(name, measure, f"{share_a:.2%}", f"{share_b:.2%}",
+                                  round(100.0 * (share_a - share_b), 6), limits[measure]))
     return moves
 
 

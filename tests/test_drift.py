@@ -32,7 +32,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _edited(report: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str], float]]:
-    """A copy with known moves, and the change each should show."""
+    """A copy with known moves, and the change each should show (the first output of `report`
+    itself gets an F1 of yes decisions to move from)."""
     new = copy.deepcopy(report)
     acts = [t for t in new["tensors"] if t["role"] == "activation"]
     acts[0]["onnx"]["scale"][0] *= 1.05                       # +5 % scale
@@ -43,6 +44,8 @@ def _edited(report: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str
     logits = new["evaluation"]["outputs"][0]
     logits["sqnr_db"] -= 2.0
     logits["top1_agreement"] -= 0.01                           # 1 point
+    old_f1 = report["evaluation"]["outputs"][0]
+    old_f1["yes_f1"], logits["yes_f1"] = 0.98, 0.965             # 1.5 points
     expected = {
         (acts[0]["name"], "scale"): 5.0,
         (acts[1]["name"], "zero-point"): 3.0,
@@ -50,6 +53,7 @@ def _edited(report: dict[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str
         ("(model)", "coverage"): 2.5,
         (logits["name"], "sqnr"): 2.0,
         (logits["name"], "agreement"): 1.0,
+        (logits["name"], "f1"): 1.5,
     }
     return new, expected
 
@@ -66,7 +70,7 @@ def test_known_moves_are_found_with_their_size(baseline: Path) -> None:
     assert {(m.name, m.measure) for m in drift.over} == expected.keys()
     # thresholds just above each change let all of them pass; just below, each fails alone
     generous = {"scale": 5.01, "zero-point": 3, "tensors": 1, "coverage": 2.51, "sqnr": 2.01,
-                "agreement": 1.01}
+                "agreement": 1.01, "f1": 1.51}
     assert compare_reports(old, new, generous).over == []
     for measure, value in generous.items():
         tight = {**generous, measure: value - 0.02}
