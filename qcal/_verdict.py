@@ -77,6 +77,8 @@ def agreement_cell(output: Mapping[str, Any]) -> str:
     with the F1 of its yes decisions where it has one (`yes_f1`)."""
     agreement = output["top1_agreement"]
     cell = "-" if agreement is None else f"{shown_down(100 * agreement, 2)}%"
+    if agreement is not None and output.get("decisions") == "shape":
+        cell = f"{cell} of shapes"
     sequences = output.get("sequence_agreement")
     if sequences is not None:  # a per-position output: its sequences too
         cell = f"{cell} ({shown_down(100 * sequences, 2)}% of sequences)"
@@ -124,9 +126,12 @@ def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     figures = []
     if deciding:
         worst = min(deciding, key=lambda o: o["top1_agreement"])
-        figures.append(f"{shown_down(100 * worst['top1_agreement'], 2)}% of the decisions agree "
-                       "with the float model"
-                       + _how_sure(worst, report["config"].get("eval_data") is not None))
+        share = shown_down(100 * worst["top1_agreement"], 2)
+        figures.append(
+            f"{share}% of the samples give {worst['name']!r} the float model's shape (its "
+            "length changes on the others)" if worst.get("decisions") == "shape" else
+            f"{share}% of the decisions agree with the float model"
+            + _how_sure(worst, report["config"].get("eval_data") is not None))
     sequences = [o["sequence_agreement"] for o in outputs
                  if o.get("sequence_agreement") is not None]
     if sequences:

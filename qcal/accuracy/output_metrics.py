@@ -25,11 +25,12 @@ def floor_sqnr_applies(top1_agreement: float | None, decisions: str | None,
     values read as a classifier's by their shape and their linear layer (speech-quality
     ratings, signal, background and overall, whose argmax stays on the first) agree by their
     argmax however scrambled they are. Per-position scores are read by their decoder, argmax
-    by argmax. Not a set of detections: its rows are compared as a set
+    by argmax. Values whose only decisions are their shapes are held to it too. Not a set of
+    detections: its rows are compared as a set
     (`qcal.accuracy.detection_sets`)."""
     if decisions == "detections":
         return False
-    return (top1_agreement is None or decisions == "threshold"
+    return (top1_agreement is None or decisions in ("threshold", "shape")
             or variation_sqnr_db is not None)
 
 
@@ -58,7 +59,9 @@ class OutputMetrics:
     # ... of no element at all on every sample (a detector that found nothing): likewise.
     float_all_empty: bool = False
     # How `top1_agreement` counts: "argmax" (per sample or position), "threshold" (a
-    # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs); None: no decisions.
+    # sigmoid's yes/no at 0.5 per element), "equal" (integer outputs), "shape" (values whose
+    # batches keep the float model's shape or not: a waveform of another length),
+    # "detections" (a set of detections: `qcal.accuracy.detection_sets`); None: no decisions.
     decisions: str | None = None
     # The parts of a concatenated output whose SQNR `sqnr_db` is (`describe_parts`); None:
     # the whole output's.

@@ -262,11 +262,15 @@ class OutputAccumulator:
             agreement = None
         if self.integer:  # no SQNR of indices: the share of equal elements is the agreement
             sqnr, agreement = None, self.equal / self.elements if self.elements else 1.0
+        # an output of values whose only decisions are its batches' shapes (a speech model
+        # whose waveform comes out longer or shorter)
+        shapes_only = agreement is None and not self.integer and self.other_shape > 0
         if self.other_shape:  # a batch of another shape is a batch of decisions that differ
             same = 1.0 - self.other_shape / self.batches
             agreement = same * (1.0 if agreement is None else agreement)
         has_labels = self.rule is not None and self.labelled > 0
         decisions = ("equal" if self.integer else None if agreement is None
+                     else "shape" if shapes_only
                      else "threshold" if self.rule is not None and self.rule.threshold
                      else "argmax")
         yes = (yes_of_classes(self.classes) if decisions == "argmax" and not self.yes[0]
@@ -294,8 +298,8 @@ class OutputAccumulator:
             sqnr_part=None if self.integer else worst_part,
             sequence_agreement=sequences,
             variation_sqnr_db=variation_sqnr,  # no rows of an integer output are summed
-            decision_count=(None if agreement is None
-                            else self.elements if self.integer else self.rows),
+            decision_count=(None if agreement is None else self.elements if self.integer
+                            else self.batches if shapes_only else self.rows),
             yes_f1=2 * yes[2] / (yes[0] + yes[1]) if counted else None,
             yes_counts=(yes[0], yes[1], yes[2]) if counted else None,
             agreement_error=self._agreement_error() if decisions == "argmax" else None,
