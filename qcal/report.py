@@ -173,13 +173,14 @@ _QUOTED_NAME = re.compile(r"'[^']*'")
 
 def reasons_by_kind(by_reason: Mapping[str, int]) -> dict[str, int]:
     """`coverage.skipped_by_reason` with the reasons that differ only in the names they quote
-    (of nodes, tensors) counted as one, the names elided: four LayerNorm statistics kept float
-    are one line, not four. A reason alone of its kind keeps its names."""
+    (of nodes, tensors) counted as one, said by the first of them in name order and how many
+    more there are: four LayerNorm statistics kept float are one line, not four (their names
+    elided, "'…' kept float with output '…' of '…'" read as a placeholder left unfilled)."""
     kinds: dict[str, dict[str, int]] = {}
     for reason, count in by_reason.items():
-        kinds.setdefault(_QUOTED_NAME.sub("'…'", reason), {})[reason] = count
-    return {next(iter(same)) if len(same) == 1 else kind: sum(same.values())
-            for kind, same in kinds.items()}
+        kinds.setdefault(_QUOTED_NAME.sub("''", reason), {})[reason] = count
+    return {min(same) if len(same) == 1 else f"{min(same)} (and {len(same) - 1} more like it)":
+            sum(same.values()) for same in kinds.values()}
 
 
 def build_report(

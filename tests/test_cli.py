@@ -510,8 +510,8 @@ def test_the_summary_folds_the_fallback_reasons_and_the_rarest_ones() -> None:
 
 
 def test_the_summary_counts_reasons_that_differ_only_in_names_as_one() -> None:
-    """Four statistics kept float for the same reason, each naming its own node, are one line
-    (names elided); a reason alone of its kind keeps its name."""
+    """Four statistics kept float for the same reason, each naming its own node, are one line,
+    named by the first; a reason alone of its kind keeps its name."""
     from qcal._cli_output import _float_reasons
 
     reasons = {f"computes a normalization statistic (ReduceMean 'mean.{i}'); default "
@@ -519,7 +519,8 @@ def test_the_summary_counts_reasons_that_differ_only_in_names_as_one() -> None:
     reasons["embedding lookup in 'table'"] = 1
     reasons["no quantization rule for op Sqrt"] = 3
     assert _float_reasons(reasons) == [
-        (4, "computes a normalization statistic (ReduceMean '…'); default exclusion"),
+        (4, ("computes a normalization statistic (ReduceMean 'mean.0'); default exclusion "
+             "(and 3 more like it)")),
         (3, "no quantization rule for op Sqrt"),
         (1, "embedding lookup in 'table'"),
     ]
