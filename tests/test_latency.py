@@ -379,3 +379,29 @@ def test_the_summary_says_when_the_two_thread_timing_was_disturbed(
     assert "at 2 threads 0.93x (the float model took 1.59x its 1-thread time, timed twice: " \
            "other work on this machine may have held a core, or two threads slow this model " \
            "itself, so that ratio may say little)" in text, text
+
+
+@pytest.mark.parametrize(("one", "two", "apart"), [
+    ((18.6e-3, 2.8e-3), (1.9e-3, 1.05e-3), True),   # 0.15x at one thread, 0.55x at two
+    ((0.1e-3, 0.098e-3), (0.06e-3, 0.107e-3), False),  # 0.98x and 1.79x: a model of 0.1 ms
+])
+def test_the_summary_says_when_the_two_ratios_lie_far_apart(
+        one: tuple[float, float], two: tuple[float, float], apart: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run under load printed 0.15x at one thread with nothing said, where the model ran at
+    0.55x; integer kernels that gain unlike at one and two threads stay within a factor of
+    about two."""
+    from rich.console import Console
+
+    from qcal import _cli_output
+
+    console = Console(width=300, record=True)
+    monkeypatch.setattr(_cli_output, "stdout", console)
+    config = {"preset": "pytorch", "placement": None, "allow_slower": False,
+              "fail_if_slower": None, "weight_only": None}
+    timings = {"latency_float_1_thread": one[0], "latency_quantized_1_thread": one[1],
+               "latency_float_2_threads": two[0], "latency_quantized_2_threads": two[1]}
+    _cli_output._show_latency({"timings_seconds": timings, "gates": [], "config": config})
+    text = " ".join(console.export_text().split())
+    assert ("the two ratios lie far apart: other work on this machine may have disturbed a "
+            "timing" in text) is apart, text
