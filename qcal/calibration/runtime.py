@@ -145,12 +145,8 @@ def create_session(
             with stage_model(model, path, external=True) as staged:
                 staged.commit()
             return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
-    except (ort.capi.onnxruntime_pybind11_state.Fail,
-            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-            ort.capi.onnxruntime_pybind11_state.NotImplemented) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
+    except _LOAD_ERRORS as err:
+        raise _cannot_load(what, err) from None
 
 
 # The kinds of random node onnxruntime was found to load (`kernel_probes`), with its providers.
@@ -167,13 +163,21 @@ def _check_random_kernels(model: onnx.ModelProto, providers: Sequence[str], what
         options = _session_options(1, optimize=False)
         try:
             ort.InferenceSession(key, sess_options=options, providers=list(providers))
-        except (ort.capi.onnxruntime_pybind11_state.Fail,
+        except _LOAD_ERRORS as err:
+            raise _cannot_load(what, err) from None
+        _LOADED_PROBES.add((key, tuple(providers)))
+
+
+# What onnxruntime raises for a model it cannot load.
+_LOAD_ERRORS = (ort.capi.onnxruntime_pybind11_state.Fail,
                 ort.capi.onnxruntime_pybind11_state.InvalidGraph,
                 ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-                ort.capi.onnxruntime_pybind11_state.NotImplemented) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else "failed"
-            raise ModelError(f"{what}: onnxruntime cannot load it: {first_line}") from None
-        _LOADED_PROBES.add((key, tuple(providers)))
+                ort.capi.onnxruntime_pybind11_state.NotImplemented)
+
+
+def _cannot_load(what: str, err: Exception) -> ModelError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ModelError(f"{what}: onnxruntime cannot load it: {first_line}")
 
 
 def _mapping_weights(

@@ -171,16 +171,18 @@ def _draws(node: onnx.NodeProto, main: onnx.GraphProto, types: dict[str, int], c
         drawn = name("drawn")
         nodes.append(helper.make_node("Less", [unit, node.input[0]], [drawn], name("Less")))
     else:
-        normal = op.startswith("RandomNormal")
-        low = float(_attribute(node, "mean" if normal else "low", 0.0))
-        spread = float(_attribute(node, "scale" if normal else "high", 1.0)) - (0.0 if normal
-                                                                                else low)
+        if op.startswith("RandomNormal"):  # mean + scale * N(0, 1)
+            base = float(_attribute(node, "mean", 0.0))
+            spread = float(_attribute(node, "scale", 1.0))
+        else:  # low + (high - low) * U[0, 1)
+            base = float(_attribute(node, "low", 0.0))
+            spread = float(_attribute(node, "high", 1.0)) - base
         main.initializer.extend([
             numpy_helper.from_array(np.array(spread, np.float32), name("spread")),
-            numpy_helper.from_array(np.array(low, np.float32), name("low"))])
+            numpy_helper.from_array(np.array(base, np.float32), name("base"))])
         nodes += [
             helper.make_node("Mul", [name("unit"), name("spread")], [name("scaled")], name("Mul")),
-            helper.make_node("Add", [name("scaled"), name("low")], [name("drawn")], name("Low")),
+            helper.make_node("Add", [name("scaled"), name("base")], [name("drawn")], name("Base")),
         ]
         drawn = name("drawn")
     nodes.append(_cast(node, drawn, types, cast_like, name("Cast")))
