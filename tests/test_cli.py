@@ -444,7 +444,9 @@ def test_compare_refuses_models_whose_outputs_differ(tmp_path: Path) -> None:
     _assert_error(result, errors.ModelError.exit_code, "no output")
 
 
-def test_a_model_with_nothing_to_quantize_says_so_and_fails_a_coverage_gate(tmp_path: Path) -> None:
+def test_a_model_with_nothing_to_quantize_says_so_and_fails_the_coverage_gates(
+    tmp_path: Path,
+) -> None:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -458,14 +460,20 @@ def test_a_model_with_nothing_to_quantize_says_so_and_fails_a_coverage_gate(tmp_
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
     base = ["calibrate", path, "--data", tmp_path / "d.npz", "-o", tmp_path / "q.onnx",
             "--report", tmp_path / "q.json", "--force"]
+    # the written model is the float model: by default that fails the coverage floor, after
+    # writing both files (a CI job read exit 0 for a logistic regression left as it was)
     plain = run(*base)
-    assert plain.exit_code == 0, plain.output
+    _assert_error(plain, errors.AccuracyGateError.exit_code, "coverage")
     report = json.loads((tmp_path / "q.json").read_text())
     assert any(w.startswith("nothing was quantized") for w in report["warnings"])
     assert "nothing was quantized" in " ".join(plain.output.split())
+    assert "the model has none, and no other node of it is quantized" in " ".join(
+        plain.output.split())
     # the output is the float model: the two are not timed against each other
     assert not any(key.startswith("latency_") for key in report["timings_seconds"])
-    gated = run(*base, "--fail-if-coverage-below", "1")
+    unchecked = run(*base, "--no-fallback")  # no floor: said, not failed
+    assert unchecked.exit_code == 0, unchecked.output
+    gated = run(*base, "--no-fallback", "--fail-if-coverage-below", "1")
     _assert_error(gated, errors.AccuracyGateError.exit_code, "quantized share")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -752,10 +753,16 @@ def test_the_coverage_floor_is_a_gate_when_the_fallback_is_on(
         assert "the coverage floor 70 (--min-coverage): FAILED" in results[0].describe()
 
 
-def test_a_model_without_compute_has_no_coverage_floor() -> None:
+def test_a_model_without_compute_fails_the_coverage_floor_only_with_nothing_quantized() -> None:
+    """A model with no Conv/MatMul/Gemm of which no node is quantized is the float model (a
+    logistic regression's LinearClassifier exited 0 so); one with other nodes quantized is not."""
     coverage = Coverage(basis="nodes", compute_nodes=0, quantized_nodes=0, macs_total=None,
                         macs_quantized=None, anything_quantized=False)
-    assert check_gates(Gates(coverage_floor=70.0), None, coverage) == []
+    (gate,) = check_gates(Gates(coverage_floor=70.0), None, coverage)
+    assert gate.option == "coverage-floor" and not gate.passed and gate.value == 0.0
+    assert "the model has none, and no other node of it is quantized" in gate.measure
+    something = dataclasses.replace(coverage, anything_quantized=True)
+    assert check_gates(Gates(coverage_floor=70.0), None, something) == []
 
 
 def _spelled_softmax(shift: float, normalise: bool = True) -> onnx.ModelProto:

@@ -114,7 +114,8 @@ def check_gates(
     model computes finite ones ("finite-outputs"). Such a model is broken whatever its other
     figures, so when it fails, every other gate fails with it. With the fallback on, so is the
     coverage floor ("coverage-floor"): a model with Conv/MatMul/Gemm nodes of which less than
-    that share runs in integers is no quantized model to hand over silently; nor is one whose
+    that share runs in integers, or one with none of which no node is quantized, is no
+    quantized model to hand over silently; nor is one whose
     target, met on the held-out samples, the calibration samples show missed beyond doubt
     (`unconfirmed`: their count and what missed). And unless allowed,
     a quantized model that the latency check (`speed`) found slower beyond the noise at a thread
@@ -149,11 +150,15 @@ def check_gates(
         results.append(GateResult("fail-if-coverage-below", measure,
                                   gates.fail_if_coverage_below, value,
                                   value >= gates.fail_if_coverage_below and not broken))
-    if gates.coverage_floor is not None and coverage.compute_nodes and not \
-            coverage.mostly_in_bodies:
+    # A model with no Conv/MatMul/Gemm of which nothing is quantized (a logistic regression,
+    # skl2onnx's LinearClassifier) is the float model too: it was handed over with exit 0.
+    if gates.coverage_floor is not None and not coverage.mostly_in_bodies and (
+            coverage.compute_nodes or not coverage.anything_quantized):
         value = 100.0 * coverage.fraction
         if value < gates.coverage_floor:  # checked always: only a miss is a result
-            why = f" ({coverage.float_reasons})" if coverage.float_reasons else ""
+            why = (f" ({coverage.float_reasons})" if coverage.float_reasons
+                   else "" if coverage.compute_nodes else
+                   " (the model has none, and no other node of it is quantized)")
             results.append(GateResult(
                 "coverage-floor", f"share of Conv/MatMul/Gemm compute running in integers (%)"
                 f"{why}", gates.coverage_floor, value, False))
