@@ -452,6 +452,15 @@ def test_recurrent_layers_are_named_as_left_out_of_the_figure() -> None:
     assert set(macs) == {"head"}
     coverage = measure_coverage(model, plan_quantization(model, SelectionRules()), macs)
     assert coverage.note is not None and coverage.note.startswith("1 LSTM not counted")
+    assert coverage.recurrent_layers == "1 LSTM"
+    sized = SelectionRules(run_macs=tuple(macs.items()), min_product_macs=1 << 18)
+    coverage = measure_coverage(model, plan_quantization(model, sized), macs)
+    # The LSTM holds 4 x 8 x (5 + 8) = 416 weights, the head 24: its product, too small to
+    # pay, is no option's to quantize for a gain (a speaker encoder of three LSTMs, told to
+    # quantize it, came out "100 %" quantized and as fast as its float model).
+    assert coverage.float_reasons is not None
+    assert "recurrent layers hold most of its weights" in coverage.float_reasons
+    assert "--min-product-macs 0" not in coverage.float_reasons
 
 
 # ------------------------------------------------------------------------- search mechanics

@@ -32,6 +32,7 @@ from qcal.graph.model import QuantPlan
 from qcal.graph.narrow_convs import NARROW_CONV
 from qcal.graph.parameters import PARAMETER_ONLY
 from qcal.graph.placement import PRODUCT_OF_ACTIVATIONS, SMALL_PRODUCT
+from qcal.graph.shapes import known_dims
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     FLOAT_TYPES,
@@ -85,6 +86,7 @@ class Coverage:
     mostly_in_bodies: bool = False
     nodes_in_bodies: int = 0
     float_reasons: str | None = None
+    recurrent_layers: str | None = None  # "3 LSTM": recurrent layers, float and not counted
 
     @property
     def fraction(self) -> float:
@@ -107,6 +109,7 @@ class Coverage:
             "compute_nodes": self.compute_nodes,
             "quantized_compute_nodes": self.quantized_nodes,
             "compute_nodes_in_bodies": self.nodes_in_bodies,
+            "recurrent_layers": self.recurrent_layers,
             "note": self.note,
         }
 
@@ -137,7 +140,9 @@ class CoverageMeter:
         self._mostly_in_bodies = _mostly_in_bodies(model)
         self._in_bodies = [n.name for g in all_graphs(graph) if g is not graph
                            for n in g.node if is_compute(n)]
-        self._recurrent = _recurrent_note(model)
+        self._layers = _recurrent_layers(model)
+        self._recurrent = _recurrent_note(self._layers)
+        self._mostly_recurrent = _mostly_recurrent(model)
 
     def quantized(self, plan: QuantPlan) -> set[str]:
         """Names of the compute nodes that run as integer kernels under `plan`."""
@@ -177,7 +182,7 @@ class CoverageMeter:
             )
             return Coverage("nodes", len(macs), len(quantized & macs.keys()), None, None,
                             "; ".join(n for n in (note, bodies) if n), anything,
-                            mostly_in_bodies, len(in_bodies))
+                            mostly_in_bodies, len(in_bodies), recurrent_layers=self._layers)
         done = sum(v for name, v in macs.items() if v is not None and name in quantized)
         # the main graph's: the figure leaves the bodies' out
         left: dict[str | tuple[str, ...], list[str]] = {}  # main-graph compute left float, by reason
@@ -188,13 +193,16 @@ class CoverageMeter:
                                or p == PARAMETER_ONLY and p in d.reason), None)
                 if prefix is not None:
                     left.setdefault(prefix, []).append(d.node)
+        whys = dict(_FLOAT_WHY)
+        if self._mostly_recurrent:  # no option quantizes what holds the work
+            whys[SMALL_PRODUCT] = _MOSTLY_RECURRENT
         said = [f"{len(nodes)} of {len(macs)} compute nodes "
                 f"({sum(macs.get(n) or 0 for n in nodes) / total if total else 0.0:.1%} of the "
-                f"MACs) {why}" for prefix, why in _FLOAT_WHY if (nodes := left.get(prefix))]
+                f"MACs) {whys[prefix]}" for prefix, _ in _FLOAT_WHY if (nodes := left.get(prefix))]
         return Coverage("macs", len(macs), len(quantized & macs.keys()), total, done, bodies,
                         anything_quantized=anything, mostly_in_bodies=mostly_in_bodies,
                         nodes_in_bodies=len(in_bodies),
-                        float_reasons="; ".join(said) or None)
+                        float_reasons="; ".join(said) or None, recurrent_layers=self._layers)
 
 
 # What the coverage gate names of the compute left float: the reasons no option of the run's
@@ -218,6 +226,34 @@ _FLOAT_WHY = (
                "fused operators, com.microsoft's: give qcal the model as exported, before "
                "onnxruntime optimised it)")),
 )
+
+
+# The small products' reason where recurrent layers hold most of the weights: no option
+# quantizes those (a speaker encoder of three LSTMs and a Linear of 65 k multiply-adds, told to
+# quantize its small products, came out "100 % quantized" and exactly as fast as its float model).
+_MOSTLY_RECURRENT = ("left float as too small for an integer kernel to pay; the model's recurrent "
+                     "layers hold most of its weights and run in float whatever the options "
+                     "(onnxruntime has no integer kernel for them in QDQ form), so quantizing "
+                     "it gains little")
+
+
+def _mostly_recurrent(model: onnx.ModelProto) -> bool:
+    """Whether the LSTM, GRU and RNN layers hold more weights than the compute nodes (their
+    W and R inputs' sizes, from the initializers or the shapes inferred: torch.onnx's dynamo
+    exporter computes them from the initializers when the model loads)."""
+    graphs = list(all_graphs(model.graph))
+    constants = {t.name: math.prod(t.dims) for g in graphs for t in g.initializer}
+    for graph in graphs:
+        for value in graph.value_info:
+            dims = known_dims(value)
+            if dims is not None and None not in dims:
+                constants.setdefault(value.name, math.prod(d or 0 for d in dims))
+    recurrent = sum(constants.get(v, 0) for g in graphs for n in g.node
+                    if n.op_type in _RECURRENT_OPS and n.domain in DEFAULT_DOMAINS
+                    for v in n.input[1:3])
+    compute = sum(constants.get(n.input[1], 0) for g in graphs for n in g.node
+                  if is_compute(n) and len(n.input) > 1)
+    return bool(recurrent > compute)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
@@ -247,15 +283,19 @@ def _bodies_note(inside: list[str], plan: QuantPlan) -> str | None:
             "number of iterations")
 
 
-def _recurrent_note(model: onnx.ModelProto) -> str | None:
-    """What else the figure leaves out: recurrent layers, which run in float (onnxruntime has
-    no integer kernel for them after QDQ fusion), however much of the work they hold."""
+def _recurrent_layers(model: onnx.ModelProto) -> str | None:
+    """The model's recurrent layers by kind ("3 LSTM, 1 GRU"), or None."""
     found = Counter(n.op_type for g in all_graphs(model.graph) for n in g.node
                     if n.op_type in _RECURRENT_OPS and n.domain in DEFAULT_DOMAINS)
-    if not found:
+    return ", ".join(f"{count} {op}" for op, count in sorted(found.items())) or None
+
+
+def _recurrent_note(layers: str | None) -> str | None:
+    """What else the figure leaves out: recurrent layers, which run in float (onnxruntime has
+    no integer kernel for them after QDQ fusion), however much of the work they hold."""
+    if layers is None:
         return None
-    named = ", ".join(f"{count} {op}" for op, count in sorted(found.items()))
-    return (f"{named} not counted: recurrent layers run in float (onnxruntime has no integer "
+    return (f"{layers} not counted: recurrent layers run in float (onnxruntime has no integer "
             "kernel for them in QDQ form), however much of the work they hold")
 
 
