@@ -378,9 +378,9 @@ def _pruned_beyond_floor(
     `count` candidates that does, pruned (`_prune`), if that leaves the floor's coverage; () if
     not. A prefix holds candidates that did not matter, and the floor bounds what is handed
     over, not the search: a VITS text-to-speech model's ranking met the floor nowhere within it
-    (61 tensors float, 72 % of its compute quantized, short), met it further on, and pruned back
-    to 56 tensors its coverage was 71 %. The pruning takes as many checks as the searches took
-    (`checks`: so far)."""
+    (61 tensors float, 72 % of its compute quantized, short), met it at 73 (54 %), and pruned
+    back to 58 tensors its coverage was 71 %. The pruning takes as many checks as the searches
+    took (`checks`: so far)."""
     passing = _smallest_passing(check, count)
     if passing is None:
         return ()
