@@ -221,7 +221,7 @@ def test_unreachable_target_says_so_and_respects_the_floor(trap: Path) -> None:
     result = calibrate(trap, config, enforce_gates=False)
     fallback = result.report["fallback"]
     assert not fallback["reached"] and "NOT reached" in fallback["message"]
-    # sets past the floor are checked (one pruned back above it would do), never handed over
+    assert all(s["macs_quantized_fraction"] >= 0.6 for s in fallback["steps"])
     assert result.report["coverage"]["macs_quantized_fraction"] >= 0.6
     assert any("NOT reached" in w for w in result.report["warnings"])
     # A missed target fails the run as the default floor it replaces does (it passed as a
@@ -525,42 +525,6 @@ def test_candidates_the_target_holds_without_are_given_back(trap: Path) -> None:
     assert result.reached and {c.sensitivity.tensor for c in result.kept} == needed
     assert not _has_q(result.model, tensors[0]) and _has_q(result.model, tensors[1])
     assert len(checked) == len({frozenset(c) for c in checked})  # no model checked twice
-
-
-@pytest.mark.parametrize(("needed", "reached"), [(("emb",), True), (("attn", "emb"), False)])
-def test_a_set_past_the_coverage_floor_pruned_back_above_it_is_found(
-    needed: tuple[str, ...], reached: bool, trap: Path,
-) -> None:
-    """No prefix within the floor of 85 % meets the target (the first candidate, attn, costs 17 %
-    of the compute, and the target needs the second, emb); the prefix of both does, within twice
-    the float compute the floor allows, and pruned of the candidate that did not matter it keeps
-    the floor's coverage where attn is not needed, not where it is."""
-    model, _ = prepare_model(onnx.load(trap))
-    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
-    tensors = sorted({t.tensor for t in plan.activations if t.consumers})
-    assert tensors[:2] == ["attn", "emb"]
-    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
-                  for t in tensors]
-
-    def evaluate(quantized: onnx.ModelProto) -> Comparison:
-        floated = {t for t in tensors if not _has_q(quantized, t)}
-        return _metrics(30.0 if set(needed) <= floated else 10.0)
-
-    result = search_fallback(
-        model=model, plan=plan, candidates=candidates, macs=compute_macs(model, None),
-        target=AccuracyTarget(min_sqnr_db=20.0), floor=0.85,
-        write=lambda p: _marker_model(model, p), evaluate=evaluate,
-    )
-    assert result.reached == reached
-    kept = {c.sensitivity.tensor for c in result.kept}
-    if reached:
-        assert kept == set(needed) and result.coverage.fraction == 1.0
-        assert "reached with 1 tensor(s)" in result.message
-    else:  # handed over as planned, and said so
-        assert kept == set() and result.coverage.fraction == 1.0
-        assert "NOT reached: it would need more than 15 % of compute in float" in result.message
-    # nothing past twice the float compute the floor allows is checked
-    assert min(s.coverage.fraction for s in result.steps) >= 0.7
 
 
 def _marker_model(model: onnx.ModelProto, plan: Any) -> onnx.ModelProto:

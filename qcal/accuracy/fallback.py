@@ -306,8 +306,9 @@ def search_fallback(
     limit = _largest_above_floor(meter, lambda k: plan_without(range(k)), len(candidates),
                                  floor)
     chosen = _smallest_passing(check, limit)
-    # the prefixes the search checked within the floor (before any is pruned)
+    # the prefixes the search checked (before any is pruned)
     checked = {len(kept): step for kept, (_, _, step) in models.items()}
+    reached = chosen is not None
     # Short of the target whatever was kept float, the model goes out as planned: a verdict
     # fails either way, and islands of float compute between integer ones would only make it
     # slower (a MobileNetV3 kept 30 % float ran 2.8x its float model, for 2 % more agreement).
@@ -315,15 +316,6 @@ def search_fallback(
     kept = tuple(range(chosen or 0))
     if chosen is not None and chosen > 1:
         kept = _prune(kept, check_set, budget=len(models))
-    elif chosen is None and limit < len(candidates):
-        # at most twice the float compute the floor allows: pruning gives back candidates that
-        # did not matter, not most of a prefix (a layout detector met its floor nowhere)
-        reach = _largest_above_floor(meter, lambda k: plan_without(range(k)), len(candidates),
-                                     max(0.0, 1.0 - 2.0 * (1.0 - floor)))
-        kept = _pruned_beyond_floor(check, check_set, reach, checks=lambda: len(models),
-                                    above_floor=lambda trial: meter.measure(
-                                        plan_without(trial)).fraction >= floor - 1e-12)
-    reached = chosen is not None or bool(kept)
     restricted, written, step = models[kept]
     assert written is not None  # the model as planned, or one that met the target
     chosen = len(kept)
@@ -368,24 +360,6 @@ def _prune(kept: tuple[int, ...], check_set: Callable[[tuple[int, ...]], Fallbac
         if check_set(trial).met:
             kept = trial
     return kept
-
-
-def _pruned_beyond_floor(
-    check: Callable[[int], FallbackStep], check_set: Callable[[tuple[int, ...]], FallbackStep],
-    count: int, *, checks: Callable[[], int], above_floor: Callable[[tuple[int, ...]], bool],
-) -> tuple[int, ...]:
-    """Where no prefix within the coverage floor meets the target: the smallest prefix of at most
-    `count` candidates that does, pruned (`_prune`), if that leaves the floor's coverage; () if
-    not. A prefix holds candidates that did not matter, and the floor bounds what is handed
-    over, not the search: a VITS text-to-speech model's ranking met the floor nowhere within it
-    (61 tensors float, 72 % of its compute quantized, short), met it at 73 (54 %), and pruned
-    back to 58 tensors its coverage was 71 %. The pruning takes as many checks as the searches
-    took (`checks`: so far)."""
-    passing = _smallest_passing(check, count)
-    if passing is None:
-        return ()
-    kept = _prune(tuple(range(passing)), check_set, budget=checks())
-    return kept if above_floor(kept) else ()
 
 
 def _largest_above_floor(
