@@ -242,18 +242,16 @@ def _mostly_recurrent(model: onnx.ModelProto) -> bool:
     W and R inputs' sizes, from the initializers or the shapes inferred: torch.onnx's dynamo
     exporter computes them from the initializers when the model loads)."""
     graphs = list(all_graphs(model.graph))
-    constants = {t.name: math.prod(t.dims) for g in graphs for t in g.initializer}
+    sizes = _initializer_sizes(graphs)
     for graph in graphs:
         for value in graph.value_info:
             dims = known_dims(value)
             if dims is not None and None not in dims:
-                constants.setdefault(value.name, math.prod(d or 0 for d in dims))
-    recurrent = sum(constants.get(v, 0) for g in graphs for n in g.node
+                sizes.setdefault(value.name, math.prod(d or 0 for d in dims))
+    recurrent = sum(sizes.get(v, 0) for g in graphs for n in g.node
                     if n.op_type in _RECURRENT_OPS and n.domain in DEFAULT_DOMAINS
                     for v in n.input[1:3])
-    compute = sum(constants.get(n.input[1], 0) for g in graphs for n in g.node
-                  if is_compute(n) and len(n.input) > 1)
-    return bool(recurrent > compute)
+    return recurrent > sum(_compute_weights(g, sizes) for g in graphs)
 
 
 def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
@@ -262,13 +260,20 @@ def _mostly_in_bodies(model: onnx.ModelProto) -> bool:
     graph's share then says little of the model."""
     graphs = list(all_graphs(model.graph))
     # a body reads its weights from an enclosing graph as often as from its own
-    constants = {t.name: math.prod(t.dims) for g in graphs for t in g.initializer}
+    sizes = _initializer_sizes(graphs)
+    inside = sum(_compute_weights(g, sizes) for g in graphs if g is not model.graph)
+    return inside > _compute_weights(model.graph, sizes)
 
-    def weights(graph: onnx.GraphProto) -> int:
-        return sum(constants.get(n.input[1], 0) for n in graph.node
-                   if is_compute(n) and len(n.input) > 1)
-    inside = sum(weights(g) for g in graphs if g is not model.graph)
-    return inside > weights(model.graph)
+
+def _initializer_sizes(graphs: Iterable[onnx.GraphProto]) -> dict[str, int]:
+    """Elements of every initializer of `graphs`, by name."""
+    return {t.name: int(math.prod(t.dims)) for g in graphs for t in g.initializer}
+
+
+def _compute_weights(graph: onnx.GraphProto, sizes: Mapping[str, int]) -> int:
+    """Elements of the weights (second inputs) the compute nodes of `graph` read, by `sizes`."""
+    return sum(sizes.get(n.input[1], 0) for n in graph.node
+               if is_compute(n) and len(n.input) > 1)
 
 
 def _bodies_note(inside: list[str], plan: QuantPlan) -> str | None:

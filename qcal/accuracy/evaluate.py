@@ -155,9 +155,11 @@ def compare_models(
                 batch_labels = labels[samples : samples + n]
             for name, x, y in zip(names, x_outputs, y_outputs):
                 accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels, n)
-            for found in sets:
-                detections[found.boxes].add(found, dict(zip(names, map(np.asarray, x_outputs))),
-                                            dict(zip(names, map(np.asarray, y_outputs))), n)
+            if sets:  # a set's outputs read together, by name
+                x_named = dict(zip(names, map(np.asarray, x_outputs)))
+                y_named = dict(zip(names, map(np.asarray, y_outputs)))
+                for found in sets:
+                    detections[found.boxes].add(found, x_named, y_named, n)
             if not replay:
                 reference.hold(batch, feed, n)
             samples += n

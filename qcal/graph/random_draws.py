@@ -19,7 +19,6 @@ does, so the batch check of `qcal.calibration.batch_check` runs such a model a s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import onnx
@@ -29,8 +28,10 @@ from qcal.graph.names import first_and_more
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     default_opset,
+    float_attribute,
     graph_element_types,
     int_attribute,
+    ints_attribute,
     node_subgraphs,
 )
 
@@ -137,7 +138,7 @@ def _draws(node: onnx.NodeProto, main: onnx.GraphProto, types: dict[str, int], c
     op = node.op_type
     nodes: list[onnx.NodeProto] = []
     if op in ("RandomNormal", "RandomUniform"):
-        shape = [int(d) for d in _attribute(node, "shape", [])]
+        shape = ints_attribute(node, "shape")
         main.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), name("shape")))
     else:
         nodes.append(helper.make_node("Shape", [node.input[0]], [name("shape")], name("Shape")))
@@ -172,11 +173,11 @@ def _draws(node: onnx.NodeProto, main: onnx.GraphProto, types: dict[str, int], c
         nodes.append(helper.make_node("Less", [unit, node.input[0]], [drawn], name("Less")))
     else:
         if op.startswith("RandomNormal"):  # mean + scale * N(0, 1)
-            base = float(_attribute(node, "mean", 0.0))
-            spread = float(_attribute(node, "scale", 1.0))
+            base = float_attribute(node, "mean", 0.0)
+            spread = float_attribute(node, "scale", 1.0)
         else:  # low + (high - low) * U[0, 1)
-            base = float(_attribute(node, "low", 0.0))
-            spread = float(_attribute(node, "high", 1.0)) - base
+            base = float_attribute(node, "low", 0.0)
+            spread = float_attribute(node, "high", 1.0) - base
         main.initializer.extend([
             numpy_helper.from_array(np.array(spread, np.float32), name("spread")),
             numpy_helper.from_array(np.array(base, np.float32), name("base"))])
@@ -201,9 +202,3 @@ def _cast(node: onnx.NodeProto, drawn: str, types: dict[str, int], cast_like: bo
     return helper.make_node("Cast", [drawn], [node.output[0]], name,
                             to=dtype or TensorProto.FLOAT)
 
-
-def _attribute(node: onnx.NodeProto, key: str, default: Any) -> Any:
-    for attribute in node.attribute:
-        if attribute.name == key:
-            return helper.get_attribute_value(attribute)
-    return default
