@@ -13,7 +13,9 @@ probability parts) also the F1 of their yes decisions at 0.5, 2·|both yes| / (|
 per-position output of rank 3, the share of samples whose sequence reads the same
 (`qcal.accuracy.decision_counts.sequences_read_alike`). The outputs of a set of detections (the
 boxes a NonMaxSuppression kept, with their scores and labels) are compared as a set instead,
-by the F1 of their detections matched by IoU (`qcal.accuracy.detection_sets`). With labels
+by the F1 of their detections matched by IoU (`qcal.accuracy.detection_sets`). A token model's
+outputs of one row per position are compared on its real tokens only, not where its attention
+mask says padding (`qcal.accuracy.padding`). With labels
 (one per sample), top-1 accuracy of both models on the per-sample classifier outputs. Only
 running sums are kept, never the outputs.
 
@@ -44,8 +46,15 @@ from qcal.accuracy.output_metrics import (
 )
 from qcal.accuracy.output_parts import output_parts
 from qcal.accuracy.output_sums import OutputAccumulator
+from qcal.accuracy.padding import (
+    PaddingCount,
+    compared_positions,
+    has_positions,
+    position_pieces,
+)
 from qcal.accuracy.reference import FloatReference
 from qcal.calibration.runtime import Feed, create_session
+from qcal.graph.attention_masks import attention_mask
 from qcal.graph.detections import detection_sets
 from qcal.numerics.errors import DataError, ModelError, one_line
 
@@ -68,9 +77,11 @@ COMPARE_THREADS = 1
 class Comparison:
     samples: int
     outputs: tuple[OutputMetrics, ...]
+    padding: PaddingCount | None = None  # positions an attention mask left out, if any
 
     def to_json(self) -> dict[str, object]:
-        return {"samples": self.samples, "outputs": [o.to_json() for o in self.outputs]}
+        return {"samples": self.samples, "outputs": [o.to_json() for o in self.outputs],
+                **({} if self.padding is None else {"padding": self.padding.to_json()})}
 
     @property
     def worst_sqnr_db(self) -> float | None:
@@ -120,6 +131,7 @@ def compare_models(
         reference.rules = decision_rules(float_model)
         reference.parts = output_parts(float_model)
         reference.detections = detection_sets(float_model)
+        reference.mask = attention_mask(float_model)
     float_session = reference.session
     if quant_session is None:
         quant_session = create_session(quant_model, providers=providers,
@@ -133,6 +145,8 @@ def compare_models(
                     for name in names}
     sets = [d for d in reference.detections if {d.boxes, *d.others} <= set(names)]
     detections = {d.boxes: DetectionCounts() for d in sets}
+    mask = reference.mask
+    padding = None if mask is None else PaddingCount(mask.input)
     samples, batch, replay = 0, -1, reference.holds_data
     runs = runs_ahead(quant_session, names, reference.feeds if replay else batches)
     try:
@@ -153,8 +167,22 @@ def compare_models(
                 if samples + n > labels.shape[0]:
                     raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
                 batch_labels = labels[samples : samples + n]
-            for name, x, y in zip(names, x_outputs, y_outputs):
-                accumulators[name].add(np.asarray(x), np.asarray(y), batch_labels, n)
+            valid = compared_positions(feed, mask)
+            covered = False
+            for name, x, y in zip(names, map(np.asarray, x_outputs), map(np.asarray, y_outputs)):
+                if valid is None or mask is None or name not in mask.outputs \
+                        or not has_positions(x, y, valid):
+                    accumulators[name].add(x, y, batch_labels, n)
+                    continue
+                covered = True
+                if valid.all():  # no padding in this batch
+                    accumulators[name].add(x, y, batch_labels, n)
+                    continue
+                for i, x_piece, y_piece in position_pieces(x, y, valid):
+                    accumulators[name].add(x_piece, y_piece, None if batch_labels is None
+                                           else batch_labels[i : i + 1], 1)
+            if covered and padding is not None and valid is not None:
+                padding.add(valid)
             if sets:  # a set's outputs read together, by name
                 x_named = dict(zip(names, map(np.asarray, x_outputs)))
                 y_named = dict(zip(names, map(np.asarray, y_outputs)))
@@ -176,7 +204,8 @@ def compare_models(
                for name in (d.boxes, *d.others)}
     return Comparison(samples, tuple(
         as_detections(accumulators[n].metrics(n), detections.get(n)) if n in in_sets
-        else accumulators[n].metrics(n) for n in names))
+        else accumulators[n].metrics(n) for n in names),
+        padding if padding is not None and padding.left_out else None)
 
 
 def _check_finite(feed: Feed, first: int, n: int) -> None:

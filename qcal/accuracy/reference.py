@@ -10,6 +10,7 @@ import numpy as np
 from qcal.accuracy.decision_counts import DecisionRule
 from qcal.accuracy.output_parts import OutputPart
 from qcal.calibration.runtime import Feed
+from qcal.graph.attention_masks import AttentionMask
 from qcal.graph.detections import DetectionSet
 
 __all__ = ["FloatReference"]
@@ -29,6 +30,7 @@ class FloatReference:
         self.rules: dict[str, DecisionRule] | None = None  # how each output is read
         self.parts: dict[str, tuple[OutputPart, ...]] = {}  # outputs compared part by part
         self.detections: list[DetectionSet] = []  # outputs compared as sets of detections
+        self.mask: AttentionMask | None = None  # outputs compared on real tokens only
         self.names: list[str] = []  # the outputs kept, in this order
         self.outputs: list[list[np.ndarray]] = []  # per batch, from the first on
         self.budget = budget_bytes
@@ -40,7 +42,7 @@ class FloatReference:
     def release(self) -> None:
         """Drop the session and the outputs (a later comparison makes them again)."""
         self.session, self.rules, self.names, self.outputs = None, None, [], []
-        self.parts, self.detections = {}, []
+        self.parts, self.detections, self.mask = {}, [], None
         self.kept_bytes, self.full = 0, False
         self.feeds, self.holds_data = [], False
 

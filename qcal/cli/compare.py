@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from qcal._cli_output import _metrics_table, stdout
+from qcal._cli_output import _metrics_table, _padding_words, stdout
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.numerics.errors import ConfigError
 
@@ -52,5 +52,6 @@ def compare(float_model: Path, quant_model: Path, data: Path | None, labels: Pat
     if json_path is not None:
         write_atomic(json_path, (json.dumps(result, indent=2) + "\n").encode())
     stdout.print(_metrics_table(
-        f"{float_model.name} vs {quant_model.name} on {comparison.samples} samples",
+        f"{float_model.name} vs {quant_model.name} on {comparison.samples} samples"
+        + _padding_words(result.get("padding")),  # type: ignore[arg-type]
         [o.to_json() for o in comparison.outputs]))

@@ -90,12 +90,14 @@ def measure_blocks(
     units = len(models.units)
     none = switch_flags(units)
     references = [_run(session, outputs, {**feed, models.selector: none}) for feed in feeds]
+    positions = [models.positions(feed) for feed in feeds]
 
     def harm(block: tuple[int, ...]) -> float:
         noise = models.empty_noise()
         flags = switch_flags(units, block)
-        for feed, reference in zip(feeds, references):
-            noise.add(reference, _run(session, outputs, {**feed, models.selector: flags}))
+        for feed, reference, valid in zip(feeds, references, positions):
+            noise.add(reference, _run(session, outputs, {**feed, models.selector: flags}),
+                      valid)
         return noise.harm()
 
     size = -(-len(order) // max(1, first_blocks))

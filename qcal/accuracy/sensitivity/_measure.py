@@ -119,6 +119,7 @@ def measure_sensitivity(
     for feed, n in batches:
         values = _run(probe, outputs + probes, feed)
         reference = values[: len(outputs)]
+        valid = models.positions(feed)
         probed = dict(zip(probes, values[len(outputs):]))
         del values
         for tensor, (plain, faked) in probe_outputs.items():
@@ -131,7 +132,7 @@ def measure_sensitivity(
             tensor = units[unit][0]
             flags = switch_flags(len(active), [k])
             quantized = _run(switch, outputs, {**feed, selector: flags})
-            noise[tensor].add(reference, quantized)
+            noise[tensor].add(reference, quantized, valid)
             measured[tensor] += n
         samples += n
         if on_batch is not None:

@@ -21,7 +21,9 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.accuracy.decision_counts import DecisionRule
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import numeric_outputs
+from qcal.accuracy.padding import compared_positions
 from qcal.accuracy.sensitivity._results import _OutputNoise
+from qcal.graph.attention_masks import AttentionMask, attention_mask
 from qcal.graph.files.large import tensor_array
 from qcal.graph.model import QuantPlan
 from qcal.graph.names import NameAllocator
@@ -46,6 +48,7 @@ class _Models:
     logits: tuple[str, ...]  # softmax inputs of softmax outputs, extra outputs of both models
     compared: tuple[str, ...]  # the model outputs compared: not a ZipMap of dicts, nor strings
     rules: tuple[DecisionRule | None, ...]  # how each compared output is read
+    mask: AttentionMask | None  # outputs compared on real tokens only (`qcal.accuracy.padding`)
 
     @property
     def outputs(self) -> list[str]:
@@ -54,7 +57,14 @@ class _Models:
 
     def empty_noise(self) -> _OutputNoise:
         """Sums for one set of tensors quantized, over `outputs`."""
-        return _OutputNoise.empty(len(self.outputs), list(self.rules))
+        masked = frozenset() if self.mask is None else self.mask.outputs
+        # a masked output's softmax logits are rows per position as it is (rank 3 or more)
+        return _OutputNoise.empty(len(self.outputs), list(self.rules), tuple(
+            name in masked for name in self.compared) + (bool(masked),) * len(self.logits))
+
+    def positions(self, feed: Mapping[str, Any]) -> np.ndarray | None:
+        """The positions of a batch its outputs are compared on (None: all of them)."""
+        return compared_positions(feed, self.mask)
 
     def probe_model(self) -> tuple[onnx.ModelProto, Mapping[str, tuple[str, str]]]:
         """The probe model and, per tensor, its (float, fake-quant) outputs (a copy of the
@@ -75,6 +85,7 @@ class _Models:
     ) -> _Models:
         compared = tuple(numeric_outputs(model))
         rules = decision_rules(model)
+        mask = attention_mask(model)
         logits = _softmax_logits(model)
         if logits:
             model = exposing(model, logits)
@@ -100,7 +111,7 @@ class _Models:
         switch, selector = chains.switch_model([(t, c) for t, _, c in units])
         return cls(switch, selector, tuple((t, r) for t, r, _ in units), chains,
                    tuple(c for _, _, c in units), tuple(logits), compared,
-                   tuple(rules.get(name) for name in compared))
+                   tuple(rules.get(name) for name in compared), mask)
 
 
 _RESHAPING_OPS = frozenset({"Reshape", "Flatten", "Identity", "Transpose", "Squeeze",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qcal.accuracy.decision_counts import DecisionRule
+from qcal.accuracy.padding import has_positions, position_pieces
 from qcal.numerics.sums import inner_product
 
 __all__ = ["SensitivityResult", "TensorSensitivity", "noise_ratio_db"]
@@ -88,44 +89,61 @@ class _OutputNoise:
     rows: list[int]
     rules: list[DecisionRule | None] = field(default_factory=list)
     real: int = 0  # the first `real` are model outputs, the rest softmax logits
+    # per output, whether it is compared on the positions an attention mask keeps
+    positions: tuple[bool, ...] = ()
 
     @classmethod
-    def empty(cls, outputs: int, rules: list[DecisionRule | None]) -> _OutputNoise:
+    def empty(cls, outputs: int, rules: list[DecisionRule | None],
+              positions: tuple[bool, ...] = ()) -> _OutputNoise:
         """`rules`: per model output, how it is read (`qcal.accuracy.decisions`); the logits
-        after them are read as scores."""
+        after them are read as scores. `positions`: per output, whether it is compared on
+        the positions an attention mask does not leave out (`qcal.accuracy.padding`)."""
         real = len(rules)
         return cls([0.0] * outputs, [0.0] * outputs, [0] * outputs, [0] * outputs,
-                   list(rules) + [DecisionRule()] * (outputs - real), real)
+                   list(rules) + [DecisionRule()] * (outputs - real), real, positions)
 
-    def add(self, reference: list[np.ndarray], quantized: list[np.ndarray]) -> None:
+    def add(self, reference: list[np.ndarray], quantized: list[np.ndarray],
+            valid: np.ndarray | None = None) -> None:
+        """One batch's outputs; `valid`: its positions to compare (None: all of them)."""
+        padded = valid is not None and not valid.all()
         for i, (x, y) in enumerate(zip(reference, quantized)):
-            x64 = np.asarray(x, dtype=np.float64).ravel()
-            y64 = np.asarray(y, dtype=np.float64).ravel()
-            rule = self.rules[i]
-            if np.shape(x) != np.shape(y):
-                # Another count (NonZero, a detector's boxes): nothing of the reference is
-                # left, as the evaluation counts such a batch as decisions that all differ.
-                x64 = x64[np.isfinite(x64)]
-                lost = inner_product(x64, x64)
-                self.signal[i] += lost
-                self.noise[i] += lost
-                if rule is not None and rule.applies(np.shape(x)):
-                    self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
+            x, y = np.asarray(x), np.asarray(y)
+            if not padded or valid is None or i >= len(self.positions) \
+                    or not self.positions[i] or not has_positions(x, y, valid) \
+                    or (i >= self.real and x.ndim < 3):  # logits [N, classes] have no positions
+                self._add_one(i, x, y)
                 continue
-            both = np.isfinite(x64) & np.isfinite(y64)
-            if not both.all():  # as in the evaluation: sums over what both compute finite,
-                if np.any(np.isfinite(x64) & ~np.isfinite(y64)):  # and a value made non-finite
-                    self.noise[i] = math.inf                     # is unbounded harm
-                x64, y64 = x64[both], y64[both]
-            d = x64 - y64
-            self.signal[i] += inner_product(x64, x64)
-            self.noise[i] += inner_product(d, d)
-            if rule is not None and not rule.applies(np.shape(x)):
-                rule = self.rules[i] = None
-            if rule is not None:
-                agree, decisions, _ = rule.count(np.asarray(x), np.asarray(y))
-                self.agree[i] += agree
-                self.rows[i] += decisions
+            for _, x_piece, y_piece in position_pieces(x, y, valid):
+                self._add_one(i, x_piece, y_piece)
+
+    def _add_one(self, i: int, x: np.ndarray, y: np.ndarray) -> None:
+        x64 = np.asarray(x, dtype=np.float64).ravel()
+        y64 = np.asarray(y, dtype=np.float64).ravel()
+        rule = self.rules[i]
+        if np.shape(x) != np.shape(y):
+            # Another count (NonZero, a detector's boxes): nothing of the reference is
+            # left, as the evaluation counts such a batch as decisions that all differ.
+            x64 = x64[np.isfinite(x64)]
+            lost = inner_product(x64, x64)
+            self.signal[i] += lost
+            self.noise[i] += lost
+            if rule is not None and rule.applies(np.shape(x)):
+                self.rows[i] += rule.count(np.asarray(x), np.asarray(x))[1]
+            return
+        both = np.isfinite(x64) & np.isfinite(y64)
+        if not both.all():  # as in the evaluation: sums over what both compute finite,
+            if np.any(np.isfinite(x64) & ~np.isfinite(y64)):  # and a value made non-finite
+                self.noise[i] = math.inf                     # is unbounded harm
+            x64, y64 = x64[both], y64[both]
+        d = x64 - y64
+        self.signal[i] += inner_product(x64, x64)
+        self.noise[i] += inner_product(d, d)
+        if rule is not None and not rule.applies(np.shape(x)):
+            rule = self.rules[i] = None
+        if rule is not None:
+            agree, decisions, _ = rule.count(np.asarray(x), np.asarray(y))
+            self.agree[i] += agree
+            self.rows[i] += decisions
 
     def worst_ratio(self, logits: bool = False) -> float:
         chosen = slice(self.real, None) if logits else slice(0, self.real)

@@ -1,0 +1,117 @@
+"""The input that says which positions of a sequence are padding: an attention mask.
+
+A token model is fed sentences of several lengths padded to one length, with a mask of 1 on the
+real tokens and 0 on the padding (Hugging Face's `attention_mask`); stacked in one data file,
+they must be. The model still computes an output at every padding position, which nothing reads
+and which attends to the real tokens only: values without meaning, whose argmax quantization
+noise flips as readily as not. Compared there, a small GPT-2's logits kept its LM head float
+for disagreements on padding alone. So the comparisons leave out the positions where the mask
+is 0 (`qcal.accuracy.padding`), on the outputs that have one row per position.
+
+The mask is found by what it does, whatever its name: a graph input of rank 2 ([batch,
+sequence]) from which a chain of elementwise and reshaping operators, with no product, gather
+or reduction, reaches the input of a softmax (Softmax, LogSoftmax, the Exp of a softmax spelled
+out) or the mask input of an attention operator. That is how every exporter spells adding a
+large negative number to the attention scores at the padding positions (torch.onnx:
+Cast/Unsqueeze/Sub/Mul; transformers 5: Where on a boolean mask; tf2onnx: Cast/Sub/Mul/Add).
+Whether its values are a mask of 0 and 1 is seen in the data, batch by batch. A model with two
+such inputs (an encoder's and a decoder's mask) has none: which output follows which is not
+known.
+
+The outputs it masks are those of one row per position: rank 3 or more ([batch, sequence,
+...]), unless their sequence axis is named apart from the mask's (a decoder's logits beside an
+encoder's mask), and rank 2 ([batch, sequence]: a span's start scores) only where their second
+axis has the mask's own name (a sentence embedding of 384 values is not 384 positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
+
+__all__ = ["AttentionMask", "attention_mask"]
+
+# What a mask goes through on its way to the scores: casts, comparisons, arithmetic with
+# constants, reshaping, selection by condition. Not products or reductions, and a gather only
+# as the data gathered from (transformers 5 indexes the mask by position): an input read by
+# those otherwise is data (token ids are a Gather's indices, features a MatMul's input).
+_MASK_OPS = frozenset({
+    "Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Expand",
+    "Tile", "Slice", "Concat", "Transpose", "Sub", "Add", "Mul", "Div", "Neg", "Not", "And",
+    "Or", "Xor", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Where", "Min",
+    "Max", "IsNaN", "IsInf", "Clip", "Abs", "Sign",
+})
+_GATHERS = frozenset({"Gather", "GatherElements", "GatherND", "Pad"})  # slot 0: the data
+_SOFTMAXES = frozenset({"Softmax", "LogSoftmax", "Exp"})
+# Attention operators that take the mask themselves (ONNX's opset 23 Attention; onnxruntime's).
+_ATTENTION = frozenset({"Attention", "MultiHeadAttention"})
+_MASK_TYPES = frozenset({
+    onnx.TensorProto.BOOL, onnx.TensorProto.INT64, onnx.TensorProto.INT32,
+    onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+})
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """The mask input and the graph outputs of one row per position it masks."""
+
+    input: str
+    outputs: frozenset[str]
+
+
+def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
+    """The main graph's attention mask and the outputs it masks (module docstring); None when
+    the model has none, or more than one."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    uses = UseIndex.build(graph)
+    found = [value for value in graph.input if value.name not in initializers
+             and _rank(value) == 2 and value.type.tensor_type.elem_type in _MASK_TYPES
+             and _reaches_scores(value.name, uses)]
+    if len(found) != 1:
+        return None
+    mask = found[0]
+    outputs = frozenset(o.name for o in graph.output if _has_positions(o, mask))
+    return AttentionMask(mask.name, outputs) if outputs else None
+
+
+def _reaches_scores(value: str, uses: UseIndex) -> bool:
+    pending, seen = [value], {value}
+    while pending:
+        for use in uses.uses.get(pending.pop(), ()):
+            node = use.node
+            if node.domain not in (*DEFAULT_DOMAINS, "com.microsoft"):
+                continue
+            if node.op_type in _SOFTMAXES or (node.op_type in _ATTENTION and use.slot > 0):
+                return True
+            if node.op_type in _MASK_OPS or (node.op_type in _GATHERS and use.slot == 0):
+                for out in node.output:
+                    if out and out not in seen:
+                        seen.add(out)
+                        pending.append(out)
+    return False
+
+
+def _has_positions(output: onnx.ValueInfoProto, mask: onnx.ValueInfoProto) -> bool:
+    rank = _rank(output)
+    if rank is None or rank < 2:
+        return False
+    ours, theirs = _dim_name(output, 1), _dim_name(mask, 1)
+    if rank == 2:
+        return bool(ours) and ours == theirs
+    return not (ours and theirs and ours != theirs)
+
+
+def _rank(value: onnx.ValueInfoProto) -> int | None:
+    tensor = value.type.tensor_type
+    return len(tensor.shape.dim) if value.type.HasField("tensor_type") \
+        and tensor.HasField("shape") else None
+
+
+def _dim_name(value: onnx.ValueInfoProto, axis: int) -> str:
+    dim = value.type.tensor_type.shape.dim[axis]
+    return dim.dim_param if dim.HasField("dim_param") else ""

@@ -1,0 +1,181 @@
+"""A token model fed padded sentences: its outputs at the padding positions (where the attention
+mask is 0) are values nothing reads, so float and quantized models are compared on the real
+tokens only, in the evaluation and in sensitivity. The mask is found by what it does (it reaches
+the attention's softmax), not by its name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from qcal.accuracy.decision_counts import DecisionRule
+from qcal.accuracy.evaluate import compare_models
+from qcal.accuracy.sensitivity._results import _OutputNoise
+from qcal.cli import main
+from qcal.graph.attention_masks import attention_mask
+
+VOCAB, WIDTH, CLASSES, LENGTH = 24, 8, 4, 12
+SCHEMA = Path(__file__).resolve().parents[1] / "qcal" / "report.schema.json"
+
+
+def _tagger(*, padding_noise: float = 0.0, mask_name: str = "m", mask_dim: str | int = "seq",
+            output_dim: str = "seq", mask_type: int = TensorProto.INT64,
+            mask_to_softmax: bool = True, start_scores: bool = False) -> onnx.ModelProto:
+    """input_ids [batch, seq] -> embedding (Gather) -> one attention layer whose scores get
+    -10000 where the mask is 0 (Cast, Sub, Mul, Unsqueeze, Add, Softmax: torch.onnx's spelling)
+    -> residual -> logits [batch, seq, 4]. `padding_noise`: a change of every padding position's
+    features before the head that raises its least likely class by that much, as a quantized
+    model may change the values nobody reads there.
+    `mask_to_softmax` False: no attention, the mask read only where the noise is added.
+    `start_scores`: a second output of one score per position [batch, seq] (a span's start)."""
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 1, (VOCAB, WIDTH))
+    w = rng.normal(0, 1, (WIDTH, CLASSES))
+    # the feature change that raises the padding token's least likely class by padding_noise
+    least = np.eye(CLASSES)[np.argmin(table[0] @ w)] * padding_noise
+    inits = {
+        "table": table.astype(np.float32), "w": w.astype(np.float32),
+        "w_start": rng.normal(0, 1, (WIDTH, 1)).astype(np.float32),
+        "one": np.array(1.0, np.float32), "big": np.array(-10000.0, np.float32),
+        "noise": (w @ np.linalg.solve(w.T @ w, least)).astype(np.float32),
+        "axis1": np.array([1], np.int64), "axis2": np.array([2], np.int64),
+        "last": np.array([-1], np.int64),
+    }
+    make = helper.make_node
+    nodes = [make("Gather", ["table", "ids"], ["emb"], name="embedding"),
+             make("Cast", [mask_name], ["mask_f"], name="mask_cast", to=TensorProto.FLOAT),
+             make("Sub", ["one", "mask_f"], ["pad"], name="pad")]
+    if mask_to_softmax:
+        nodes += [make("Transpose", ["emb"], ["emb_t"], name="keys", perm=[0, 2, 1]),
+                  make("MatMul", ["emb", "emb_t"], ["scores"], name="scores"),
+                  make("Mul", ["pad", "big"], ["neg"], name="neg"),
+                  make("Unsqueeze", ["neg", "axis1"], ["neg3"], name="neg3"),
+                  make("Add", ["scores", "neg3"], ["masked"], name="masked"),
+                  make("Softmax", ["masked"], ["probs"], name="softmax", axis=-1),
+                  make("MatMul", ["probs", "emb"], ["ctx"], name="ctx"),
+                  make("Add", ["ctx", "emb"], ["h"], name="residual")]
+    else:
+        nodes.append(make("Identity", ["emb"], ["h"], name="no_attention"))
+    nodes += [make("Unsqueeze", ["pad", "axis2"], ["pad3"], name="pad3"),
+              make("Mul", ["pad3", "noise"], ["pad_noise"], name="pad_noise"),
+              make("Add", ["h", "pad_noise"], ["h_out"], name="h_out"),
+              make("MatMul", ["h_out", "w"], ["logits"], name="head")]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                             ["batch", output_dim, CLASSES])]
+    if start_scores:
+        nodes += [make("MatMul", ["h_out", "w_start"], ["start3"], name="start_head"),
+                  make("Squeeze", ["start3", "last"], ["start"], name="start_squeeze")]
+        outputs.append(helper.make_tensor_value_info("start", TensorProto.FLOAT,
+                                                     ["batch", output_dim]))
+    graph = helper.make_graph(
+        nodes, "tagger",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+         helper.make_tensor_value_info(mask_name, mask_type, ["batch", mask_dim])],
+        outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _padded(samples: int, seed: int = 1) -> dict[str, np.ndarray]:
+    """Sentences of 3 to LENGTH tokens padded to LENGTH with token 0, mask 0 there."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, LENGTH + 1, samples)
+    ids = np.where(np.arange(LENGTH) < lengths[:, None],
+                   rng.integers(1, VOCAB, (samples, LENGTH)), 0).astype(np.int64)
+    return {"ids": ids, "m": (ids != 0).astype(np.int64)}
+
+
+def _batches(data: dict[str, np.ndarray], size: int = 4):  # type: ignore[no-untyped-def]
+    n = len(data["ids"])
+    for start in range(0, n, size):
+        yield {k: v[start:start + size] for k, v in data.items()}, min(size, n - start)
+
+
+def test_the_mask_is_found_by_what_it_does_and_the_outputs_by_their_positions() -> None:
+    found = attention_mask(_tagger(mask_name="padding_flags"))
+    assert found is not None and found.input == "padding_flags"
+    assert found.outputs == {"logits"}
+    for mask_type in (TensorProto.BOOL, TensorProto.FLOAT):
+        assert attention_mask(_tagger(mask_type=mask_type)) is not None
+    # a rank-2 input that never reaches a softmax's scores is no attention mask
+    assert attention_mask(_tagger(mask_to_softmax=False)) is None
+    # positions named apart from the mask's (a decoder's beside an encoder's mask)
+    assert attention_mask(_tagger(output_dim="decoder_seq")) is None
+    # one score per position counts where its axis has the mask's own name
+    both = attention_mask(_tagger(start_scores=True))
+    assert both is not None and both.outputs == {"logits", "start"}
+    static = attention_mask(_tagger(start_scores=True, mask_dim=LENGTH))
+    assert static is not None and static.outputs == {"logits"}
+
+
+def test_padding_positions_are_left_out_of_the_comparison() -> None:
+    data = _padded(40)
+    float_model = _tagger(start_scores=True)
+    # changed only where the mask is 0: a quantized model's noise nothing reads
+    other = _tagger(padding_noise=50.0, start_scores=True)
+    comparison = compare_models(float_model, other, _batches(data))
+    logits, start = comparison.outputs
+    assert logits.top1_agreement == 1.0 and logits.sqnr_db is None and logits.max_abs_error == 0
+    assert logits.sequence_agreement == 1.0
+    assert start.top1_agreement == 1.0 and start.sqnr_db is None
+    real = int(data["m"].sum())
+    assert logits.decision_count == real
+    assert comparison.padding is not None
+    assert comparison.padding.to_json() == {
+        "input": "m", "positions_left_out": data["m"].size - real, "positions": data["m"].size}
+    # counted everywhere, the same two models disagree on most padding positions
+    unmasked = _tagger(padding_noise=50.0, start_scores=True, mask_to_softmax=False)
+    plain = compare_models(_tagger(mask_to_softmax=False, start_scores=True), unmasked,
+                           _batches(data))
+    assert plain.padding is None and plain.outputs[0].top1_agreement < 0.8
+
+
+def test_a_mask_of_other_values_and_a_batch_without_padding_change_nothing() -> None:
+    data = _padded(8)
+    full = {"ids": np.where(data["ids"] == 0, 5, data["ids"]), "m": np.ones_like(data["m"])}
+    other = _tagger(padding_noise=50.0)
+    comparison = compare_models(_tagger(), other, _batches(full))
+    assert comparison.padding is None and comparison.outputs[0].decision_count == 8 * LENGTH
+    weights = {"ids": data["ids"], "m": data["m"] * 2}  # 0 and 2: not a mask of 0 and 1
+    comparison = compare_models(_tagger(), other, _batches(weights))
+    assert comparison.padding is None and comparison.outputs[0].decision_count == 8 * LENGTH
+
+
+def test_sensitivity_sums_leave_padding_out() -> None:
+    x = np.random.default_rng(2).normal(size=(2, 5, 3))
+    y = x.copy()
+    y[0, 3:] += 10.0  # only at padding
+    valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    masked = _OutputNoise.empty(1, [DecisionRule(linear=True)], (True,))
+    masked.add([x], [y], valid)
+    assert masked.noise == [0.0] and masked.rows == [8] and masked.agree == [8]
+    counted = _OutputNoise.empty(1, [DecisionRule(linear=True)], (False,))
+    counted.add([x], [y], valid)
+    assert counted.noise[0] > 0 and counted.rows == [10]
+
+
+def test_a_calibration_of_padded_sentences_reports_the_positions_left_out(tmp_path: Path) -> None:
+    onnx.save(_tagger(), tmp_path / "tagger.onnx")
+    data = _padded(64, seed=3)
+    np.savez(tmp_path / "calib.npz", **data)
+    result = CliRunner().invoke(main, [
+        "calibrate", str(tmp_path / "tagger.onnx"), "--data", str(tmp_path / "calib.npz"),
+        "--min-product-macs", "0", "--min-coverage", "0", "--allow-slower", "-o", str(tmp_path / "q.onnx")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q.qcal.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    padding = report["evaluation"]["padding"]
+    assert padding["input"] == "m"
+    samples = report["evaluation"]["samples"]
+    assert padding["positions"] == samples * LENGTH
+    (logits,) = report["evaluation"]["outputs"]
+    assert logits["decision_count"] == padding["positions"] - padding["positions_left_out"]
+    assert "where 'm' is 0 (padding) left out" in " ".join(result.output.split())
