@@ -924,7 +924,7 @@ def test_the_search_checks_the_coverage_limit_before_searching_below_it(
 ) -> None:
     """The smallest k that meets the target (met from `needed` on); when even `limit` does not
     meet it, two checks say so (k = 0 and k = limit) instead of a whole search."""
-    from qcal.accuracy.fallback import _smallest_passing
+    from qcal.accuracy._prefix_search import smallest_passing
 
     checked: list[int] = []
 
@@ -932,7 +932,7 @@ def test_the_search_checks_the_coverage_limit_before_searching_below_it(
         checked.append(k)
         return type("Step", (), {"met": k >= needed})()
 
-    assert _smallest_passing(check, limit) == found  # type: ignore[arg-type]
+    assert smallest_passing(check, limit) == found  # type: ignore[arg-type]
     assert len(set(checked)) <= most_checks
 
 

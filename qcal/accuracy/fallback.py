@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from qcal.accuracy._prefix_search import largest_above_floor, prune, smallest_passing
 from qcal.accuracy.coverage import Coverage, CoverageMeter
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
@@ -303,9 +304,9 @@ def search_fallback(
     def check(k: int) -> FallbackStep:
         return check_set(tuple(range(k)))
 
-    limit = _largest_above_floor(meter, lambda k: plan_without(range(k)), len(candidates),
+    limit = largest_above_floor(meter, lambda k: plan_without(range(k)), len(candidates),
                                  floor)
-    chosen = _smallest_passing(check, limit)
+    chosen = smallest_passing(check, limit)
     # the prefixes the search checked (before any is pruned)
     checked = {len(kept): step for kept, (_, _, step) in models.items()}
     reached = chosen is not None
@@ -315,7 +316,7 @@ def search_fallback(
     closest = min(checked, key=lambda k: (target.shortfall(checked[k].comparison), k))
     kept = tuple(range(chosen or 0))
     if chosen is not None and chosen > 1:
-        kept = _prune(kept, check_set, budget=len(models))
+        kept = prune(kept, check_set, budget=len(models))
     restricted, written, step = models[kept]
     assert written is not None  # the model as planned, or one that met the target
     chosen = len(kept)
@@ -343,61 +344,6 @@ def search_fallback(
 
 def _keep(candidates: Iterable[Candidate]) -> dict[str, str]:
     return {t: c.reason(t) for c in candidates for t in c.tensors}
-
-
-def _prune(kept: tuple[int, ...], check_set: Callable[[tuple[int, ...]], FallbackStep],
-           budget: int) -> tuple[int, ...]:
-    """`kept` less the candidates the target holds without, tried last-ranked first, within
-    `budget` more checks. The ranking measures each tensor's error where it is made, not what
-    it does to the outputs: a prefix that meets the target may hold candidates that did not
-    matter (silero-vad: four encoder layers ranked between its audio input and the spectrum
-    magnitude that had to stay float)."""
-    for index in reversed(kept):
-        if budget <= 0:
-            break
-        trial = tuple(i for i in kept if i != index)
-        budget -= 1
-        if check_set(trial).met:
-            kept = trial
-    return kept
-
-
-def _largest_above_floor(
-    meter: CoverageMeter, plan_for: Callable[[int], QuantPlan], count: int, floor: float,
-) -> int:
-    """Largest k whose plan keeps coverage >= floor (coverage only falls as k grows)."""
-    low, high = 0, count
-    while low < high:
-        mid = (low + high + 1) // 2
-        if meter.measure(plan_for(mid)).fraction >= floor - 1e-12:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def _smallest_passing(check: Callable[[int], FallbackStep], limit: int) -> int | None:
-    """Exponential then binary search for the smallest k <= limit that meets the target, after
-    one check of `limit` itself: when the most float the coverage floor allows does not meet
-    the target, no smaller k does, and the search would only spend checks to say so."""
-    if check(0).met:
-        return 0
-    if limit == 0 or not check(limit).met:
-        return None
-    failing, k = 0, 1
-    while k < limit and not check(k).met:
-        failing, k = k, 2 * k
-    k = min(k, limit)
-    if k == 0 or not check(k).met:
-        return None
-    passing = k
-    while passing - failing > 1:
-        mid = (failing + passing) // 2
-        if check(mid).met:
-            passing = mid
-        else:
-            failing = mid
-    return passing
 
 
 def _round(value: float | None) -> float | None:
