@@ -13,6 +13,7 @@ from qcal._stages import Progress, _stage_progress, _Timings
 from qcal.accuracy.evaluate import Comparison, compare_models
 from qcal.accuracy.fallback import (
     Candidate,
+    Confirmation,
     FallbackResult,
     rank_blocks,
     rank_candidates,
@@ -71,14 +72,15 @@ def _improve_accuracy(
     act_params: Mapping[str, OnnxQParams], weights: Mapping[str, QuantizedWeight], *,
     config: CalibrationConfig, inputs: Any, source: Any, macs: Mapping[str, int | None],
     evaluate: Callable[..., Comparison], timings: _Timings, progress: Progress | None,
-    declared_shapes: frozenset[str],
+    declared_shapes: frozenset[str], confirm: Confirmation | None = None,
 ) -> _Accuracy:
     """Per-tensor sensitivity when asked for, and the fallback search towards the user's target
     or, by default, the accuracy floor. The target is checked on the full model first (with
     `--sensitivity` too); only when it fails is the error localised, unless measured per
     tensor, and searched: by blocks of tensors measured against the outputs
     (`measure_blocks`), then, where that falls short or cannot be measured, by the error jumps
-    of two passes (`qcal.accuracy.localise`)."""
+    of two passes (`qcal.accuracy.localise`). `confirm`: the second check a model that met
+    the target must pass (on the calibration samples), before the search and in it."""
     sensitivity = None
     first_samples = _first_by_content(source)
     if config.sensitivity:
@@ -98,9 +100,18 @@ def _improve_accuracy(
     target = config.accuracy_target()  # the user's, else the floor: checked and met alike
     with timings.stage("evaluate"):
         planned = (quant_model, evaluate(quant_model))  # written and evaluated
+    planned_missed = None
     if target.is_met(planned[1]):
-        return _Accuracy(sensitivity, None, planned[1])
+        planned_missed = None if confirm is None else confirm(*planned)
+        if planned_missed is None:
+            return _Accuracy(sensitivity, None, planned[1])
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
+
+    def confirm_once(quantized: onnx.ModelProto, comparison: Comparison
+                     ) -> tuple[int, str] | None:
+        """`confirm`, the model as planned confirmed once (above)."""
+        assert confirm is not None
+        return planned_missed if quantized is planned[0] else confirm(quantized, comparison)
 
     def search(candidates: list[Candidate]) -> FallbackResult:
         return search_fallback(
@@ -109,6 +120,7 @@ def _improve_accuracy(
             write=lambda restricted: InsertQDQ(
                 restricted, act_params, weights, declared_shapes=declared_shapes)(model).model,
             evaluate=lambda quantized: evaluate(quantized, "fallback"), planned=planned,
+            confirm=None if confirm is None else confirm_once,
         )
 
     by_blocks = None
@@ -131,7 +143,7 @@ def _improve_accuracy(
         if candidates:
             with timings.stage("fallback"):
                 by_blocks = search(candidates)
-            if by_blocks.reached:
+            if by_blocks.reached and by_blocks.confirmed is not False:
                 return _Accuracy(None, replace(
                     by_blocks, message=f"{by_blocks.message} ({_BLOCKS})"))
     if sensitivity is None:
@@ -154,22 +166,32 @@ def _improve_accuracy(
 _CONFIRM_SAMPLES = 768
 
 
+def _confirmation(
+    model: onnx.ModelProto, calib: Any, inputs: Any, config: CalibrationConfig,
+    reference: FloatReference | None, progress: Progress | None, timings: _Timings,
+) -> Confirmation:
+    """The second check of a model the held-out samples accepted (`_confirm_on_calibration`),
+    timed as the "confirm" stage (within the fallback's, for the sets it checks)."""
+    def confirm(quant_model: onnx.ModelProto, held_out: Comparison) -> tuple[int, str] | None:
+        with timings.stage("confirm"):
+            return _confirm_on_calibration(model, quant_model, calib, inputs, config, reference,
+                                           progress, held_out)
+    return confirm
+
+
 def _confirm_on_calibration(
     model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
     config: CalibrationConfig, reference: FloatReference | None, progress: Progress | None,
     held_out: Comparison,
 ) -> tuple[int, str] | None:
     """The target the held-out samples met (`held_out`), checked on the calibration samples
-    `calib` (their float outputs kept from the collection in `reference`, released here, or
-    computed again): their count and what they show missed (`AccuracyTarget.clearly_missed`),
-    or None. A quarter held out is often a dozen samples, and the fallback stops at the first
-    model they accept."""
+    `calib` (their float outputs kept from the collection in `reference`, or computed again):
+    their count and what they show missed (`AccuracyTarget.clearly_missed`), or None. A quarter
+    held out is often a dozen samples, and the fallback stops at the first model they accept."""
     comparison = compare_models(
         model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
         providers=config.providers, reference=reference,
         on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
-    if reference is not None:
-        reference.release()
     missed = config.accuracy_target().clearly_missed(comparison, held_out)
     return None if missed is None else (calib.num_samples(), missed)
 
@@ -185,17 +207,24 @@ def _confirm_samples(calib: Any, all_calib: Any, order: data_mod.ContentOrder) -
                                  sorted(order.positions[held:held + _CONFIRM_SAMPLES]))
 
 
+def _standing(result: FallbackResult) -> tuple[bool, bool]:
+    """How good a search's result is: the target met and confirmed, then met."""
+    return result.reached and result.confirmed is not False, result.reached
+
+
 _BLOCKS = "ranked by their measured effect on the outputs, in blocks"
 _JUMPS = "ranked by where their error jumps"
 
 
 def _after_both(blocks: FallbackResult, jumps: FallbackResult) -> FallbackResult:
-    """The second search's (by the error jumps) result if it reached the target, else the
-    first's (by blocks); the steps of both, in order (their first step, the model as planned,
-    is listed once)."""
-    chosen = jumps if jumps.reached else blocks
+    """The second search's (by the error jumps) result if it stands as well as the first's (by
+    blocks: `_standing`), else the first's; the steps of both, in order (their first step,
+    the model as planned, is listed once)."""
+    chosen = jumps if _standing(jumps) >= _standing(blocks) else blocks
     steps = (*blocks.steps, *(s for s in jumps.steps if s.kept))
-    message = (f"{jumps.message} ({_JUMPS}; {_BLOCKS}, they fell short)" if jumps.reached
+    message = (f"{jumps.message} ({_JUMPS}; {_BLOCKS}, they fell short)"
+               if chosen is jumps and jumps.reached
+               else f"{blocks.message} ({_BLOCKS}; {_JUMPS}, they fell short)" if blocks.reached
                else f"{blocks.message} ({_BLOCKS}, then {_JUMPS}: neither reached it)")
     return replace(chosen, steps=steps, message=message)
 

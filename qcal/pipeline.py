@@ -24,8 +24,8 @@ import onnx
 from qcal._accuracy_stage import (
     _Accuracy,
     _compute_macs,
-    _confirm_on_calibration,
     _confirm_samples,
+    _confirmation,
     _improve_accuracy,
 )
 from qcal._inputs import (
@@ -332,7 +332,8 @@ def calibrate(
     accuracy = _Accuracy(None, None) if weight_only is not None else _improve_accuracy(
         prepared, plan, quant_model, act_params, weights, config=config, inputs=inputs,
         source=source, macs=macs, evaluate=evaluate, timings=timings, progress=progress,
-        declared_shapes=loaded.declared_shapes,
+        declared_shapes=loaded.declared_shapes, confirm=None if confirm_on is None else
+        _confirmation(prepared, confirm_on, inputs, config, calib_reference, progress, timings),
     )
     del weights  # the codes live on in the quantized model
     if accuracy.fallback is not None:
@@ -345,13 +346,9 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     reference.release()
-    unconfirmed = None
-    if confirm_on is not None and (accuracy.comparison is not None or (
-            accuracy.fallback is not None and accuracy.fallback.reached)):
-        with timings.stage("confirm"):
-            unconfirmed = _confirm_on_calibration(
-                prepared, quant_model, confirm_on, inputs, config, calib_reference, progress,
-                comparison)
+    unconfirmed = None if accuracy.fallback is None else accuracy.fallback.missed
+    if calib_reference is not None:
+        calib_reference.release()
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.
     integer_anyway = quantized_by_onnxruntime(quant_model) if config.cpu_provider_only else []
     plan, warning = noted_as_integer(plan, integer_anyway)

@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.coverage import Coverage, measure_coverage
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
-from qcal.accuracy.fallback import Candidate, search_fallback
+from qcal.accuracy.fallback import CONFIRMATIONS, Candidate, search_fallback
 from qcal.accuracy.macs import compute_macs, shape_probe
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import TensorSensitivity
@@ -525,6 +525,53 @@ def test_candidates_the_target_holds_without_are_given_back(trap: Path) -> None:
     assert result.reached and {c.sensitivity.tensor for c in result.kept} == needed
     assert not _has_q(result.model, tensors[0]) and _has_q(result.model, tensors[1])
     assert len(checked) == len({frozenset(c) for c in checked})  # no model checked twice
+
+
+@pytest.mark.parametrize(("held_out_needs", "calibration_needs", "found"), [
+    (2, 2, 2),    # the first set the held-out samples accept passes the second check too
+    (2, 5, 5),    # more are kept float until a set passes both
+    (1, 3, 3),
+    (2, 13, None),  # none within the confirmations: the first set, with what it missed
+])
+def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
+    held_out_needs: int, calibration_needs: int, found: int | None, trap: Path,
+) -> None:
+    """The held-out samples are few, and the search stops at the first set they accept; a
+    second check (on the calibration samples) that set misses sends the search on, keeping
+    more float, to the first set that passes both."""
+    model, _ = prepare_model(onnx.load(trap))
+    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
+    tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
+    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
+                  for t in tensors]
+    confirmed: list[int] = []
+
+    def floated(quantized: onnx.ModelProto) -> int:
+        return sum(1 for t in tensors if not _has_q(quantized, t))
+
+    def evaluate(quantized: onnx.ModelProto) -> Comparison:
+        return _metrics(30.0 if floated(quantized) >= held_out_needs else 10.0)
+
+    def confirm(quantized: onnx.ModelProto, held_out: Comparison) -> tuple[int, str] | None:
+        assert held_out.outputs[0].sqnr_db == 30.0  # only sets that met the target
+        confirmed.append(floated(quantized))
+        return None if floated(quantized) >= calibration_needs else (48, "missed")
+
+    result = search_fallback(
+        model=model, plan=plan, candidates=candidates, macs=compute_macs(model, None),
+        target=AccuracyTarget(min_sqnr_db=20.0), floor=0.0,
+        write=lambda p: _marker_model(model, p), evaluate=evaluate, confirm=confirm,
+    )
+    assert result.reached
+    assert len(confirmed) <= 1 + CONFIRMATIONS and len(set(confirmed)) == len(confirmed)
+    if found is None:
+        assert len(result.kept) == held_out_needs and result.confirmed is False
+        assert result.missed == (48, "missed")
+        return
+    assert len(result.kept) == found and result.confirmed and result.missed is None
+    assert floated(result.model) == found
+    if found != held_out_needs:
+        assert "on the calibration samples too" in result.message
 
 
 def _marker_model(model: onnx.ModelProto, plan: Any) -> onnx.ModelProto:

@@ -1,6 +1,7 @@
 """The fallback's search over prefixes of its ranking (`qcal.accuracy.fallback`): the largest
-prefix the coverage floor allows, the smallest that meets the target, and the candidates a
-prefix holds that the target does not need."""
+prefix the coverage floor allows, the smallest that meets the target, the candidates a prefix
+holds that the target does not need, and the smallest past it that also passes a second
+check."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from typing import Protocol
 from qcal.accuracy.coverage import CoverageMeter
 from qcal.graph.model import QuantPlan
 
-__all__ = ["largest_above_floor", "prune", "smallest_passing"]
+__all__ = ["CONFIRMATIONS", "confirmed_beyond", "largest_above_floor", "prune", "smallest_passing"]
+
+# Confirmations the search runs past a first set that missed its own (each a quantized run
+# over the calibration samples; a run where none passes exits as it did without them).
+CONFIRMATIONS = 4
 
 
 class Checked(Protocol):
@@ -73,3 +78,44 @@ def smallest_passing(check: Callable[[int], Checked], limit: int) -> int | None:
         else:
             failing = mid
     return passing
+
+
+def confirmed_beyond(
+    check: Callable[[int], Checked],
+    confirmed: Callable[[tuple[int, ...]], tuple[int, str] | None],
+    kept: tuple[int, ...], start: int, limit: int,
+) -> tuple[int, ...] | None:
+    """The smallest prefix of the ranking from `start` (the prefix `kept` was pruned from) that
+    meets the target and passes the confirmation, within CONFIRMATIONS confirmations: the
+    prefix `start` itself when pruning took candidates from it, then `start` + 1, 2, 4, ... and
+    `limit`, halving back towards the last that missed once one passes. None: none found."""
+    budget = CONFIRMATIONS
+
+    def passes(k: int) -> bool:
+        nonlocal budget
+        if not check(k).met:
+            return False
+        budget -= 1
+        return confirmed(tuple(range(k))) is None
+
+    tries = [start] if kept != tuple(range(start)) else []
+    step = 1
+    while start + step < limit:
+        tries.append(start + step)
+        step *= 2
+    if limit > start:
+        tries.append(limit)
+    missed = start
+    for k in tries:
+        if budget <= 0:
+            return None
+        if passes(k):
+            while k - missed > 1 and budget > 0:
+                mid = (missed + k) // 2
+                if passes(mid):
+                    k = mid
+                else:
+                    missed = mid
+            return tuple(range(k))
+        missed = k
+    return None

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 
 import onnx
 
-from qcal.accuracy._prefix_search import largest_above_floor, prune, smallest_passing
+from qcal.accuracy._prefix_search import (
+    CONFIRMATIONS,
+    confirmed_beyond,
+    largest_above_floor,
+    prune,
+    smallest_passing,
+)
 from qcal.accuracy.coverage import Coverage, CoverageMeter
 from qcal.accuracy.evaluate import Comparison
 from qcal.accuracy.restrict import restrict_plan
@@ -38,7 +44,9 @@ from qcal.graph.integer_kernels import integer_output_writers
 from qcal.graph.model import QuantPlan
 
 __all__ = [
+    "CONFIRMATIONS",
     "Candidate",
+    "Confirmation",
     "FallbackResult",
     "FallbackStep",
     "rank_blocks",
@@ -52,6 +60,9 @@ logger = logging.getLogger(__name__)
 # A tensor that costs no compute is charged as if it cost 1 % of it: harm per cost stays finite
 # and a tiny harm never outranks a large one just because it is free.
 _FREE_COST = 0.01
+# A model's second check (`search_fallback`'s `confirm`): the samples it ran on and what it
+# showed missed, or None.
+Confirmation = Callable[[onnx.ModelProto, Comparison], "tuple[int, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,9 @@ class FallbackResult:
         kept: the candidates kept float, in rank order.
         steps: every model checked, in order.
         message: one sentence saying what happened.
+        confirmed: with a confirmation (`search_fallback`'s `confirm`), whether the model
+            handed over passed it; None: not checked.
+        missed: what the confirmation showed the model handed over missed, if it did.
     """
 
     plan: QuantPlan
@@ -142,6 +156,8 @@ class FallbackResult:
     kept: tuple[Candidate, ...]
     steps: tuple[FallbackStep, ...]
     message: str
+    confirmed: bool | None = None
+    missed: tuple[int, str] | None = None
 
 
 def rank_candidates(
@@ -207,6 +223,7 @@ def _priced(
 _SAME_ERROR_TOLERANCE = 1e-3
 
 
+
 def same_error_groups(
     model: onnx.ModelProto, sensitivities: Sequence[TensorSensitivity]
 ) -> dict[str, list[str]]:
@@ -262,6 +279,7 @@ def search_fallback(
     write: Callable[[QuantPlan], onnx.ModelProto],
     evaluate: Callable[[onnx.ModelProto], Comparison],
     planned: tuple[onnx.ModelProto, Comparison] | None = None,
+    confirm: Confirmation | None = None,
 ) -> FallbackResult:
     """The fewest ranked candidates to keep float for `target`, never below `floor` coverage.
 
@@ -276,6 +294,10 @@ def search_fallback(
         evaluate: compares a QDQ model with the float model on the evaluation data.
         planned: the model as planned and its comparison with the float model, when the
             caller already wrote and evaluated it (neither is done again).
+        confirm: a second check of a model that met the target (on the calibration samples):
+            what it missed, or None. When the set found misses it, more candidates are kept
+            float, up to the coverage floor and CONFIRMATIONS more checks, until one passes
+            both; none passing, the set found is handed over, with what it missed.
     """
     # Every checked set's figures; the model only of those that may be handed over (the model
     # as planned, or one that meets the target): a large model is not held a dozen times.
@@ -317,6 +339,19 @@ def search_fallback(
     kept = tuple(range(chosen or 0))
     if chosen is not None and chosen > 1:
         kept = prune(kept, check_set, budget=len(models))
+    missed, confirmed, first = None, None, len(kept)
+    if reached and confirm is not None:
+        def confirmed_set(candidate: tuple[int, ...]) -> tuple[int, str] | None:
+            _, model_k, step_k = models[candidate]
+            assert model_k is not None  # kept for every set that met the target
+            return confirm(model_k, step_k.comparison)
+
+        missed = confirmed_set(kept)
+        if missed is not None:
+            further = confirmed_beyond(check, confirmed_set, kept, chosen or 0, limit)
+            if further is not None:
+                kept, missed = further, None
+        confirmed = missed is None
     restricted, written, step = models[kept]
     assert written is not None  # the model as planned, or one that met the target
     chosen = len(kept)
@@ -328,6 +363,9 @@ def search_fallback(
         share = (f"; {100 * step.coverage.fraction:.1f} % of compute quantized"
                  if step.coverage.compute_nodes else "")
         message = f"{wanted} reached with {chosen} tensor(s) kept float{share}"
+        if confirmed and chosen != first:
+            message += (f", and on the calibration samples too, which the first set the "
+                        f"held-out samples accepted ({first} float) missed")
     elif limit < len(candidates):
         message = (f"{wanted} NOT reached: it would need more than "
                    f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
@@ -339,6 +377,7 @@ def search_fallback(
         plan=restricted, model=written, comparison=step.comparison, coverage=step.coverage,
         reached=reached, kept=tuple(candidates[i] for i in kept),
         steps=tuple(entry[2] for entry in models.values()), message=message,
+        confirmed=confirmed, missed=missed,
     )
 
 
