@@ -475,13 +475,20 @@ def _candidates(count: int) -> list[Candidate]:
             for i in range(count)]
 
 
-@pytest.mark.parametrize("needed", [0, 1, 3, 6, 13])
-def test_search_finds_the_fewest_tensors_to_keep_float(needed: int, trap: Path) -> None:
+def _ranked(trap: Path) -> tuple[onnx.ModelProto, Any, list[str], list[Candidate]]:
+    """The trap model, its plan of every tensor, 13 of its tensors and their candidates in
+    that order."""
     model, _ = prepare_model(onnx.load(trap))
     plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
     tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
     candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
                   for t in tensors]
+    return model, plan, tensors, candidates
+
+
+@pytest.mark.parametrize("needed", [0, 1, 3, 6, 13])
+def test_search_finds_the_fewest_tensors_to_keep_float(needed: int, trap: Path) -> None:
+    model, plan, tensors, candidates = _ranked(trap)
     checked: list[int] = []
 
     def evaluate(quantized: onnx.ModelProto) -> Comparison:
@@ -504,11 +511,7 @@ def test_candidates_the_target_holds_without_are_given_back(trap: Path) -> None:
     """The ranking measures error where it is made, not its effect on the outputs: when only
     the first and the sixth candidates matter, the search's prefix of six holds four that do
     not, and they are quantized again (each checked once, last-ranked first)."""
-    model, _ = prepare_model(onnx.load(trap))
-    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
-    tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
-    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
-                  for t in tensors]
+    model, plan, tensors, candidates = _ranked(trap)
     needed = {tensors[0], tensors[5]}
     checked: list[set[str]] = []
 
@@ -539,11 +542,7 @@ def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
     """The held-out samples are few, and the search stops at the first set they accept; a
     second check (on the calibration samples) that set misses sends the search on, keeping
     more float, to the first set that passes both."""
-    model, _ = prepare_model(onnx.load(trap))
-    plan = plan_quantization(model, SelectionRules(default_exclusions=False, placement="all"))
-    tensors = sorted({t.tensor for t in plan.activations if t.consumers})[:13]
-    candidates = [Candidate(TensorSensitivity(t, "activation", 10.0, 0.1, None, None), 0.0)
-                  for t in tensors]
+    model, plan, tensors, candidates = _ranked(trap)
     confirmed: list[int] = []
 
     def floated(quantized: onnx.ModelProto) -> int:

@@ -333,29 +333,38 @@ def test_a_float_model_much_slower_on_two_threads_than_on_one_was_disturbed(
     assert latency.disturbed(one, two) is said
 
 
-def test_a_disturbed_round_at_two_threads_is_timed_again_and_the_calmer_kept(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process on the second core slows both models' two-thread runs alike, and their
-    ratio tends to 1: a PVT-v2, 1.2x its float model at 2 threads, timed 0.93x so and passed."""
-    def side(threads: int, float_s: float, quant_s: float) -> SideBySide:
-        unit = "thread" if threads == 1 else "threads"
-        return SideBySide({f"latency_float_{threads}_{unit}": float_s,
-                           f"latency_quantized_{threads}_{unit}": quant_s},
-                          quant_s / float_s, ())
+def _side(threads: int, float_s: float, quant_s: float, slower: bool = False) -> SideBySide:
+    """One timing process's answer for `threads`."""
+    unit = "thread" if threads == 1 else "threads"
+    return SideBySide({f"latency_float_{threads}_{unit}": float_s,
+                       f"latency_quantized_{threads}_{unit}": quant_s},
+                      quant_s / float_s, (threads,) if slower else ())
 
-    rounds = iter([side(1, 6.3e-3, 5.5e-3), side(2, 10.0e-3, 9.3e-3), side(2, 4.0e-3, 4.8e-3)])
-    asked: list[int] = []
+
+def _timed_in_rounds(monkeypatch: pytest.MonkeyPatch, rounds: list[SideBySide]
+                     ) -> tuple[SideBySide, list[int]]:
+    """`time_side_by_side` at 1 and 2 threads whose timing processes answer `rounds` in turn;
+    its answer and the thread counts of the processes it started."""
+    answers, asked = iter(rounds), []
 
     def child(folder: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         asked.append(int(settings["threads"]))
         return subprocess.CompletedProcess([], 0, "", "")
 
     monkeypatch.setattr(latency, "_run_child", child)
-    monkeypatch.setattr(latency, "_read_child", lambda done, text: next(rounds))
+    monkeypatch.setattr(latency, "_read_child", lambda done, text: next(answers))
     model = onnx.load(DIGITS)
     feed = {"image": np.zeros((1, 1, 8, 8), np.float32)}
-    timed = time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
-                              threads=(1, 2))
+    return time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
+                             threads=(1, 2)), asked
+
+
+def test_a_disturbed_round_at_two_threads_is_timed_again_and_the_calmer_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process on the second core slows both models' two-thread runs alike, and their
+    ratio tends to 1: a PVT-v2, 1.2x its float model at 2 threads, timed 0.93x so and passed."""
+    timed, asked = _timed_in_rounds(monkeypatch, [
+        _side(1, 6.3e-3, 5.5e-3), _side(2, 10.0e-3, 9.3e-3), _side(2, 4.0e-3, 4.8e-3)])
     assert asked == [1, 2, 2]
     assert timed.ratio(2) == pytest.approx(1.2) and timed.ratio(1) == pytest.approx(5.5 / 6.3)
     assert timed.worst_ratio == pytest.approx(1.2)
@@ -367,30 +376,14 @@ def test_a_round_found_slower_is_timed_again_and_slower_only_if_both_are(
     """Other work on a shared machine can hold the second core through a whole round: a model
     of 0.1 ms, 0.90x its float model at one thread, read 1.11x at two in 1 of 7 runs beside a
     training job. A second round, in a process of its own, must find it slower too."""
-    def side(threads: int, float_s: float, quant_s: float, found: bool) -> SideBySide:
-        unit = "thread" if threads == 1 else "threads"
-        return SideBySide({f"latency_float_{threads}_{unit}": float_s,
-                           f"latency_quantized_{threads}_{unit}": quant_s},
-                          quant_s / float_s, (threads,) if found else ())
-
-    rounds = iter([side(1, 1.17e-4, 1.06e-4, False), side(2, 1.20e-4, 1.33e-4, True),
-                   side(2, 1.22e-4, 1.16e-4 if not second_slower else 1.30e-4, second_slower)])
-    asked: list[int] = []
-
-    def child(folder: Path, settings: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-        asked.append(int(settings["threads"]))
-        return subprocess.CompletedProcess([], 0, "", "")
-
-    monkeypatch.setattr(latency, "_run_child", child)
-    monkeypatch.setattr(latency, "_read_child", lambda done, text: next(rounds))
-    model = onnx.load(DIGITS)
-    feed = {"image": np.zeros((1, 1, 8, 8), np.float32)}
-    timed = time_side_by_side(model, model, [feed], providers=("CPUExecutionProvider",),
-                              threads=(1, 2))
+    second = 1.30e-4 if second_slower else 1.16e-4
+    timed, asked = _timed_in_rounds(monkeypatch, [
+        _side(1, 1.17e-4, 1.06e-4), _side(2, 1.20e-4, 1.33e-4, slower=True),
+        _side(2, 1.22e-4, second, slower=second_slower)])
     assert asked == [1, 2, 2]
     assert timed.clearly_slower == slower
     # the round kept: the second where it was not slower, else the less slower of the two
-    assert timed.ratio(2) == pytest.approx(1.16 / 1.22 if not second_slower else 1.30 / 1.22)
+    assert timed.ratio(2) == pytest.approx(second / 1.22e-4)
 
 
 @pytest.mark.timing_verdict
