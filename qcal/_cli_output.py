@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
+from qcal._verdict import agreement_cell, other_warnings, padding_words, quality_verdict, sqnr_cell
 from qcal.accuracy.gates import GateResult
 from qcal.accuracy.latency import disturbed, looks_slower
 from qcal.config import CalibrationConfig
@@ -142,7 +142,7 @@ def _show_summary(result: Any) -> None:
     if evaluation and evaluation["outputs"]:  # none: no numeric output (the verdict says so)
         stdout.print(_metrics_table(
             f"float vs quantized on {evaluation['samples']} samples ({evaluation['data']})"
-            + _padding_words(evaluation.get("padding")), evaluation["outputs"]))
+            + padding_words(evaluation.get("padding")), evaluation["outputs"]))
     for gate in report["gates"]:  # worded as in the failure message
         style = "green" if gate["passed"] else "bold red"
         stdout.print(f"[{style}]gate:[/] {GateResult(**gate).describe()}")
@@ -155,14 +155,6 @@ def _show_summary(result: Any) -> None:
         stdout.print(f"wrote {result.output}")
     if result.report_path is not None:
         stdout.print(f"wrote {result.report_path}")
-
-
-def _padding_words(padding: dict[str, Any] | None) -> str:
-    if not padding:
-        return ""
-    share = padding["positions_left_out"] / padding["positions"]
-    return (f", on the real tokens: the {padding['positions_left_out']} positions "
-            f"({100 * share:.0f} %) where {padding['input']!r} is 0 (padding) left out")
 
 
 def _weight_only_line(section: dict[str, Any]) -> str:

@@ -105,6 +105,16 @@ class Verdict:
         return self.level in ("within-floor", "measured")
 
 
+def padding_words(padding: Mapping[str, Any] | None) -> str:
+    """What an evaluation's `padding` left out, to follow what it was measured on ("" for
+    none)."""
+    if not padding:
+        return ""
+    share = padding["positions_left_out"] / padding["positions"]
+    return (f", on the real tokens: the {padding['positions_left_out']} positions "
+            f"({100 * share:.0f} %) where {padding['input']!r} is 0 (padding) left out")
+
+
 def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:
     """None when the report has no evaluation (nothing was measured)."""
     evaluation = report["evaluation"]

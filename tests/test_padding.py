@@ -179,3 +179,11 @@ def test_a_calibration_of_padded_sentences_reports_the_positions_left_out(tmp_pa
     (logits,) = report["evaluation"]["outputs"]
     assert logits["decision_count"] == padding["positions"] - padding["positions_left_out"]
     assert "where 'm' is 0 (padding) left out" in " ".join(result.output.split())
+    compared = CliRunner().invoke(main, [
+        "compare", str(tmp_path / "tagger.onnx"), str(tmp_path / "q.onnx"), "--data",
+        str(tmp_path / "calib.npz"), "--json", str(tmp_path / "compare.json")])
+    assert compared.exit_code == 0, compared.output
+    left_out = json.loads((tmp_path / "compare.json").read_text())["padding"]
+    assert left_out["positions"] == 64 * LENGTH
+    assert left_out["positions_left_out"] == int((data["m"] == 0).sum())
+    assert f"the {left_out['positions_left_out']} positions" in " ".join(compared.output.split())

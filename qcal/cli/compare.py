@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from qcal._cli_output import _metrics_table, _padding_words, stdout
+from qcal._cli_output import _metrics_table, stdout
+from qcal._verdict import padding_words
 from qcal.cli._app import _existing, _path, main, reports_errors
 from qcal.numerics.errors import ConfigError
 
@@ -53,5 +54,5 @@ def compare(float_model: Path, quant_model: Path, data: Path | None, labels: Pat
         write_atomic(json_path, (json.dumps(result, indent=2) + "\n").encode())
     stdout.print(_metrics_table(
         f"{float_model.name} vs {quant_model.name} on {comparison.samples} samples"
-        + _padding_words(result.get("padding")),  # type: ignore[arg-type]
+        + padding_words(None if comparison.padding is None else comparison.padding.to_json()),
         [o.to_json() for o in comparison.outputs]))

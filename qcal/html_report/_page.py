@@ -8,7 +8,13 @@ from html import escape
 from pathlib import PurePath
 from typing import Any
 
-from qcal._verdict import agreement_cell, other_warnings, quality_verdict, sqnr_cell
+from qcal._verdict import (
+    agreement_cell,
+    other_warnings,
+    padding_words,
+    quality_verdict,
+    sqnr_cell,
+)
 from qcal.accuracy.gates import GateResult
 from qcal.html_report._plots import fallback_svg, histogram_svg, sensitivity_svg
 from qcal.html_report._tensors import TensorView, tensor_views
@@ -111,7 +117,8 @@ def _facts(report: Mapping[str, Any]) -> str:
     evaluation = report["evaluation"]
     if evaluation:
         where = escape(evaluation["data"])
-        rows.append(("evaluated on", f"{where}, {evaluation['samples']} samples"))
+        rows.append(("evaluated on", f"{where}, {evaluation['samples']} samples"
+                     + escape(padding_words(evaluation.get("padding")))))
     coverage = f"{cov['quantized']} of {cov['nodes']} nodes quantized"
     if "macs_quantized_fraction" in cov:
         unit = "MACs" if cov["basis"] == "macs" else "compute nodes"
