@@ -566,6 +566,7 @@ def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
     if found is None:
         assert len(result.kept) == held_out_needs and result.confirmed is False
         assert result.missed == (48, "missed")
+        assert "but missed on the calibration samples" in result.message
         return
     assert len(result.kept) == found and result.confirmed and result.missed is None
     assert floated(result.model) == found
