@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from _onnx_testing import build_model, conv_bn_relu, float_input
 from onnx import TensorProto, helper, numpy_helper
@@ -68,6 +69,32 @@ def test_load_returns_the_model_and_the_file_hash(tmp_path: Path) -> None:
     assert loaded.path == path
     assert loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert loaded.model.SerializeToString() == model.SerializeToString()
+
+
+def test_an_ir3_model_whose_initializers_are_not_inputs_loads_as_onnxruntime_runs_it(
+        tmp_path: Path) -> None:
+    """IR 3 lists every initializer as a graph input, and onnx.checker holds a model to it;
+    onnxruntime runs such a file (Caffe2's exports) with the initializers constants, as IR 4
+    reads it. It loads as IR 4, computing what onnxruntime computes."""
+    rng = np.random.default_rng(2)
+    model = _matmul_model(rng)
+    model.ir_version = 3
+    model.opset_import[0].version = 7
+    del model.graph.value_info[:]
+    assert [i.name for i in model.graph.input] == ["x"]
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(onnx.checker.ValidationError, match="not in graph input"):
+        onnx.checker.check_model(model)
+    loaded = load_model(path)
+    assert loaded.model.ir_version == 4
+    onnx.checker.check_model(loaded.model)
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    weights = numpy_helper.to_array(model.graph.initializer[0])
+    session = ort.InferenceSession(path.read_bytes(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ weights, rtol=1e-5)
+    prepared, _ = prepare_model(loaded.model)
+    onnx.checker.check_model(prepared)
 
 
 def test_load_reads_safe_external_data(tmp_path: Path) -> None:
@@ -151,7 +178,6 @@ def _unsorted_chain(rng: np.random.Generator) -> onnx.ModelProto:
 def test_a_model_whose_nodes_are_out_of_order_is_sorted_and_computes_the_same(
     tmp_path: Path,
 ) -> None:
-    import onnxruntime as ort
 
     rng = np.random.default_rng(8)
     model = _unsorted_chain(rng)

@@ -68,6 +68,7 @@ def load_model(path: Path | str) -> LoadedModel:
     # onnxruntime runs a graph whose nodes are out of order (its own float16 converter writes
     # the input Casts last); onnx.checker and qcal's passes want them sorted.
     resorted = _sort_nodes(model.graph)
+    resorted = _initializers_need_not_be_inputs(model) or resorted
     if not external:
         if _declare_output_shapes(path, model) or resorted:
             data = model.SerializeToString()  # the checker reads the model as changed
@@ -130,6 +131,18 @@ def _parse(path: Path, data: bytes) -> onnx.ModelProto:
     return model
 
 
+def _initializers_need_not_be_inputs(model: onnx.ModelProto) -> bool:
+    """Raise IR version 3 to 4 where an initializer is not a graph input (whether it did): IR 3
+    wants every initializer listed as an input, which onnx.checker holds a model to, while
+    onnxruntime runs such a model (Caffe2's and early exporters' files) as IR 4 reads it, the
+    initializers constants. Nothing else changed between the two versions."""
+    inputs = {v.name for v in model.graph.input}
+    if model.ir_version >= 4 or all(t.name in inputs for t in model.graph.initializer):
+        return False
+    model.ir_version = 4
+    return True
+
+
 def _declare_output_shapes(path: Path, model: onnx.ModelProto) -> bool:
     """Declare the shape of each graph output that declares a tensor type but no shape (not
     even a rank), from onnx's shape inference; whether any was declared.
@@ -147,7 +160,9 @@ def _declare_output_shapes(path: Path, model: onnx.ModelProto) -> bool:
     for value in model.graph.input:
         if shapeless(value):
             raise ModelError(f"{path}: input {value.name!r} declares no shape (not even a rank); "
-                             "onnx.checker requires one")
+                             "onnx.checker requires one: declare it in the model (its rank, "
+                             "with a name for each dimension that varies), e.g. with "
+                             "onnx.tools.update_model_dims.update_inputs_outputs_dims")
     missing = [v for v in model.graph.output if shapeless(v)]
     if not missing:
         return False
