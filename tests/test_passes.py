@@ -211,6 +211,34 @@ def test_opset_11_is_upgraded_to_13_with_equal_outputs() -> None:
     _assert_same_outputs(model, prepared, {"x": rng.standard_normal((4, 3)).astype(np.float32)})
 
 
+def test_a_per_activation_batchnorm_of_opset_7_is_upgraded_as_its_affine_map() -> None:
+    """BatchNormalization's `spatial=0` (statistics per activation, [C, H, W]) of opsets 7-8,
+    which onnx's converter refuses with an assertion and onnxruntime runs: the model computes
+    x * a + b per activation instead, the same outputs."""
+    rng = np.random.default_rng(11)
+    stats = {name: rng.uniform(0.5, 2.0, (3, 4, 4)).astype(np.float32)
+             for name in ("scale", "B", "mean", "var")}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "B", "mean", "var"], ["n"],
+                              name="bn", spatial=0, epsilon=1e-3),
+             helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    w = rng.standard_normal((3, 1, 3, 3)).astype(np.float32)
+    model = build_model(nodes, [float_input("x", [2, 1, 4, 4])],
+                        [float_input("y", [2, 3, 4, 4])], {"w": w, **stats},
+                        opset=7, ir_version=4)
+    prepared, steps = prepare_model(model)
+    assert _steps(steps)["upgrade-opset"].startswith("opset 7 -> 13")
+    assert "BatchNormalization" not in {n.op_type for n in prepared.graph.node}
+    x = rng.standard_normal((2, 1, 4, 4)).astype(np.float32)
+    _assert_same_outputs(model, prepared, {"x": x})
+    (conv,) = run(build_model(nodes[:1], [float_input("x", [2, 1, 4, 4])],
+                              [float_input("c", [2, 3, 4, 4])], {"w": w}, opset=7,
+                              ir_version=4), {"x": x})
+    a = stats["scale"] / np.sqrt(stats["var"] + 1e-3)
+    expected = np.maximum(conv * a + stats["B"] - stats["mean"] * a, 0)
+    np.testing.assert_allclose(run(prepared, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_opset_at_or_above_the_minimum_is_left_alone() -> None:
     model = _opset11_model(np.random.default_rng(8))
     assert not UpgradeOpset(11)(_copy(model)).modified

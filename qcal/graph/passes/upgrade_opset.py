@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import ClassVar
 
+import numpy as np
 import onnx
 
 # onnx's C++ converter itself: it takes and returns serialized models
@@ -58,6 +59,8 @@ class UpgradeOpset:
                     f"operator {op_type} is not an ONNX operator"
                 )
         target = self._min_opset
+        if current < 9:  # BatchNormalization's `spatial` is gone from opset 9 on
+            model = _per_activation_batchnorms_as_affine(model)
 
         def convert(model: onnx.ModelProto | bytes) -> onnx.ModelProto:
             # onnx's convert_version, minus serializing a model that comes serialized
@@ -85,6 +88,50 @@ class UpgradeOpset:
             detail += f", IR {converted.ir_version} -> {ir_version}"
             converted.ir_version = ir_version
         return StepResult(converted, True, detail)
+
+
+def _per_activation_batchnorms_as_affine(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with each inference BatchNormalization of `spatial=0` (opsets 7-8: scale, B,
+    mean and var per activation, [C, D1, ...]) whose statistics are constants written as the
+    Mul and Add it computes, x * a + b, a = scale / sqrt(var + epsilon), b = B - mean * a; onnx's
+    converter refuses the attribute (an assertion), while onnxruntime runs it. A copy where there
+    is one; the model itself where there is none."""
+    names = {t.name for t in model.graph.initializer}
+    if not any(_per_activation(node, names) for node in model.graph.node):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    constants = {t.name: t for t in graph.initializer}
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if not _per_activation(node, names):
+            nodes.append(node)
+            continue
+        scale, bias, mean, var = (onnx.numpy_helper.to_array(constants[v]).astype(np.float64)
+                                  for v in node.input[1:5])
+        a = scale / np.sqrt(var + next((x.f for x in node.attribute if x.name == "epsilon"), 1e-5))
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(constants[node.input[1]].data_type)
+        stem, name = node.output[0], node.name or node.output[0]
+        graph.initializer.extend([
+            onnx.numpy_helper.from_array(a.astype(dtype), f"{stem}_bn_a"),
+            onnx.numpy_helper.from_array((bias - mean * a).astype(dtype), f"{stem}_bn_b")])
+        nodes += [onnx.helper.make_node("Mul", [node.input[0], f"{stem}_bn_a"],
+                                        [f"{stem}_bn_scaled"], name=f"{name}_bn_mul"),
+                  onnx.helper.make_node("Add", [f"{stem}_bn_scaled", f"{stem}_bn_b"], [stem],
+                                        name=f"{name}_bn_add")]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return copy
+
+
+def _per_activation(node: onnx.NodeProto, constants: set[str]) -> bool:
+    """A BatchNormalization of `spatial=0` in inference (one output), its statistics among
+    `constants`."""
+    return (node.op_type == "BatchNormalization" and node.domain in DEFAULT_DOMAINS
+            and any(a.name == "spatial" and a.i == 0 for a in node.attribute)
+            and len([v for v in node.output if v]) == 1
+            and all(v in constants for v in node.input[1:5]))
 
 
 def _check_signature(
