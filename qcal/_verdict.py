@@ -112,7 +112,8 @@ def padding_words(padding: Mapping[str, Any] | None) -> str:
         return ""
     share = padding["positions_left_out"] / padding["positions"]
     return (f", on the real tokens: the {padding['positions_left_out']} positions "
-            f"({100 * share:.0f} %) where {padding['input']!r} is 0 (padding) left out")
+            f"({100 * share:.0f} %) where {padding['input']!r} is "
+            f"{padding.get('padding_value', 0)} (padding) left out")
 
 
 def quality_verdict(report: Mapping[str, Any]) -> Verdict | None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import onnx
+import onnxruntime as ort
+import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
@@ -25,15 +27,20 @@ SCHEMA = Path(__file__).resolve().parents[1] / "qcal" / "report.schema.json"
 
 
 def _tagger(*, padding_noise: float = 0.0, mask_name: str = "m", mask_dim: str | int = "seq",
-            output_dim: str = "seq", mask_type: int = TensorProto.INT64,
-            mask_to_softmax: bool = True, start_scores: bool = False) -> onnx.ModelProto:
+            output_dim: str | int = "seq", mask_type: int = TensorProto.INT64,
+            mask_to_softmax: bool = True, start_scores: bool = False,
+            extra: onnx.ValueInfoProto | None = None, spelling: str = "1 real") -> onnx.ModelProto:
     """input_ids [batch, seq] -> embedding (Gather) -> one attention layer whose scores get
     -10000 where the mask is 0 (Cast, Sub, Mul, Unsqueeze, Add, Softmax: torch.onnx's spelling)
     -> residual -> logits [batch, seq, 4]. `padding_noise`: a change of every padding position's
     features before the head that raises its least likely class by that much, as a quantized
     model may change the values nobody reads there.
     `mask_to_softmax` False: no attention, the mask read only where the noise is added.
-    `start_scores`: a second output of one score per position [batch, seq] (a span's start)."""
+    `start_scores`: a second output of one score per position [batch, seq] (a span's start).
+    `extra`: one more input, read by nothing (an encoder's states, another sequence).
+    `spelling`: "1 real" (Hugging Face's mask), "1 padding" (PyTorch's key_padding_mask, True
+    where padding), "additive" (the mask holds 0 and -10000, added as it is), "rows" (a mask
+    of 1 on real tokens applied to the queries' rows, not to the keys: no padding mask)."""
     rng = np.random.default_rng(0)
     table = rng.normal(0, 1, (VOCAB, WIDTH))
     w = rng.normal(0, 1, (WIDTH, CLASSES))
@@ -50,12 +57,16 @@ def _tagger(*, padding_noise: float = 0.0, mask_name: str = "m", mask_dim: str |
     make = helper.make_node
     nodes = [make("Gather", ["table", "ids"], ["emb"], name="embedding"),
              make("Cast", [mask_name], ["mask_f"], name="mask_cast", to=TensorProto.FLOAT),
-             make("Sub", ["one", "mask_f"], ["pad"], name="pad")]
+             make("Identity", ["mask_f"], ["pad"], name="pad") if spelling == "1 padding"
+             else make("Div", ["mask_f", "big"], ["pad"], name="pad") if spelling == "additive"
+             else make("Sub", ["one", "mask_f"], ["pad"], name="pad")]
     if mask_to_softmax:
         nodes += [make("Transpose", ["emb"], ["emb_t"], name="keys", perm=[0, 2, 1]),
                   make("MatMul", ["emb", "emb_t"], ["scores"], name="scores"),
-                  make("Mul", ["pad", "big"], ["neg"], name="neg"),
-                  make("Unsqueeze", ["neg", "axis1"], ["neg3"], name="neg3"),
+                  make("Identity", ["mask_f"], ["neg"], name="neg") if spelling == "additive"
+                  else make("Mul", ["pad", "big"], ["neg"], name="neg"),
+                  make("Unsqueeze", ["neg", "axis2" if spelling == "rows" else "axis1"],
+                       ["neg3"], name="neg3"),
                   make("Add", ["scores", "neg3"], ["masked"], name="masked"),
                   make("Softmax", ["masked"], ["probs"], name="softmax", axis=-1),
                   make("MatMul", ["probs", "emb"], ["ctx"], name="ctx"),
@@ -76,12 +87,18 @@ def _tagger(*, padding_noise: float = 0.0, mask_name: str = "m", mask_dim: str |
     graph = helper.make_graph(
         nodes, "tagger",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
-         helper.make_tensor_value_info(mask_name, mask_type, ["batch", mask_dim])],
+         helper.make_tensor_value_info(mask_name, mask_type, ["batch", mask_dim]),
+         *([] if extra is None else [extra])],
         outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def run_model(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [np.asarray(v) for v in session.run(None, feed)]
 
 
 def _padded(samples: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -107,12 +124,21 @@ def test_the_mask_is_found_by_what_it_does_and_the_outputs_by_their_positions() 
         assert attention_mask(_tagger(mask_type=mask_type)) is not None
     # a rank-2 input that never reaches a softmax's scores is no attention mask
     assert attention_mask(_tagger(mask_to_softmax=False)) is None
-    # positions named apart from the mask's (a decoder's beside an encoder's mask)
-    assert attention_mask(_tagger(output_dim="decoder_seq")) is None
-    # one score per position counts where its axis has the mask's own name
-    both = attention_mask(_tagger(start_scores=True))
-    assert both is not None and both.outputs == {"logits", "start"}
-    static = attention_mask(_tagger(start_scores=True, mask_dim=LENGTH))
+    # exporters name axes per tensor (torch.onnx's list axes, tf2onnx's unk__N): a name of
+    # its own is no other sequence's
+    renamed = attention_mask(_tagger(output_dim="logits_dynamic_axes_1", start_scores=True))
+    assert renamed is not None and renamed.outputs == {"logits", "start"}
+    # ...but the name of another input's sequence is
+    other = helper.make_tensor_value_info("decoder_flags", TensorProto.FLOAT,
+                                          ["batch", "decoder_seq"])
+    assert attention_mask(_tagger(output_dim="decoder_seq", extra=other)) is None
+    # a mask beside an encoder's states (a decoder step's cross-attention mask), even where
+    # the two sequences have one static length
+    states = helper.make_tensor_value_info("encoder_states", TensorProto.FLOAT,
+                                           ["batch", LENGTH, WIDTH])
+    assert attention_mask(_tagger(mask_dim=LENGTH, output_dim=LENGTH, extra=states)) is None
+    # one score per position counts where its axis varies: a fixed width is no sequence
+    static = attention_mask(_tagger(start_scores=True, output_dim=LENGTH))
     assert static is not None and static.outputs == {"logits"}
 
 
@@ -130,12 +156,61 @@ def test_padding_positions_are_left_out_of_the_comparison() -> None:
     assert logits.decision_count == real
     assert comparison.padding is not None
     assert comparison.padding.to_json() == {
-        "input": "m", "positions_left_out": data["m"].size - real, "positions": data["m"].size}
+        "input": "m", "padding_value": 0, "positions_left_out": data["m"].size - real,
+        "positions": data["m"].size}
     # counted everywhere, the same two models disagree on most padding positions
     unmasked = _tagger(padding_noise=50.0, start_scores=True, mask_to_softmax=False)
     plain = compare_models(_tagger(mask_to_softmax=False, start_scores=True), unmasked,
                            _batches(data))
     assert plain.padding is None and plain.outputs[0].top1_agreement < 0.8
+
+
+@pytest.mark.parametrize(("spelling", "left_out"), [
+    ("1 padding", "the positions where the mask is 1"),
+    ("rows", None),  # the padding's content changes the real tokens' outputs: no padding mask
+    ("additive", None),  # values 0 and -10000: no mask of 0 and 1
+])
+def test_which_value_marks_padding_is_measured(spelling: str, left_out: str | None) -> None:
+    """PyTorch's key_padding_mask is True where padding: the float model run again with the
+    content of one value's positions changed shows which value's positions no output reads."""
+    data = _padded(24)
+    mask = {"1 padding": data["m"] == 0, "rows": data["m"],
+            "additive": (1 - data["m"]) * -10000.0}[spelling]
+    feed = {"ids": data["ids"], "m": mask.astype(np.float32 if spelling == "additive" else
+                                                 bool if spelling == "1 padding" else np.int64)}
+    mask_type = {"1 padding": TensorProto.BOOL, "rows": TensorProto.INT64,
+                 "additive": TensorProto.FLOAT}[spelling]
+    model = _tagger(spelling=spelling, mask_type=mask_type)
+    assert attention_mask(model) is not None  # by data flow: it reaches the scores
+    comparison = compare_models(model, _tagger(spelling=spelling, mask_type=mask_type,
+                                               padding_noise=50.0), _batches(feed))
+    if left_out is None:
+        assert comparison.padding is None
+        assert comparison.outputs[0].decision_count == 24 * LENGTH
+    else:
+        assert comparison.padding is not None
+        assert comparison.padding.left_out == int((data["m"] == 0).sum())
+        assert comparison.padding.value == 1
+        assert comparison.outputs[0].top1_agreement == 1.0
+    # a mask of zeros alone (no padding in the data, or an additive mask with none to add)
+    # leaves nothing out: there was no real token to compare otherwise
+    full = {"ids": np.where(data["ids"] == 0, 5, data["ids"]),
+            "m": np.zeros_like(feed["m"])}
+    whole = compare_models(model, model, _batches(full))
+    assert whole.padding is None and whole.outputs[0].decision_count == 24 * LENGTH
+
+
+def test_a_span_label_counts_among_the_real_positions() -> None:
+    """Left padding moves a span's start among a sample's real positions: labels (absolute
+    positions) are counted among them, so the float model's own choices score 100 %."""
+    data = _padded(16)
+    left = {k: v[:, ::-1].copy() for k, v in data.items()}  # padding first
+    model = _tagger(start_scores=True)
+    start = run_model(model, left)[1]
+    labels = np.argmax(np.where(left["m"] == 1, start, -np.inf), axis=1)
+    comparison = compare_models(model, model, _batches(left), labels=labels)
+    assert comparison.padding is not None
+    assert comparison.outputs[1].float_accuracy == 1.0
 
 
 def test_a_mask_of_other_values_and_a_batch_without_padding_change_nothing() -> None:

@@ -50,6 +50,8 @@ from qcal.accuracy.padding import (
     PaddingCount,
     compared_positions,
     has_positions,
+    label_among_real,
+    measured_mask,
     position_pieces,
 )
 from qcal.accuracy.reference import FloatReference
@@ -167,6 +169,9 @@ def compare_models(
                 if samples + n > labels.shape[0]:
                     raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
                 batch_labels = labels[samples : samples + n]
+            if mask is not None and not reference.mask_measured:
+                reference.mask_measured, mask = measured_mask(mask, feed, float_session)
+                reference.mask = mask
             valid = compared_positions(feed, mask)
             covered = False
             for name, x, y in zip(names, map(np.asarray, x_outputs), map(np.asarray, y_outputs)):
@@ -180,8 +185,10 @@ def compare_models(
                     continue
                 for i, x_piece, y_piece in position_pieces(x, y, valid):
                     accumulators[name].add(x_piece, y_piece, None if batch_labels is None
-                                           else batch_labels[i : i + 1], 1)
-            if covered and padding is not None and valid is not None:
+                                           else label_among_real(batch_labels[i], valid[i],
+                                                                 x.ndim), 1)
+            if covered and padding is not None and valid is not None and mask is not None:
+                padding.value = mask.padding
                 padding.add(valid)
             if sets:  # a set's outputs read together, by name
                 x_named = dict(zip(names, map(np.asarray, x_outputs)))

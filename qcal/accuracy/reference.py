@@ -31,6 +31,7 @@ class FloatReference:
         self.parts: dict[str, tuple[OutputPart, ...]] = {}  # outputs compared part by part
         self.detections: list[DetectionSet] = []  # outputs compared as sets of detections
         self.mask: AttentionMask | None = None  # outputs compared on real tokens only
+        self.mask_measured = False  # its padding value measured (`padding.measured_mask`)
         self.names: list[str] = []  # the outputs kept, in this order
         self.outputs: list[list[np.ndarray]] = []  # per batch, from the first on
         self.budget = budget_bytes
@@ -42,7 +43,7 @@ class FloatReference:
     def release(self) -> None:
         """Drop the session and the outputs (a later comparison makes them again)."""
         self.session, self.rules, self.names, self.outputs = None, None, [], []
-        self.parts, self.detections, self.mask = {}, [], None
+        self.parts, self.detections, self.mask, self.mask_measured = {}, [], None, False
         self.kept_bytes, self.full = 0, False
         self.feeds, self.holds_data = [], False
 

@@ -19,9 +19,14 @@ such inputs (an encoder's and a decoder's mask) has none: which output follows w
 known.
 
 The outputs it masks are those of one row per position: rank 3 or more ([batch, sequence,
-...]), unless their sequence axis is named apart from the mask's (a decoder's logits beside an
-encoder's mask), and rank 2 ([batch, sequence]: a span's start scores) only where their second
-axis has the mask's own name (a sentence embedding of 384 values is not 384 positions).
+...]), and rank 2 ([batch, sequence]: a span's start scores) where their second axis is
+symbolic (a sentence embedding's 384 values are a fixed width, not 384 positions); not an
+output whose second axis is named as another input's sequence. Exporters name axes per tensor
+(torch.onnx's `logits_dynamic_axes_1`, tf2onnx's `unk__825`, dynamo's `s70`), so a name
+differing from the mask's says nothing by itself; the runtime check that an output's first
+axes are the mask's shape stands (`qcal.accuracy.padding`). A model with a float input of rank
+3 along the mask's axis (an encoder's states, which a decoder step's cross-attention masks by
+it) has none: its outputs run along the decoder's sequence, which the mask does not cover.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ _GATHERS = frozenset({"Gather", "GatherElements", "GatherND", "Pad"})  # slot 0:
 _SOFTMAXES = frozenset({"Softmax", "LogSoftmax", "Exp"})
 # Attention operators that take the mask themselves (ONNX's opset 23 Attention; onnxruntime's).
 _ATTENTION = frozenset({"Attention", "MultiHeadAttention"})
+_INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16})
 _MASK_TYPES = frozenset({
     onnx.TensorProto.BOOL, onnx.TensorProto.INT64, onnx.TensorProto.INT32,
     onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT,
@@ -57,10 +65,13 @@ _MASK_TYPES = frozenset({
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """The mask input and the graph outputs of one row per position it masks."""
+    """The mask input, the graph outputs of one row per position it masks, and the value that
+    marks padding (0 by Hugging Face's convention; 1 where True means padding, as PyTorch's
+    `key_padding_mask`: measured, `qcal.accuracy.padding.measured_mask`)."""
 
     input: str
     outputs: frozenset[str]
+    padding: int = 0
 
 
 def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
@@ -75,7 +86,15 @@ def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
     if len(found) != 1:
         return None
     mask = found[0]
-    outputs = frozenset(o.name for o in graph.output if _has_positions(o, mask))
+    others = [v for v in graph.input if v.name not in initializers and v.name != mask.name]
+    if any(_encoder_states(value, mask) for value in others):
+        return None
+    # the sequence axes of the inputs that are not the mask's own tokens (ids, token types
+    # and positions are rank-2 integers beside it): an output along one of those is not
+    # along the mask's
+    apart = {_dim_name(v, 1) for v in others if (_rank(v) or 0) >= 2
+             and not _companion(v)} - {"", _dim_name(mask, 1)}
+    outputs = frozenset(o.name for o in graph.output if _has_positions(o, apart))
     return AttentionMask(mask.name, outputs) if outputs else None
 
 
@@ -96,14 +115,30 @@ def _reaches_scores(value: str, uses: UseIndex) -> bool:
     return False
 
 
-def _has_positions(output: onnx.ValueInfoProto, mask: onnx.ValueInfoProto) -> bool:
+def _has_positions(output: onnx.ValueInfoProto, apart: set[str]) -> bool:
+    """One row per position: rank 3 or more, or rank 2 whose second axis varies (a symbolic
+    dimension: a layer's width is fixed), that axis not named as another sequence's."""
     rank = _rank(output)
-    if rank is None or rank < 2:
+    if rank is None or rank < 2 or _dim_name(output, 1) in apart:
         return False
-    ours, theirs = _dim_name(output, 1), _dim_name(mask, 1)
-    if rank == 2:
-        return bool(ours) and ours == theirs
-    return not (ours and theirs and ours != theirs)
+    return rank > 2 or bool(_dim_name(output, 1))
+
+
+def _companion(value: onnx.ValueInfoProto) -> bool:
+    """A rank-2 integer input: token ids, token types or positions beside the mask."""
+    return _rank(value) == 2 and value.type.tensor_type.elem_type in _INTEGER_TYPES
+
+
+def _encoder_states(value: onnx.ValueInfoProto, mask: onnx.ValueInfoProto) -> bool:
+    """A float input of rank 3 whose second axis may be the mask's: an encoder's states,
+    which a decoder's cross-attention masks by it; the decoder's outputs run along another
+    sequence, of the same length or not (a decoder step exported with static shapes)."""
+    if _rank(value) != 3 or value.type.tensor_type.elem_type not in _FLOAT_TYPES:
+        return False
+    ours, theirs = value.type.tensor_type.shape.dim[1], mask.type.tensor_type.shape.dim[1]
+    if ours.HasField("dim_value") and theirs.HasField("dim_value"):
+        return bool(ours.dim_value == theirs.dim_value)
+    return True
 
 
 def _rank(value: onnx.ValueInfoProto) -> int | None:

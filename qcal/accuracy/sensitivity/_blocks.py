@@ -90,6 +90,10 @@ def measure_blocks(
     units = len(models.units)
     none = switch_flags(units)
     references = [_run(session, outputs, {**feed, models.selector: none}) for feed in feeds]
+    for feed in feeds:  # until one tells which value of the mask marks padding
+        mask_measured, models = models.measured({**feed, models.selector: none}, session)
+        if mask_measured:
+            break
     positions = [models.positions(feed) for feed in feeds]
 
     def harm(block: tuple[int, ...]) -> float:

@@ -115,10 +115,12 @@ def measure_sensitivity(
     measured = {u: 0 for u, _ in units}
     active = list(range(len(units)))  # unit indices still run; position = selector flag
     refine_until: int | None = None  # samples after which the relevant tensors stop
-    samples = 0
+    samples, mask_measured = 0, False
     for feed, n in batches:
         values = _run(probe, outputs + probes, feed)
         reference = values[: len(outputs)]
+        if not mask_measured:
+            mask_measured, models = models.measured(feed, probe)
         valid = models.positions(feed)
         probed = dict(zip(probes, values[len(outputs):]))
         del values

@@ -11,7 +11,7 @@ InsertQDQ writes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qcal.accuracy.decision_counts import DecisionRule
 from qcal.accuracy.decisions import decision_rules
 from qcal.accuracy.evaluate import numeric_outputs
-from qcal.accuracy.padding import compared_positions
+from qcal.accuracy.padding import compared_positions, measured_mask
 from qcal.accuracy.sensitivity._results import _OutputNoise
 from qcal.graph.attention_masks import AttentionMask, attention_mask
 from qcal.graph.files.large import tensor_array
@@ -65,6 +65,13 @@ class _Models:
     def positions(self, feed: Mapping[str, Any]) -> np.ndarray | None:
         """The positions of a batch its outputs are compared on (None: all of them)."""
         return compared_positions(feed, self.mask)
+
+    def measured(self, feed: Mapping[str, Any], session: Any) -> tuple[bool, _Models]:
+        """Whether `feed` told which value of the mask marks padding, and these models with
+        that mask (`qcal.accuracy.padding.measured_mask`; `session` runs the float model's
+        outputs, the switch model's with nothing switched or the probe model's)."""
+        done, mask = measured_mask(self.mask, feed, session)
+        return done, replace(self, mask=mask) if done else self
 
     def probe_model(self) -> tuple[onnx.ModelProto, Mapping[str, tuple[str, str]]]:
         """The probe model and, per tensor, its (float, fake-quant) outputs (a copy of the
