@@ -132,6 +132,13 @@ def test_the_mask_is_found_by_what_it_does_and_the_outputs_by_their_positions() 
     other = helper.make_tensor_value_info("decoder_flags", TensorProto.FLOAT,
                                           ["batch", "decoder_seq"])
     assert attention_mask(_tagger(output_dim="decoder_seq", extra=other)) is None
+    # where the mask's tokens share its axis name, a decoder's ids along another are apart
+    decoder_ids = helper.make_tensor_value_info("decoder_ids", TensorProto.INT64,
+                                                ["batch", "decoder_seq"])
+    assert attention_mask(_tagger(output_dim="decoder_seq", extra=decoder_ids)) is None
+    # where nothing shares the mask's (dynamo's s53 beside its tokens' s70), tokens are not
+    tokens = attention_mask(_tagger(mask_dim="s53", output_dim="seq"))
+    assert tokens is not None and tokens.outputs == {"logits"}
     # a mask beside an encoder's states (a decoder step's cross-attention mask), even where
     # the two sequences have one static length
     states = helper.make_tensor_value_info("encoder_states", TensorProto.FLOAT,

@@ -89,11 +89,15 @@ def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
     others = [v for v in graph.input if v.name not in initializers and v.name != mask.name]
     if any(_encoder_states(value, mask) for value in others):
         return None
-    # the sequence axes of the inputs that are not the mask's own tokens (ids, token types
-    # and positions are rank-2 integers beside it): an output along one of those is not
-    # along the mask's
+    # the sequence axes of the other inputs, an output along one of which is not along the
+    # mask's: where an input shares the mask's axis name (its token ids), every other name
+    # (a decoder's ids beside an encoder's); where none does, the exporter named each tensor
+    # apart (dynamo's s53 and s70), and the mask's own tokens (ids, token types, positions:
+    # rank-2 integers) are not another sequence
+    named = _dim_name(mask, 1)
+    alike = bool(named) and any(_dim_name(v, 1) == named for v in others if (_rank(v) or 0) >= 2)
     apart = {_dim_name(v, 1) for v in others if (_rank(v) or 0) >= 2
-             and not _companion(v)} - {"", _dim_name(mask, 1)}
+             and (alike or not _companion(v))} - {"", named}
     outputs = frozenset(o.name for o in graph.output if _has_positions(o, apart))
     return AttentionMask(mask.name, outputs) if outputs else None
 
