@@ -127,7 +127,8 @@ def test_the_mask_is_found_by_what_it_does_and_the_outputs_by_their_positions() 
     # exporters name axes per tensor (torch.onnx's list axes, tf2onnx's unk__N): a name of
     # its own is no other sequence's
     renamed = attention_mask(_tagger(output_dim="logits_dynamic_axes_1", start_scores=True))
-    assert renamed is not None and renamed.outputs == {"logits", "start"}
+    assert renamed is not None and renamed.outputs == {"logits"}  # one score a position:
+    # only along the tokens' own axis (a sentence embedding's width gets invented names too)
     # ...but the name of another input's sequence is
     other = helper.make_tensor_value_info("decoder_flags", TensorProto.FLOAT,
                                           ["batch", "decoder_seq"])
@@ -144,9 +145,11 @@ def test_the_mask_is_found_by_what_it_does_and_the_outputs_by_their_positions() 
     states = helper.make_tensor_value_info("encoder_states", TensorProto.FLOAT,
                                            ["batch", LENGTH, WIDTH])
     assert attention_mask(_tagger(mask_dim=LENGTH, output_dim=LENGTH, extra=states)) is None
-    # one score per position counts where its axis varies: a fixed width is no sequence
+    # one score per position counts where its axis is the tokens': a fixed width is none
     static = attention_mask(_tagger(start_scores=True, output_dim=LENGTH))
     assert static is not None and static.outputs == {"logits"}
+    fixed = attention_mask(_tagger(start_scores=True, mask_dim=LENGTH, output_dim=LENGTH))
+    assert fixed is not None and fixed.outputs == {"logits"}  # static lengths alike
 
 
 def test_padding_positions_are_left_out_of_the_comparison() -> None:

@@ -19,9 +19,10 @@ such inputs (an encoder's and a decoder's mask) has none: which output follows w
 known.
 
 The outputs it masks are those of one row per position: rank 3 or more ([batch, sequence,
-...]), and rank 2 ([batch, sequence]: a span's start scores) where their second axis is
-symbolic (a sentence embedding's 384 values are a fixed width, not 384 positions); not an
-output whose second axis is named as another input's sequence. Exporters name axes per tensor
+...]), and rank 2 ([batch, sequence]: a span's start scores) where their second axis has the
+name of the mask's or its tokens' (a sentence embedding's 384 values are no 384 positions,
+whatever the exporter named them); not an output whose second axis is named as another
+input's sequence. Exporters name axes per tensor
 (torch.onnx's `logits_dynamic_axes_1`, tf2onnx's `unk__825`, dynamo's `s70`), so a name
 differing from the mask's says nothing by itself; the runtime check that an output's first
 axes are the mask's shape stands (`qcal.accuracy.padding`). A model with a float input of rank
@@ -98,7 +99,8 @@ def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
     alike = bool(named) and any(_dim_name(v, 1) == named for v in others if (_rank(v) or 0) >= 2)
     apart = {_dim_name(v, 1) for v in others if (_rank(v) or 0) >= 2
              and (alike or not _companion(v))} - {"", named}
-    outputs = frozenset(o.name for o in graph.output if _has_positions(o, apart))
+    tokens = ({named} | {_dim_name(v, 1) for v in others if _companion(v)}) - {""}
+    outputs = frozenset(o.name for o in graph.output if _has_positions(o, apart, tokens))
     return AttentionMask(mask.name, outputs) if outputs else None
 
 
@@ -119,13 +121,14 @@ def _reaches_scores(value: str, uses: UseIndex) -> bool:
     return False
 
 
-def _has_positions(output: onnx.ValueInfoProto, apart: set[str]) -> bool:
-    """One row per position: rank 3 or more, or rank 2 whose second axis varies (a symbolic
-    dimension: a layer's width is fixed), that axis not named as another sequence's."""
+def _has_positions(output: onnx.ValueInfoProto, apart: set[str], tokens: set[str]) -> bool:
+    """One row per position: rank 3 or more, that axis not named as another sequence's, or
+    rank 2 whose second axis has the name of the mask's or its tokens' (torch.onnx names a
+    sentence embedding's 384 values `Divsentence_embedding_dim_1` when it loses their count)."""
     rank = _rank(output)
     if rank is None or rank < 2 or _dim_name(output, 1) in apart:
         return False
-    return rank > 2 or bool(_dim_name(output, 1))
+    return rank > 2 or _dim_name(output, 1) in tokens
 
 
 def _companion(value: onnx.ValueInfoProto) -> bool:
