@@ -5,18 +5,19 @@ real tokens and 0 on the padding (Hugging Face's `attention_mask`); stacked in o
 they must be. The model still computes an output at every padding position, which nothing reads
 and which attends to the real tokens only: values without meaning, whose argmax quantization
 noise flips as readily as not. Compared there, a small GPT-2's logits kept its LM head float
-for disagreements on padding alone. So the comparisons leave out the positions where the mask
-is 0 (`qcal.accuracy.padding`), on the outputs that have one row per position.
+for disagreements on padding alone. So the comparisons leave out the padding positions
+(`qcal.accuracy.padding`), on the outputs that have one row per position.
 
 The mask is found by what it does, whatever its name: a graph input of rank 2 ([batch,
-sequence]) from which a chain of elementwise and reshaping operators, with no product, gather
-or reduction, reaches the input of a softmax (Softmax, LogSoftmax, the Exp of a softmax spelled
-out) or the mask input of an attention operator. That is how every exporter spells adding a
-large negative number to the attention scores at the padding positions (torch.onnx:
-Cast/Unsqueeze/Sub/Mul; transformers 5: Where on a boolean mask; tf2onnx: Cast/Sub/Mul/Add).
-Whether its values are a mask of 0 and 1 is seen in the data, batch by batch. A model with two
-such inputs (an encoder's and a decoder's mask) has none: which output follows which is not
-known.
+sequence]) from which a chain of elementwise and reshaping operators, with no product or
+reduction (a gather only as the data gathered from), reaches the input of a softmax (Softmax,
+LogSoftmax, the Exp of a softmax spelled out) or the mask input of an attention operator. That
+is how every exporter spells adding a large negative number to the attention scores at the
+padding positions (torch.onnx: Cast/Unsqueeze/Sub/Mul; transformers 5: Where on a boolean
+mask; tf2onnx: Cast/Sub/Mul/Add). Whether its values are a mask of 0 and 1 is seen in the
+data, batch by batch, and which of the two marks padding is measured on the float model
+(`qcal.accuracy.padding.measured_mask`). A model with two such inputs (an encoder's and a
+decoder's mask) has none: which output follows which is not known.
 
 The outputs it masks are those of one row per position: rank 3 or more ([batch, sequence,
 ...]), and rank 2 ([batch, sequence]: a span's start scores) where their second axis has the

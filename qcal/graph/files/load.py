@@ -67,18 +67,18 @@ def load_model(path: Path | str) -> LoadedModel:
     external = list(_external_tensors(model))
     # onnxruntime runs a graph whose nodes are out of order (its own float16 converter writes
     # the input Casts last); onnx.checker and qcal's passes want them sorted.
-    resorted = _sort_nodes(model.graph)
-    resorted = _initializers_need_not_be_inputs(model) or resorted
+    rewritten = _sort_nodes(model.graph)
+    rewritten = _initializers_need_not_be_inputs(model) or rewritten
     if not external:
-        if _declare_output_shapes(path, model) or resorted:
+        if _declare_output_shapes(path, model) or rewritten:
             data = model.SerializeToString()  # the checker reads the model as changed
         _run_checker(path, data)
         return LoadedModel(path=path, model=model, sha256=digest, declared_shapes=declared)
     del data  # the proto holds what it needs; the bytes can go before the weights arrive
     folder = path.parent.resolve()
     files = sorted({_check_external_reference(path, folder, t)[0] for t in external})
-    # The file itself, unless sorted here (the proto holds no weights yet: it is small).
-    _run_checker(path, model.SerializeToString() if resorted else os.fspath(path))
+    # The file itself, unless rewritten here (the proto holds no weights yet: it is small).
+    _run_checker(path, model.SerializeToString() if rewritten else os.fspath(path))
     # Large weights stay in their files: set aside while the rest is read, then referred to by
     # absolute path.
     kept: list[tuple[onnx.TensorProto, tuple[Path, int, int]]] = []
