@@ -15,6 +15,7 @@ from qcal.accuracy.fallback import (
     Candidate,
     Confirmation,
     FallbackResult,
+    Missed,
     rank_blocks,
     rank_candidates,
     search_fallback,
@@ -107,8 +108,7 @@ def _improve_accuracy(
             return _Accuracy(sensitivity, None, planned[1])
     floor = max(config.min_coverage, config.fail_if_coverage_below or 0.0) / 100.0
 
-    def confirm_once(quantized: onnx.ModelProto, comparison: Comparison
-                     ) -> tuple[int, str] | None:
+    def confirm_once(quantized: onnx.ModelProto, comparison: Comparison) -> Missed | None:
         """`confirm`, the model as planned confirmed once (above)."""
         assert confirm is not None
         return planned_missed if quantized is planned[0] else confirm(quantized, comparison)
@@ -172,7 +172,7 @@ def _confirmation(
 ) -> Confirmation:
     """The second check of a model the held-out samples accepted (`_confirm_on_calibration`),
     timed as the "confirm" stage (within the fallback's, for the sets it checks)."""
-    def confirm(quant_model: onnx.ModelProto, held_out: Comparison) -> tuple[int, str] | None:
+    def confirm(quant_model: onnx.ModelProto, held_out: Comparison) -> Missed | None:
         with timings.stage("confirm"):
             return _confirm_on_calibration(model, quant_model, calib, inputs, config, reference,
                                            progress, held_out)
@@ -183,17 +183,19 @@ def _confirm_on_calibration(
     model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
     config: CalibrationConfig, reference: FloatReference | None, progress: Progress | None,
     held_out: Comparison,
-) -> tuple[int, str] | None:
+) -> Missed | None:
     """The target the held-out samples met (`held_out`), checked on the calibration samples
     `calib` (their float outputs kept from the collection in `reference`, or computed again):
-    their count and what they show missed (`AccuracyTarget.clearly_missed`), or None. A quarter
+    what they show missed (`AccuracyTarget.clearly_missed`, `Missed`), or None. A quarter
     held out is often a dozen samples, and the fallback stops at the first model they accept."""
     comparison = compare_models(
         model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
         providers=config.providers, reference=reference,
         on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
-    missed = config.accuracy_target().clearly_missed(comparison, held_out)
-    return None if missed is None else (calib.num_samples(), missed)
+    target = config.accuracy_target()
+    missed = target.clearly_missed(comparison, held_out)
+    return None if missed is None else Missed(calib.num_samples(), missed,
+                                              target.tells_apart(comparison, held_out))
 
 
 def _confirm_samples(calib: Any, all_calib: Any, order: data_mod.ContentOrder) -> Any:

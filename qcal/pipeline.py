@@ -346,7 +346,8 @@ def calibrate(
         with timings.stage("evaluate"):
             comparison = evaluate(quant_model)
     reference.release()
-    unconfirmed = None if accuracy.fallback is None else accuracy.fallback.missed
+    missed = None if accuracy.fallback is None else accuracy.fallback.missed
+    unconfirmed = None if missed is None else (missed.samples, missed.words)
     if calib_reference is not None:
         calib_reference.release()
     # A float Conv between quantized neighbours runs in integers all the same: say so, count it.

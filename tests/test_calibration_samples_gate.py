@@ -189,6 +189,30 @@ def test_a_share_below_the_floor_on_both_sets_of_samples_together_is_missed() ->
     assert target.clearly_missed(comparison(48, 47, 48), comparison(16, 16, 16)) is None
 
 
+def test_the_check_tells_apart_only_with_enough_decisions_together() -> None:
+    """A miss on few decisions (a classifier's 48 calibration samples and 16 held out) is no
+    reason to search on: a check that cannot tell a model below the floor from one at it passes
+    one of several tried by luck. Where the floor allows 5 of them to differ (500 and more at
+    99 %), or an output has no decisions (its SQNR is a figure of every value), it can."""
+    from qcal.accuracy.evaluate import Comparison
+    from qcal.accuracy.output_metrics import OutputMetrics
+    from qcal.config import CalibrationConfig
+
+    def comparison(count: int | None) -> Comparison:
+        agreement = None if count is None else 0.98
+        return Comparison(16, (OutputMetrics(
+            "logits", 20.0, 0.99, 1.0, agreement, decisions=None if count is None else "argmax",
+            decision_count=count),))
+
+    target = CalibrationConfig().accuracy_target()
+    assert not target.tells_apart(comparison(48), comparison(16))
+    assert target.tells_apart(comparison(1152), comparison(384))
+    assert target.tells_apart(comparison(None), comparison(None))
+    # the user's SQNR target alone holds no decisions to count
+    assert CalibrationConfig(target_sqnr=20.0).accuracy_target().tells_apart(
+        comparison(48), comparison(16))
+
+
 def test_a_yes_f1_below_the_floor_on_both_sets_of_samples_together_is_missed() -> None:
     """PP-OCRv5's text map met the yes decisions' F1 floor (0.97) on its 16 held-out pages and
     read 0.969 with its 48 calibration pages, its boxes agreeing at 0.949 on 64 others: on

@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 import qcal._accuracy_stage as accuracy_stage
 from qcal.accuracy.coverage import Coverage, measure_coverage
 from qcal.accuracy.evaluate import Comparison, OutputMetrics
-from qcal.accuracy.fallback import CONFIRMATIONS, Candidate, search_fallback
+from qcal.accuracy.fallback import CONFIRMATIONS, Candidate, Missed, search_fallback
 from qcal.accuracy.macs import compute_macs, shape_probe
 from qcal.accuracy.restrict import restrict_plan
 from qcal.accuracy.sensitivity import TensorSensitivity
@@ -530,18 +530,20 @@ def test_candidates_the_target_holds_without_are_given_back(trap: Path) -> None:
     assert len(checked) == len({frozenset(c) for c in checked})  # no model checked twice
 
 
-@pytest.mark.parametrize(("held_out_needs", "calibration_needs", "found"), [
-    (2, 2, 2),    # the first set the held-out samples accept passes the second check too
-    (2, 5, 5),    # more are kept float until a set passes both
-    (1, 3, 3),
-    (2, 13, None),  # none within the confirmations: the first set, with what it missed
+@pytest.mark.parametrize(("held_out_needs", "calibration_needs", "conclusive", "found"), [
+    (2, 2, True, 2),    # the first set the held-out samples accept passes the second check too
+    (2, 5, True, 5),    # more are kept float until a set passes both
+    (1, 3, True, 3),
+    (2, 13, True, None),  # none within the confirmations: the first set, with what it missed
+    (2, 5, False, None),  # a check that cannot tell (too few decisions): no search past it
 ])
 def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
-    held_out_needs: int, calibration_needs: int, found: int | None, trap: Path,
+    held_out_needs: int, calibration_needs: int, conclusive: bool, found: int | None,
+    trap: Path,
 ) -> None:
     """The held-out samples are few, and the search stops at the first set they accept; a
     second check (on the calibration samples) that set misses sends the search on, keeping
-    more float, to the first set that passes both."""
+    more float, to the first set that passes both, where that check can tell."""
     model, plan, tensors, candidates = _ranked(trap)
     confirmed: list[int] = []
 
@@ -551,10 +553,11 @@ def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
     def evaluate(quantized: onnx.ModelProto) -> Comparison:
         return _metrics(30.0 if floated(quantized) >= held_out_needs else 10.0)
 
-    def confirm(quantized: onnx.ModelProto, held_out: Comparison) -> tuple[int, str] | None:
+    def confirm(quantized: onnx.ModelProto, held_out: Comparison) -> Missed | None:
         assert held_out.outputs[0].sqnr_db == 30.0  # only sets that met the target
         confirmed.append(floated(quantized))
-        return None if floated(quantized) >= calibration_needs else (48, "missed")
+        return (None if floated(quantized) >= calibration_needs
+                else Missed(48, "missed", conclusive))
 
     result = search_fallback(
         model=model, plan=plan, candidates=candidates, macs=compute_macs(model, None),
@@ -565,7 +568,9 @@ def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
     assert len(confirmed) <= 1 + CONFIRMATIONS and len(set(confirmed)) == len(confirmed)
     if found is None:
         assert len(result.kept) == held_out_needs and result.confirmed is False
-        assert result.missed == (48, "missed")
+        assert result.missed == Missed(48, "missed", conclusive)
+        if not conclusive:
+            assert confirmed == [held_out_needs]  # the first set's check, and no search on
         assert "but missed on the calibration samples" in result.message
         return
     assert len(result.kept) == found and result.confirmed and result.missed is None

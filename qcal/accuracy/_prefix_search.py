@@ -82,7 +82,7 @@ def smallest_passing(check: Callable[[int], Checked], limit: int) -> int | None:
 
 def confirmed_beyond(
     check: Callable[[int], Checked],
-    confirmed: Callable[[tuple[int, ...]], tuple[int, str] | None],
+    confirmed: Callable[[tuple[int, ...]], object | None],
     kept: tuple[int, ...], start: int, limit: int,
 ) -> tuple[int, ...] | None:
     """The smallest prefix of the ranking from `start` (the prefix `kept` was pruned from) that

@@ -113,6 +113,21 @@ class AccuracyTarget:
                 missed.append(f"worst SQNR {shown_down(sqnr, 2)} dB")
         return "; ".join(missed) or None
 
+    def tells_apart(self, calibration: Comparison, held_out: Comparison) -> bool:
+        """Whether the calibration and held-out samples together hold enough of every output's
+        decisions for the share below the target to say so (`_agreement_missed_together`:
+        _TOGETHER_ALLOWED of them may differ); outputs without decisions are judged by their
+        SQNR, a figure of every value. Fewer, and a check that passes may be luck: a classifier
+        of 98 % agrees on all of 48 calibration samples one time in three."""
+        if self.max_agreement_drop is None:
+            return True
+        for output, other in _paired(calibration, held_out):
+            counts = [o.decision_count for o in (output, other)
+                      if o is not None and o.top1_agreement is not None and o.decision_count]
+            if counts and sum(counts) * self.max_agreement_drop < _TOGETHER_ALLOWED:
+                return False
+        return True
+
     def _agreement_missed_together(self, calibration: Comparison, held_out: Comparison,
                                    ) -> list[str]:
         """Outputs whose decisions agree below the target on `held_out`'s samples and
