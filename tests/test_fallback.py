@@ -572,6 +572,7 @@ def test_a_set_that_misses_the_confirmation_is_followed_by_one_that_passes(
         if not conclusive:
             assert confirmed == [held_out_needs]  # the first set's check, and no search on
         assert "but missed on the calibration samples" in result.message
+        assert ("as did the sets" in result.message) is conclusive
         return
     assert len(result.kept) == found and result.confirmed and result.missed is None
     assert floated(result.model) == found

@@ -384,10 +384,11 @@ def search_fallback(
         if confirmed and chosen != first:
             message += (f", and on the calibration samples too, which the first set the "
                         f"held-out samples accepted ({first} float) missed")
-        elif confirmed is False:
+        elif confirmed is False and missed is not None:
+            why = ("as did the sets with more float it checked" if missed.conclusive else
+                   "too few decisions there to tell the sets with more float apart")
             message = (f"{wanted} reached on the held-out samples with {chosen} tensor(s) kept "
-                       f"float{share}, but missed on the calibration samples (as did the sets "
-                       "with more float it checked)")
+                       f"float{share}, but missed on the calibration samples ({why})")
     elif limit < len(candidates):
         message = (f"{wanted} NOT reached: it would need more than "
                    f"{100 * (1 - floor):.0f} % of compute in float (coverage floor "
