@@ -143,7 +143,7 @@ def _improve_accuracy(
         if candidates:
             with timings.stage("fallback"):
                 by_blocks = search(candidates)
-            if by_blocks.reached and by_blocks.confirmed is not False:
+            if by_blocks.reached and by_blocks.confirmed:
                 return _Accuracy(None, replace(
                     by_blocks, message=f"{by_blocks.message} ({_BLOCKS})"))
     if sensitivity is None:
@@ -170,37 +170,29 @@ def _confirmation(
     model: onnx.ModelProto, calib: Any, inputs: Any, config: CalibrationConfig,
     reference: FloatReference | None, progress: Progress | None, timings: _Timings,
 ) -> Confirmation:
-    """The second check of a model the held-out samples accepted (`_confirm_on_calibration`),
-    timed as the "confirm" stage (within the fallback's, for the sets it checks)."""
+    """The second check of a model the held-out samples accepted, with their comparison: the
+    target checked on the calibration samples `calib` (their float outputs kept from the
+    collection in `reference`, or computed again), what they show missed
+    (`AccuracyTarget.clearly_missed`, `Missed`) or None; timed as the "confirm" stage (within
+    the fallback's, for the sets it checks). A quarter held out is often a dozen samples, and
+    the fallback stops at the first model they accept."""
+    target = config.accuracy_target()
+
     def confirm(quant_model: onnx.ModelProto, held_out: Comparison) -> Missed | None:
         with timings.stage("confirm"):
-            return _confirm_on_calibration(model, quant_model, calib, inputs, config, reference,
-                                           progress, held_out)
+            comparison = compare_models(
+                model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
+                providers=config.providers, reference=reference,
+                on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
+        missed = target.clearly_missed(comparison, held_out)
+        return None if missed is None else Missed(calib.num_samples(), missed,
+                                                  target.tells_apart(comparison, held_out))
     return confirm
-
-
-def _confirm_on_calibration(
-    model: onnx.ModelProto, quant_model: onnx.ModelProto, calib: Any, inputs: Any,
-    config: CalibrationConfig, reference: FloatReference | None, progress: Progress | None,
-    held_out: Comparison,
-) -> Missed | None:
-    """The target the held-out samples met (`held_out`), checked on the calibration samples
-    `calib` (their float outputs kept from the collection in `reference`, or computed again):
-    what they show missed (`AccuracyTarget.clearly_missed`, `Missed`), or None. A quarter
-    held out is often a dozen samples, and the fallback stops at the first model they accept."""
-    comparison = compare_models(
-        model, quant_model, data_mod.iter_batches(calib, inputs, config.batch_size),
-        providers=config.providers, reference=reference,
-        on_batch=_stage_progress(progress, "confirm", calib.num_samples()))
-    target = config.accuracy_target()
-    missed = target.clearly_missed(comparison, held_out)
-    return None if missed is None else Missed(calib.num_samples(), missed,
-                                              target.tells_apart(comparison, held_out))
 
 
 def _confirm_samples(calib: Any, all_calib: Any, order: data_mod.ContentOrder) -> Any:
     """The calibration samples `calib` (of `all_calib`, the held-out ones first in `order`)
-    that `_confirm_on_calibration` checks: all of them, or past _CONFIRM_SAMPLES the first of
+    that `_confirmation` checks: all of them, or past _CONFIRM_SAMPLES the first of
     them by content."""
     if calib.num_samples() <= _CONFIRM_SAMPLES:
         return calib
@@ -211,7 +203,7 @@ def _confirm_samples(calib: Any, all_calib: Any, order: data_mod.ContentOrder) -
 
 def _standing(result: FallbackResult) -> tuple[bool, bool]:
     """How good a search's result is: the target met and confirmed, then met."""
-    return result.reached and result.confirmed is not False, result.reached
+    return result.reached and result.confirmed, result.reached
 
 
 _BLOCKS = "ranked by their measured effect on the outputs, in blocks"

@@ -237,7 +237,7 @@ def calibrate(
     source = eval_source if eval_source is not None else calib
     reference = FloatReference()  # every evaluation below compares with the same float run
     # the calibration samples the floor met on those held out is checked on too
-    # (`_confirm_on_calibration`), their float outputs kept from the collection when all are
+    # (`_confirmation`), their float outputs kept from the collection when all are
     confirm_on = _confirm_samples(calib, all_calib, order) if eval_label is not None and (
         config.fallback or config.has_fallback_target) else None
     calib_reference = FloatReference() if confirm_on is calib else None

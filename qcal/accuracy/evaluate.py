@@ -52,7 +52,7 @@ from qcal.accuracy.padding import (
     has_positions,
     label_among_real,
     measured_mask,
-    position_pieces,
+    real_pieces,
 )
 from qcal.accuracy.reference import FloatReference
 from qcal.calibration.runtime import Feed, create_session
@@ -148,7 +148,7 @@ def compare_models(
     sets = [d for d in reference.detections if {d.boxes, *d.others} <= set(names)]
     detections = {d.boxes: DetectionCounts() for d in sets}
     mask = reference.mask
-    padding = None if mask is None else PaddingCount(mask.input)
+    padding: PaddingCount | None = None  # once a batch's outputs have its positions
     samples, batch, replay = 0, -1, reference.holds_data
     runs = runs_ahead(quant_session, names, reference.feeds if replay else batches)
     try:
@@ -170,25 +170,26 @@ def compare_models(
                     raise DataError(f"labels: only {labels.shape[0]} labels for more samples")
                 batch_labels = labels[samples : samples + n]
             if mask is not None and not reference.mask_measured:
-                reference.mask_measured, mask = measured_mask(mask, feed, float_session)
+                reference.mask_measured, mask = measured_mask(
+                    mask, feed, float_session, dict(zip(names, x_outputs)))
                 reference.mask = mask
             valid = compared_positions(feed, mask)
+            masked = frozenset() if mask is None else mask.outputs
             covered = False
             for name, x, y in zip(names, map(np.asarray, x_outputs), map(np.asarray, y_outputs)):
-                if valid is None or mask is None or name not in mask.outputs \
-                        or not has_positions(x, y, valid):
+                if name in masked and valid is not None and has_positions(x, y, valid):
+                    covered = True
+                pieces = real_pieces(x, y, valid) if name in masked else None
+                if pieces is None:
                     accumulators[name].add(x, y, batch_labels, n)
                     continue
-                covered = True
-                if valid.all():  # no padding in this batch
-                    accumulators[name].add(x, y, batch_labels, n)
-                    continue
-                for i, x_piece, y_piece in position_pieces(x, y, valid):
+                assert valid is not None  # the pieces' positions
+                for i, x_piece, y_piece in pieces:
                     accumulators[name].add(x_piece, y_piece, None if batch_labels is None
                                            else label_among_real(batch_labels[i], valid[i],
                                                                  x.ndim), 1)
-            if covered and padding is not None and valid is not None and mask is not None:
-                padding.value = mask.padding
+            if covered and mask is not None and valid is not None:
+                padding = padding or PaddingCount(mask.input, mask.padding)
                 padding.add(valid)
             if sets:  # a set's outputs read together, by name
                 x_named = dict(zip(names, map(np.asarray, x_outputs)))

@@ -160,9 +160,8 @@ class FallbackResult:
         kept: the candidates kept float, in rank order.
         steps: every model checked, in order.
         message: one sentence saying what happened.
-        confirmed: with a confirmation (`search_fallback`'s `confirm`), whether the model
-            handed over passed it; None: not checked.
-        missed: what the confirmation showed the model handed over missed, if it did.
+        missed: what the confirmation (`search_fallback`'s `confirm`) showed the model handed
+            over missed, if it did.
     """
 
     plan: QuantPlan
@@ -173,8 +172,12 @@ class FallbackResult:
     kept: tuple[Candidate, ...]
     steps: tuple[FallbackStep, ...]
     message: str
-    confirmed: bool | None = None
     missed: Missed | None = None
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether no confirmation missed the model handed over (none ran, or it passed)."""
+        return self.missed is None
 
 
 def rank_candidates(
@@ -238,7 +241,6 @@ def _priced(
 
 # Harms this close count as one error (they agree to 5 or more digits when they are one).
 _SAME_ERROR_TOLERANCE = 1e-3
-
 
 
 def same_error_groups(
@@ -357,7 +359,7 @@ def search_fallback(
     kept = tuple(range(chosen or 0))
     if chosen is not None and chosen > 1:
         kept = prune(kept, check_set, budget=len(models))
-    missed, confirmed, first = None, None, len(kept)
+    missed, first = None, len(kept)
     if reached and confirm is not None:
         def confirmed_set(candidate: tuple[int, ...]) -> Missed | None:
             _, model_k, step_k = models[candidate]
@@ -369,7 +371,6 @@ def search_fallback(
             further = confirmed_beyond(check, confirmed_set, kept, chosen or 0, limit)
             if further is not None:
                 kept, missed = further, None
-        confirmed = missed is None
     restricted, written, step = models[kept]
     assert written is not None  # the model as planned, or one that met the target
     chosen = len(kept)
@@ -381,10 +382,10 @@ def search_fallback(
         share = (f"; {100 * step.coverage.fraction:.1f} % of compute quantized"
                  if step.coverage.compute_nodes else "")
         message = f"{wanted} reached with {chosen} tensor(s) kept float{share}"
-        if confirmed and chosen != first:
+        if missed is None and chosen != first:
             message += (f", and on the calibration samples too, which the first set the "
                         f"held-out samples accepted ({first} float) missed")
-        elif confirmed is False and missed is not None:
+        elif missed is not None:
             why = ("as did the sets with more float it checked" if missed.conclusive else
                    "too few decisions there to tell the sets with more float apart")
             message = (f"{wanted} reached on the held-out samples with {chosen} tensor(s) kept "
@@ -399,8 +400,7 @@ def search_fallback(
     return FallbackResult(
         plan=restricted, model=written, comparison=step.comparison, coverage=step.coverage,
         reached=reached, kept=tuple(candidates[i] for i in kept),
-        steps=tuple(entry[2] for entry in models.values()), message=message,
-        confirmed=confirmed, missed=missed,
+        steps=tuple(entry[2] for entry in models.values()), message=message, missed=missed,
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from qcal.graph.attention_masks import AttentionMask
 
 __all__ = ["PaddingCount", "compared_positions", "has_positions", "label_among_real",
-           "measured_mask", "position_pieces"]
+           "measured_mask", "position_pieces", "real_pieces"]
 
 # An output at a real position moved by less than this share of the outputs' largest value
 # when the padding's content changed is unchanged (masked attention adds exp(-10000) = 0).
@@ -34,7 +34,7 @@ class PaddingCount:
     """The mask input and how many of the positions it covered it left out."""
 
     input: str
-    value: int = 0  # the mask's value that marks padding
+    value: int  # the mask's value that marks padding
     left_out: int = 0
     positions: int = 0
 
@@ -68,6 +68,15 @@ def has_positions(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> bool:
     return x.shape == y.shape and x.ndim >= 2 and x.shape[:2] == valid.shape
 
 
+def real_pieces(x: np.ndarray, y: np.ndarray, valid: np.ndarray | None
+                ) -> list[tuple[int, np.ndarray, np.ndarray]] | None:
+    """An output's real positions to compare, sample by sample (`position_pieces`); None: the
+    outputs whole (no padding in the batch, or not of one row per position of its mask)."""
+    if valid is None or valid.all() or not has_positions(x, y, valid):
+        return None
+    return position_pieces(x, y, valid)
+
+
 def position_pieces(x: np.ndarray, y: np.ndarray, valid: np.ndarray
                     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Per sample with a real position, (sample, its positions of `x`, of `y`) as a batch of
@@ -91,11 +100,12 @@ def label_among_real(label: Any, real: np.ndarray, rank: int) -> np.ndarray:
     return np.asarray([np.count_nonzero(real[:position]) if inside else -1])
 
 
-def measured_mask(mask: AttentionMask | None, feed: Mapping[str, Any], session: Any
-                  ) -> tuple[bool, AttentionMask | None]:
+def measured_mask(mask: AttentionMask | None, feed: Mapping[str, Any], session: Any,
+                  before: Mapping[str, np.ndarray]) -> tuple[bool, AttentionMask | None]:
     """Whether this batch told which value of `mask` marks padding, and the mask then: with
     that value, or None where neither is padding (module docstring). `session`: the float
-    model's. A batch without both values, or a model without a mask, tells nothing."""
+    model's; `before`: its outputs on `feed`, by name, the masked ones among them. A batch
+    without both values, or a model without a mask, tells nothing."""
     if mask is None:
         return False, None
     found = compared_positions(feed, replace(mask, padding=0))
@@ -106,7 +116,6 @@ def measured_mask(mask: AttentionMask | None, feed: Mapping[str, Any], session: 
     def run(inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return dict(zip(names, session.run(names, dict(inputs))))
 
-    before = run(feed)
     for padding, real in ((0, found), (1, ~found)):
         moved = _moved_content(feed, mask.input, real)
         if moved is not None and _unchanged(before, run(moved), mask.outputs, real):

@@ -122,9 +122,8 @@ class AccuracyTarget:
         if self.max_agreement_drop is None:
             return True
         for output, other in _paired(calibration, held_out):
-            counts = [o.decision_count for o in (output, other)
-                      if o is not None and o.top1_agreement is not None and o.decision_count]
-            if counts and sum(counts) * self.max_agreement_drop < _TOGETHER_ALLOWED:
+            count = sum(n for _, n in _shares(output, other))
+            if count and count * self.max_agreement_drop < _TOGETHER_ALLOWED:
                 return False
         return True
 
@@ -135,8 +134,7 @@ class AccuracyTarget:
         assert self.max_agreement_drop is not None
         missed = []
         for output, other in _paired(calibration, held_out):
-            shares = [(o.top1_agreement, o.decision_count) for o in (output, other)
-                      if o is not None and o.top1_agreement is not None and o.decision_count]
+            shares = _shares(output, other)
             count = sum(n for _, n in shares)
             if len(shares) < 2 or count * self.max_agreement_drop < _TOGETHER_ALLOWED:
                 continue
@@ -207,6 +205,12 @@ def _paired(calibration: Comparison, held_out: Comparison | None,
     (None: not compared there, or no held-out samples)."""
     held = {} if held_out is None else {o.name: o for o in held_out.outputs}
     return [(output, held.get(output.name)) for output in calibration.outputs]
+
+
+def _shares(*outputs: OutputMetrics | None) -> list[tuple[float, int]]:
+    """Each output's share of agreeing decisions and their count, where it counted some."""
+    return [(o.top1_agreement, o.decision_count) for o in outputs
+            if o is not None and o.top1_agreement is not None and o.decision_count]
 
 
 def _yes_f1_together(one: OutputMetrics, other: OutputMetrics | None,

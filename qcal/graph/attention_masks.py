@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from qcal.graph.shapes import declared_rank
 from qcal.graph.structure import DEFAULT_DOMAINS, UseIndex
 
 __all__ = ["AttentionMask", "attention_mask"]
@@ -83,7 +84,7 @@ def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
     initializers = {t.name for t in graph.initializer}
     uses = UseIndex.build(graph)
     found = [value for value in graph.input if value.name not in initializers
-             and _rank(value) == 2 and value.type.tensor_type.elem_type in _MASK_TYPES
+             and declared_rank(value) == 2 and value.type.tensor_type.elem_type in _MASK_TYPES
              and _reaches_scores(value.name, uses)]
     if len(found) != 1:
         return None
@@ -97,9 +98,9 @@ def attention_mask(model: onnx.ModelProto) -> AttentionMask | None:
     # apart (dynamo's s53 and s70), and the mask's own tokens (ids, token types, positions:
     # rank-2 integers) are not another sequence
     named = _dim_name(mask, 1)
-    alike = bool(named) and any(_dim_name(v, 1) == named for v in others if (_rank(v) or 0) >= 2)
-    apart = {_dim_name(v, 1) for v in others if (_rank(v) or 0) >= 2
-             and (alike or not _companion(v))} - {"", named}
+    sequences = [v for v in others if (declared_rank(v) or 0) >= 2]
+    alike = bool(named) and any(_dim_name(v, 1) == named for v in sequences)
+    apart = {_dim_name(v, 1) for v in sequences if alike or not _companion(v)} - {"", named}
     tokens = ({named} | {_dim_name(v, 1) for v in others if _companion(v)}) - {""}
     outputs = frozenset(o.name for o in graph.output if _has_positions(o, apart, tokens))
     return AttentionMask(mask.name, outputs) if outputs else None
@@ -126,7 +127,7 @@ def _has_positions(output: onnx.ValueInfoProto, apart: set[str], tokens: set[str
     """One row per position: rank 3 or more, that axis not named as another sequence's, or
     rank 2 whose second axis has the name of the mask's or its tokens' (torch.onnx names a
     sentence embedding's 384 values `Divsentence_embedding_dim_1` when it loses their count)."""
-    rank = _rank(output)
+    rank = declared_rank(output)
     if rank is None or rank < 2 or _dim_name(output, 1) in apart:
         return False
     return rank > 2 or _dim_name(output, 1) in tokens
@@ -134,25 +135,19 @@ def _has_positions(output: onnx.ValueInfoProto, apart: set[str], tokens: set[str
 
 def _companion(value: onnx.ValueInfoProto) -> bool:
     """A rank-2 integer input: token ids, token types or positions beside the mask."""
-    return _rank(value) == 2 and value.type.tensor_type.elem_type in _INTEGER_TYPES
+    return declared_rank(value) == 2 and value.type.tensor_type.elem_type in _INTEGER_TYPES
 
 
 def _encoder_states(value: onnx.ValueInfoProto, mask: onnx.ValueInfoProto) -> bool:
     """A float input of rank 3 whose second axis may be the mask's: an encoder's states,
     which a decoder's cross-attention masks by it; the decoder's outputs run along another
     sequence, of the same length or not (a decoder step exported with static shapes)."""
-    if _rank(value) != 3 or value.type.tensor_type.elem_type not in _FLOAT_TYPES:
+    if declared_rank(value) != 3 or value.type.tensor_type.elem_type not in _FLOAT_TYPES:
         return False
     ours, theirs = value.type.tensor_type.shape.dim[1], mask.type.tensor_type.shape.dim[1]
     if ours.HasField("dim_value") and theirs.HasField("dim_value"):
         return bool(ours.dim_value == theirs.dim_value)
     return True
-
-
-def _rank(value: onnx.ValueInfoProto) -> int | None:
-    tensor = value.type.tensor_type
-    return len(tensor.shape.dim) if value.type.HasField("tensor_type") \
-        and tensor.HasField("shape") else None
 
 
 def _dim_name(value: onnx.ValueInfoProto, axis: int) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-__all__ = ["known_dims", "static_shapes", "value_ranks"]
+__all__ = ["declared_rank", "known_dims", "static_shapes", "value_ranks"]
 
 
 def known_dims(value: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
@@ -26,13 +26,20 @@ def value_dims(graph: onnx.GraphProto) -> dict[str, tuple[int | None, ...] | Non
     return {v.name: known_dims(v) for v in (*graph.output, *graph.input, *graph.value_info)}
 
 
+def declared_rank(value: onnx.ValueInfoProto) -> int | None:
+    """The rank a tensor value states, None where it states no shape (or is no tensor)."""
+    tensor_type = value.type.tensor_type
+    if not value.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
+        return None
+    return len(tensor_type.shape.dim)
+
+
 def value_ranks(graph: onnx.GraphProto) -> dict[str, int]:
     """Ranks of the main graph's values known from value_info, inputs and outputs."""
     ranks: dict[str, int] = {}
     for info in (*graph.value_info, *graph.input, *graph.output):
-        tensor_type = info.type.tensor_type
-        if info.type.HasField("tensor_type") and tensor_type.HasField("shape"):
-            ranks[info.name] = len(tensor_type.shape.dim)
+        if (rank := declared_rank(info)) is not None:
+            ranks[info.name] = rank
     return ranks
 
 

@@ -90,8 +90,9 @@ def measure_blocks(
     units = len(models.units)
     none = switch_flags(units)
     references = [_run(session, outputs, {**feed, models.selector: none}) for feed in feeds]
-    for feed in feeds:  # until one tells which value of the mask marks padding
-        mask_measured, models = models.measured({**feed, models.selector: none}, session)
+    for feed, reference in zip(feeds, references):  # until one tells the padding value
+        mask_measured, models = models.measured({**feed, models.selector: none}, session,
+                                                reference)
         if mask_measured:
             break
     positions = [models.positions(feed) for feed in feeds]

@@ -120,7 +120,7 @@ def measure_sensitivity(
         values = _run(probe, outputs + probes, feed)
         reference = values[: len(outputs)]
         if not mask_measured:
-            mask_measured, models = models.measured(feed, probe)
+            mask_measured, models = models.measured(feed, probe, reference)
         valid = models.positions(feed)
         probed = dict(zip(probes, values[len(outputs):]))
         del values

@@ -66,11 +66,13 @@ class _Models:
         """The positions of a batch its outputs are compared on (None: all of them)."""
         return compared_positions(feed, self.mask)
 
-    def measured(self, feed: Mapping[str, Any], session: Any) -> tuple[bool, _Models]:
+    def measured(self, feed: Mapping[str, Any], session: Any, reference: list[np.ndarray]
+                 ) -> tuple[bool, _Models]:
         """Whether `feed` told which value of the mask marks padding, and these models with
         that mask (`qcal.accuracy.padding.measured_mask`; `session` runs the float model's
-        outputs, the switch model's with nothing switched or the probe model's)."""
-        done, mask = measured_mask(self.mask, feed, session)
+        outputs, the switch model's with nothing switched or the probe model's; `reference`:
+        its `outputs` on `feed`)."""
+        done, mask = measured_mask(self.mask, feed, session, dict(zip(self.outputs, reference)))
         return done, replace(self, mask=mask) if done else self
 
     def probe_model(self) -> tuple[onnx.ModelProto, Mapping[str, tuple[str, str]]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qcal.accuracy.decision_counts import DecisionRule
-from qcal.accuracy.padding import has_positions, position_pieces
+from qcal.accuracy.padding import real_pieces
 from qcal.numerics.sums import inner_product
 
 __all__ = ["SensitivityResult", "TensorSensitivity", "noise_ratio_db"]
@@ -105,15 +105,13 @@ class _OutputNoise:
     def add(self, reference: list[np.ndarray], quantized: list[np.ndarray],
             valid: np.ndarray | None = None) -> None:
         """One batch's outputs; `valid`: its positions to compare (None: all of them)."""
-        padded = valid is not None and not valid.all()
         for i, (x, y) in enumerate(zip(reference, quantized)):
             x, y = np.asarray(x), np.asarray(y)
-            if not padded or valid is None or i >= len(self.positions) \
-                    or not self.positions[i] or not has_positions(x, y, valid) \
-                    or (i >= self.real and x.ndim < 3):  # logits [N, classes] have no positions
-                self._add_one(i, x, y)
-                continue
-            for _, x_piece, y_piece in position_pieces(x, y, valid):
+            # logits [N, classes] have no positions, whatever their width
+            masked = i < len(self.positions) and self.positions[i] \
+                and (i < self.real or x.ndim >= 3)
+            pieces = real_pieces(x, y, valid) if masked else None
+            for x_piece, y_piece in [(x, y)] if pieces is None else [p[1:] for p in pieces]:
                 self._add_one(i, x_piece, y_piece)
 
     def _add_one(self, i: int, x: np.ndarray, y: np.ndarray) -> None:

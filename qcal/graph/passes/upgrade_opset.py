@@ -14,11 +14,14 @@ from onnx.onnx_cpp2py_export import version_converter
 
 from qcal.graph.files.large import run_detached
 from qcal.graph.passes._base import StepResult
+from qcal.graph.shapes import declared_rank
 from qcal.graph.structure import (
     DEFAULT_DOMAINS,
     all_graphs,
     attribute_graphs,
     default_opset,
+    float_attribute,
+    int_attribute,
     string_attribute,
 )
 from qcal.numerics.errors import ConfigError, ModelError
@@ -110,7 +113,7 @@ def _per_activation_batchnorms_as_affine(model: onnx.ModelProto) -> onnx.ModelPr
             continue
         scale, bias, mean, var = (onnx.numpy_helper.to_array(constants[v]).astype(np.float64)
                                   for v in node.input[1:5])
-        a = scale / np.sqrt(var + next((x.f for x in node.attribute if x.name == "epsilon"), 1e-5))
+        a = scale / np.sqrt(var + float_attribute(node, "epsilon", 1e-5))
         dtype = onnx.helper.tensor_dtype_to_np_dtype(constants[node.input[1]].data_type)
         stem, name = node.output[0], node.name or node.output[0]
         graph.initializer.extend([
@@ -129,7 +132,7 @@ def _per_activation(node: onnx.NodeProto, constants: set[str]) -> bool:
     """A BatchNormalization of `spatial=0` in inference (one output), its statistics among
     `constants`."""
     return (node.op_type == "BatchNormalization" and node.domain in DEFAULT_DOMAINS
-            and any(a.name == "spatial" and a.i == 0 for a in node.attribute)
+            and int_attribute(node, "spatial", 1) == 0
             and len([v for v in node.output if v]) == 1
             and all(v in constants for v in node.input[1:5]))
 
@@ -138,9 +141,9 @@ def _check_signature(
     before: onnx.ModelProto, after: onnx.ModelProto, current: int, target: int
 ) -> None:
     """The converted model must take the inputs the original takes (same ranks where known)."""
-    ranks = {v.name: _rank(v) for v in before.graph.input}
+    ranks = {v.name: declared_rank(v) for v in before.graph.input}
     for value in after.graph.input:
-        old, new = ranks.get(value.name), _rank(value)
+        old, new = ranks.get(value.name), declared_rank(value)
         if old is not None and new is not None and old != new:
             raise ModelError(
                 f"cannot convert opset {current} -> {target} keeping the model's inputs: onnx's "
@@ -178,13 +181,6 @@ def _keep_old_resize_coordinates(after: onnx.ModelProto) -> None:
                 node.attribute.append(onnx.helper.make_attribute("nearest_mode", "floor"))
             elif all(v < 1.0 for v in resized):
                 node.attribute.append(onnx.helper.make_attribute("nearest_mode", "ceil"))
-
-
-def _rank(value: onnx.ValueInfoProto) -> int | None:
-    kind = value.type.WhichOneof("value")
-    if kind != "tensor_type" or not value.type.tensor_type.HasField("shape"):
-        return None
-    return len(value.type.tensor_type.shape.dim)
 
 
 def _default_domain_ops(graph: onnx.GraphProto) -> Iterator[str]:
